@@ -1,0 +1,176 @@
+package v1alpha1
+
+import (
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// CIDR is an IPv4 or IPv6 network in canonical form, such as 10.244.0.0/16 or fd00:10::/64.
+//
+// +kubebuilder:validation:MaxLength=43
+// +kubebuilder:validation:XValidation:rule="isCIDR(self)",messageExpression="'\"' + self + '\" is not a CIDR: write a network such as 10.244.0.0/16 or fd00:10::/64'"
+// +kubebuilder:validation:XValidation:rule="!isCIDR(self) || cidr(self) == cidr(self).masked()",messageExpression="'\"' + self + '\" has host bits set: write the network address (10.0.0.0/24, not 10.0.0.1/24)'"
+type CIDR string
+
+// IPOrCIDR is a single address (10.0.0.1, fd00::1) or a CIDR in canonical form.
+//
+// +kubebuilder:validation:MaxLength=43
+// +kubebuilder:validation:XValidation:rule="isIP(self) || isCIDR(self)",messageExpression="'\"' + self + '\" is neither an IP address nor a CIDR'"
+// +kubebuilder:validation:XValidation:rule="!isCIDR(self) || cidr(self) == cidr(self).masked()",messageExpression="'\"' + self + '\" has host bits set: write the network address (10.0.0.0/24, not 10.0.0.1/24)'"
+type IPOrCIDR string
+
+// IPAddress is a single IPv4 or IPv6 address.
+//
+// +kubebuilder:validation:MaxLength=39
+// +kubebuilder:validation:XValidation:rule="isIP(self)",messageExpression="'\"' + self + '\" is not an IP address'"
+type IPAddress string
+
+// Route is a route returned to the container runtime in the CNI result.
+type Route struct {
+	// Dst is the destination network, such as 0.0.0.0/0.
+	// +required
+	Dst CIDR `json:"dst"`
+	// GW is the next hop. Empty means the runtime's default (usually the gateway).
+	// +optional
+	GW IPAddress `json:"gw,omitempty"`
+}
+
+// Scaling sets how many addresses each node keeps ready for pods.
+//
+// The target a node holds for this pool is batchSize * ceil(bufferPercent/100 + demand/batchSize),
+// clamped at maxPerNode, where demand is the addresses in use plus pods already bound to the node
+// that will need one. While the pool is exhausted, batch and buffer drop to 1 address.
+//
+// +kubebuilder:validation:XValidation:rule="self.maxPerNode >= self.batchSize",message="maxPerNode must be at least batchSize"
+type Scaling struct {
+	// BatchSize is the step in which a node's holding grows and shrinks.
+	// +kubebuilder:default=16
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=65536
+	// +optional
+	BatchSize int32 `json:"batchSize"`
+	// BufferPercent is the share of a batch kept free beyond demand, 0 to 100.
+	// +kubebuilder:default=50
+	// +kubebuilder:validation:Minimum=0
+	// +kubebuilder:validation:Maximum=100
+	// +optional
+	BufferPercent int32 `json:"bufferPercent"`
+	// MaxPerNode caps the addresses one node holds from this pool.
+	// +kubebuilder:default=250
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=65536
+	// +optional
+	MaxPerNode int32 `json:"maxPerNode"`
+}
+
+// IPPoolSpec describes a range of addresses and how nodes draw from it.
+//
+// +kubebuilder:validation:XValidation:rule="!isCIDR(self.cidrs[0]) || self.cidrs.all(c, !isCIDR(c) || cidr(c).ip().family() == cidr(self.cidrs[0]).ip().family())",message="all cidrs of a pool must be of one family: make one IPv4 pool and one IPv6 pool for dual-stack"
+// +kubebuilder:validation:XValidation:rule="!has(self.exclude) || self.exclude.all(e, !(isIP(e) || isCIDR(e)) || self.cidrs.exists(c, isCIDR(c) && (isIP(e) ? cidr(c).containsIP(e) : cidr(c).containsCIDR(e))))",message="every exclude entry must lie inside one of the pool's cidrs"
+// +kubebuilder:validation:XValidation:rule="!has(self.gateway) || !isIP(self.gateway) || !isCIDR(self.cidrs[0]) || ip(self.gateway).family() == cidr(self.cidrs[0]).ip().family()",message="gateway must be of the pool's address family"
+type IPPoolSpec struct {
+	// CIDRs are the networks addresses are drawn from, all of one family.
+	// +kubebuilder:validation:MinItems=1
+	// +kubebuilder:validation:MaxItems=32
+	// +listType=set
+	// +required
+	CIDRs []CIDR `json:"cidrs"`
+
+	// Exclude lists addresses and networks inside the CIDRs that are never handed out.
+	// +kubebuilder:validation:MaxItems=256
+	// +listType=set
+	// +optional
+	Exclude []IPOrCIDR `json:"exclude,omitempty"`
+
+	// Gateway is returned to pods as their gateway in the CNI result.
+	// +optional
+	Gateway IPAddress `json:"gateway,omitempty"`
+
+	// Routes are returned to pods in the CNI result.
+	// +kubebuilder:validation:MaxItems=64
+	// +listType=atomic
+	// +optional
+	Routes []Route `json:"routes,omitempty"`
+
+	// NodeSelector picks the nodes that draw from this pool. Empty selects every node.
+	// +optional
+	NodeSelector *metav1.LabelSelector `json:"nodeSelector,omitempty"`
+
+	// Scaling sets how many addresses each node keeps ready.
+	// +kubebuilder:default={batchSize: 16, bufferPercent: 50, maxPerNode: 250}
+	// +optional
+	Scaling Scaling `json:"scaling"`
+
+	// ReuseCooldown is how long a freed address rests before it is handed out again,
+	// so stale ARP, conntrack and DNS entries for the old pod expire first.
+	// +kubebuilder:default="30s"
+	// +kubebuilder:validation:Type=string
+	// +kubebuilder:validation:MaxLength=32
+	// +kubebuilder:validation:XValidation:rule="self == '0' || self.matches('^([0-9]+([.][0-9]+)?(ns|us|ms|s|m|h))+$')",messageExpression="'reuseCooldown \"' + self + '\" must be a non-negative duration such as 30s, 500ms or 2m'"
+	// +optional
+	ReuseCooldown metav1.Duration `json:"reuseCooldown"`
+}
+
+// IPPoolStatus is the pool's usage as the controller sees it.
+type IPPoolStatus struct {
+	// ObservedGeneration is the spec generation this status describes.
+	// +optional
+	ObservedGeneration int64 `json:"observedGeneration,omitempty"`
+	// Capacity is the number of addresses the pool can hand out (CIDRs minus exclusions).
+	// It saturates at 2^63-1 for very large IPv6 pools.
+	// +optional
+	Capacity int64 `json:"capacity"`
+	// Allocated is the number of addresses held by nodes or cooling down after release.
+	// +optional
+	Allocated int64 `json:"allocated"`
+	// Free is Capacity minus Allocated.
+	// +optional
+	Free int64 `json:"free"`
+	// Nodes is the number of nodes holding addresses from this pool.
+	// +optional
+	Nodes int32 `json:"nodes"`
+	// Exhausted is set when free addresses fall below the controller's low mark and cleared
+	// only when they rise above its high mark. Nodes scale in single addresses while it is set.
+	// +optional
+	Exhausted bool `json:"exhausted"`
+	// Conditions: Ready, Exhausted, Invalid.
+	// +listType=map
+	// +listMapKey=type
+	// +optional
+	Conditions []metav1.Condition `json:"conditions,omitempty"`
+}
+
+// IPPool is a range of addresses pods draw from. It is cluster-scoped and of one address family.
+//
+// +genclient
+// +genclient:nonNamespaced
+// +k8s:deepcopy-gen:interfaces=k8s.io/apimachinery/pkg/runtime.Object
+// +kubebuilder:object:root=true
+// +kubebuilder:subresource:status
+// +kubebuilder:resource:scope=Cluster,shortName=ipp,categories=ipwarden
+// +kubebuilder:printcolumn:name="CIDRs",type=string,JSONPath=`.spec.cidrs`
+// +kubebuilder:printcolumn:name="Capacity",type=integer,JSONPath=`.status.capacity`
+// +kubebuilder:printcolumn:name="Allocated",type=integer,JSONPath=`.status.allocated`
+// +kubebuilder:printcolumn:name="Free",type=integer,JSONPath=`.status.free`
+// +kubebuilder:printcolumn:name="Nodes",type=integer,JSONPath=`.status.nodes`
+// +kubebuilder:printcolumn:name="Exhausted",type=boolean,JSONPath=`.status.exhausted`
+// +kubebuilder:printcolumn:name="Ready",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].status`
+// +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
+type IPPool struct {
+	metav1.TypeMeta   `json:",inline"`
+	metav1.ObjectMeta `json:"metadata,omitempty"`
+
+	// +required
+	Spec IPPoolSpec `json:"spec"`
+	// +optional
+	Status IPPoolStatus `json:"status,omitempty"`
+}
+
+// IPPoolList is a list of IPPools.
+//
+// +k8s:deepcopy-gen:interfaces=k8s.io/apimachinery/pkg/runtime.Object
+// +kubebuilder:object:root=true
+type IPPoolList struct {
+	metav1.TypeMeta `json:",inline"`
+	metav1.ListMeta `json:"metadata,omitempty"`
+	Items           []IPPool `json:"items"`
+}

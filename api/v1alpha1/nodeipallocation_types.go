@@ -1,0 +1,129 @@
+package v1alpha1
+
+import (
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// AddressBlock is one address (10.0.0.5), a CIDR (10.0.0.0/28) or an inclusive range
+// (10.0.0.5-10.0.0.9). Lists of blocks keep a node's addresses compact in the API.
+//
+// +kubebuilder:validation:MaxLength=80
+// +kubebuilder:validation:XValidation:rule="isIP(self) || isCIDR(self) || (self.split('-').size() == 2 && isIP(self.split('-')[0]) && isIP(self.split('-')[1]))",messageExpression="'\"' + self + '\" is not an address, a CIDR or a range such as 10.0.0.5-10.0.0.9'"
+type AddressBlock string
+
+// NodePoolRequest is what a node's agent asks of one pool.
+type NodePoolRequest struct {
+	// Pool is the name of the IPPool.
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	// +required
+	Pool string `json:"pool"`
+	// Requested is the number of addresses the node wants to hold from the pool.
+	// +kubebuilder:validation:Minimum=0
+	// +kubebuilder:validation:Maximum=65536
+	// +optional
+	Requested int32 `json:"requested"`
+	// Releasing lists addresses the node gives back. The agent never hands them out again;
+	// the controller removes them from the node's status and returns them to the pool after
+	// the pool's reuse cooldown.
+	// +kubebuilder:validation:MaxItems=1024
+	// +listType=atomic
+	// +optional
+	Releasing []AddressBlock `json:"releasing,omitempty"`
+}
+
+// NodeIPAllocationSpec is written only by the node's agent.
+type NodeIPAllocationSpec struct {
+	// Pools holds one request per pool the node draws from.
+	// +kubebuilder:validation:MaxItems=16
+	// +listType=map
+	// +listMapKey=pool
+	// +optional
+	Pools []NodePoolRequest `json:"pools,omitempty"`
+}
+
+// NodePoolStatus is what a node holds from one pool.
+type NodePoolStatus struct {
+	// Pool is the name of the IPPool.
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	// +required
+	Pool string `json:"pool"`
+	// Addresses the node holds, compact: addresses, CIDRs and ranges (10.0.0.5-10.0.0.9).
+	// Only the controller writes them, so the API checks their shape, not their meaning.
+	// +kubebuilder:validation:MaxItems=65536
+	// +kubebuilder:validation:items:MaxLength=80
+	// +kubebuilder:validation:items:Pattern=`^[0-9a-fA-F.:/-]+$`
+	// +listType=atomic
+	// +optional
+	Addresses []string `json:"addresses,omitempty"`
+	// Held is the number of addresses in Addresses.
+	// +optional
+	Held int32 `json:"held"`
+}
+
+// NodeIPAllocationStatus is written only by the controller.
+type NodeIPAllocationStatus struct {
+	// ObservedGeneration is the spec generation this status answers.
+	// +optional
+	ObservedGeneration int64 `json:"observedGeneration,omitempty"`
+	// Pools holds what the node holds per pool.
+	// +kubebuilder:validation:MaxItems=16
+	// +listType=map
+	// +listMapKey=pool
+	// +optional
+	Pools []NodePoolStatus `json:"pools,omitempty"`
+	// Held is the number of addresses the node holds over all pools.
+	// +optional
+	Held int32 `json:"held"`
+	// Summary shows each pool as "pool held/requested" for kubectl get; see Summarize.
+	// +kubebuilder:validation:MaxLength=4096
+	// +optional
+	Summary string `json:"summary,omitempty"`
+	// Conditions: Ready (the node holds what it requested) with a reason when it does not.
+	// +listType=map
+	// +listMapKey=type
+	// +optional
+	Conditions []metav1.Condition `json:"conditions,omitempty"`
+}
+
+// NodeIPAllocation is one node's share of the pools: its agent writes the spec (how many
+// addresses it wants, which it gives back), the controller writes the status (which it holds).
+// There is one per Node, of the same name, owned by the Node.
+//
+// +genclient
+// +genclient:nonNamespaced
+// +k8s:deepcopy-gen:interfaces=k8s.io/apimachinery/pkg/runtime.Object
+// +kubebuilder:object:root=true
+// +kubebuilder:subresource:status
+// +kubebuilder:resource:scope=Cluster,shortName=nipa,categories=ipwarden
+// +kubebuilder:printcolumn:name="Held/Requested",type=string,JSONPath=`.status.summary`
+// +kubebuilder:printcolumn:name="Held",type=integer,JSONPath=`.status.held`
+// +kubebuilder:printcolumn:name="Ready",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].status`
+// +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
+type NodeIPAllocation struct {
+	metav1.TypeMeta   `json:",inline"`
+	metav1.ObjectMeta `json:"metadata,omitempty"`
+
+	// +optional
+	Spec NodeIPAllocationSpec `json:"spec,omitempty"`
+	// +optional
+	Status NodeIPAllocationStatus `json:"status,omitempty"`
+}
+
+// NodeIPAllocationList is a list of NodeIPAllocations.
+//
+// +k8s:deepcopy-gen:interfaces=k8s.io/apimachinery/pkg/runtime.Object
+// +kubebuilder:object:root=true
+type NodeIPAllocationList struct {
+	metav1.TypeMeta `json:",inline"`
+	metav1.ListMeta `json:"metadata,omitempty"`
+	Items           []NodeIPAllocation `json:"items"`
+}
+
+// Condition types and reasons shared by the controller, the agent and the CLI.
+const (
+	ConditionReady     = "Ready"
+	ConditionExhausted = "Exhausted"
+	ConditionInvalid   = "Invalid"
+)

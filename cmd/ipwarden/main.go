@@ -1,0 +1,32 @@
+// Command ipwarden is the ipwarden controller, node agent and operator CLI in one binary.
+package main
+
+import (
+	"fmt"
+	"os"
+
+	"github.com/spf13/cobra"
+)
+
+func main() {
+	if err := newRootCommand().Execute(); err != nil {
+		fmt.Fprintln(os.Stderr, "ipwarden:", err)
+		os.Exit(1)
+	}
+}
+
+func newRootCommand() *cobra.Command {
+	root := &cobra.Command{
+		Use:   "ipwarden",
+		Short: "IP address management for Kubernetes pods",
+		Long: `ipwarden hands every node a right-sized, self-adjusting set of addresses from
+cluster pools and gives pods their address from that node-local set.
+
+Subcommands:
+  version     print the build version`,
+		SilenceUsage:  true,
+		SilenceErrors: true,
+	}
+	root.AddCommand(newVersionCommand())
+	return root
+}
