@@ -110,6 +110,17 @@ type IPPoolSpec struct {
 	ReuseCooldown metav1.Duration `json:"reuseCooldown"`
 }
 
+// CoolingBlock is a batch of released addresses resting until a time.
+type CoolingBlock struct {
+	// Addresses in the compact form of NodeIPAllocation status.
+	// +kubebuilder:validation:items:MaxLength=80
+	// +kubebuilder:validation:items:Pattern=`^[0-9a-fA-F.:/-]+$`
+	// +listType=atomic
+	Addresses []string `json:"addresses"`
+	// Until is when the addresses may be handed out again.
+	Until metav1.Time `json:"until"`
+}
+
 // IPPoolStatus is the pool's usage as the controller sees it.
 type IPPoolStatus struct {
 	// ObservedGeneration is the spec generation this status describes.
@@ -132,6 +143,12 @@ type IPPoolStatus struct {
 	// only when they rise above its high mark. Nodes scale in single addresses while it is set.
 	// +optional
 	Exhausted bool `json:"exhausted"`
+	// Cooling lists addresses released by nodes that rest until a time before they are handed
+	// out again. The controller writes an entry before it takes the addresses from the node, so a
+	// controller restart cannot reuse them early.
+	// +listType=atomic
+	// +optional
+	Cooling []CoolingBlock `json:"cooling,omitempty"`
 	// Conditions: Ready, Exhausted, Invalid.
 	// +listType=map
 	// +listMapKey=type

@@ -23,10 +23,12 @@ func newRootCommand() *cobra.Command {
 cluster pools and gives pods their address from that node-local set.
 
 Subcommands:
+  controller  run the cluster controller
   version     print the build version`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
 	root.AddCommand(newVersionCommand())
+	root.AddCommand(newControllerCommand())
 	return root
 }

@@ -19,9 +19,12 @@ import (
 )
 
 var (
-	restConfig *rest.Config
-	k8s        client.Client
-	scheme     = runtime.NewScheme()
+	// controlPlane is the package's etcd + kube-apiserver; kubeconfigPath its admin kubeconfig.
+	controlPlane   *controlplane.ControlPlane
+	kubeconfigPath string
+	restConfig     *rest.Config
+	k8s            client.Client
+	scheme         = runtime.NewScheme()
 )
 
 func TestMain(m *testing.M) {
@@ -47,7 +50,7 @@ func run(m *testing.M) int {
 			fmt.Fprintln(os.Stderr, "integration: stop control plane:", err)
 		}
 	}()
-	restConfig = cp.Config
+	controlPlane, kubeconfigPath, restConfig = cp, cp.Kubeconfig, cp.Config
 	if k8s, err = client.New(restConfig, client.Options{Scheme: scheme}); err != nil {
 		fmt.Fprintln(os.Stderr, "integration: client:", err)
 		return 1

@@ -1,0 +1,165 @@
+package main
+
+import (
+	goflag "flag"
+	"fmt"
+	"net/http"
+	"os"
+	"sync/atomic"
+	"time"
+
+	"github.com/spf13/cobra"
+	"k8s.io/apimachinery/pkg/runtime"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/klog/v2"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/healthz"
+	"sigs.k8s.io/controller-runtime/pkg/log/zap"
+	ctrlmetrics "sigs.k8s.io/controller-runtime/pkg/metrics"
+	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
+
+	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
+	"github.com/ipwarden/ipwarden/internal/buildinfo"
+	"github.com/ipwarden/ipwarden/internal/controller"
+)
+
+type controllerFlags struct {
+	kubeconfig       string
+	metricsAddr      string
+	probeAddr        string
+	leaderElect      bool
+	leaderElectionNS string
+	leaderElectionID string
+	opts             controller.Options
+	zap              zap.Options
+}
+
+func newControllerCommand() *cobra.Command {
+	f := &controllerFlags{}
+	cmd := &cobra.Command{
+		Use:   "controller",
+		Short: "Run the cluster controller: hand nodes their addresses and take back what they release",
+		Long: `The controller keeps one NodeIPAllocation per Node that an IPPool selects, fills each node's
+request from its pools, takes back the addresses nodes release, returns a deleted node's addresses
+to their pools, and reports pool usage in IPPool status. Run two replicas; one leads (Lease).`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error { return runController(f) },
+	}
+	fs := cmd.Flags()
+	fs.StringVar(&f.kubeconfig, "kubeconfig", "", "kubeconfig file; in-cluster configuration when empty")
+	fs.StringVar(&f.metricsAddr, "metrics-bind-address", ":9100", `address of the Prometheus /metrics endpoint ("0" disables)`)
+	fs.StringVar(&f.probeAddr, "health-probe-bind-address", ":9101", `address of /healthz and /readyz ("0" disables)`)
+	fs.BoolVar(&f.leaderElect, "leader-elect", true, "elect one active replica with a Lease")
+	fs.StringVar(&f.leaderElectionNS, "leader-election-namespace", "", "namespace of the Lease (default: $POD_NAMESPACE, else kube-system)")
+	fs.StringVar(&f.leaderElectionID, "leader-election-id", "ipwarden-controller", "name of the Lease")
+	fs.IntVar(&f.opts.Workers, "workers", 4, "node syncs run in parallel")
+	fs.DurationVar(&f.opts.MinSyncInterval, "min-sync-interval", 100*time.Millisecond, "least time between two syncs of one node; events in between coalesce")
+	fs.DurationVar(&f.opts.ResyncPeriod, "resync-period", time.Minute, "period of the full pass that repairs anything an event missed")
+	fs.DurationVar(&f.opts.BackoffBase, "backoff-base", 250*time.Millisecond, "first retry delay of a failing node sync (doubles, with jitter)")
+	fs.DurationVar(&f.opts.BackoffMax, "backoff-max", 2*time.Minute, "longest retry delay of a failing node sync")
+	fs.DurationVar(&f.opts.PoolStatusInterval, "pool-status-interval", time.Second, "coalescing interval of IPPool status writes")
+	fs.Float64Var(&f.opts.Exhaustion.LowPercent, "exhausted-below-percent", controller.DefaultExhaustionMarks.LowPercent, "a pool is marked exhausted when free addresses fall below this share of capacity (or one batch, whichever is more)")
+	fs.Float64Var(&f.opts.Exhaustion.HighPercent, "exhausted-clear-percent", controller.DefaultExhaustionMarks.HighPercent, "the mark is cleared when free addresses rise above this share of capacity (or two batches, whichever is more)")
+	f.opts.Exhaustion.LowBatches = controller.DefaultExhaustionMarks.LowBatches
+	f.opts.Exhaustion.HighBatches = controller.DefaultExhaustionMarks.HighBatches
+	gofs := goflag.NewFlagSet("zap", goflag.ContinueOnError)
+	f.zap.BindFlags(gofs)
+	fs.AddGoFlagSet(gofs)
+	return cmd
+}
+
+func restConfig(kubeconfig string) (*rest.Config, error) {
+	if kubeconfig != "" {
+		cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+		if err != nil {
+			return nil, fmt.Errorf("load kubeconfig %s: %w", kubeconfig, err)
+		}
+		return cfg, nil
+	}
+	cfg, err := rest.InClusterConfig()
+	if err != nil {
+		return nil, fmt.Errorf("no --kubeconfig given and not running in a cluster: %w", err)
+	}
+	return cfg, nil
+}
+
+func newScheme() (*runtime.Scheme, error) {
+	s := runtime.NewScheme()
+	if err := clientgoscheme.AddToScheme(s); err != nil {
+		return nil, err
+	}
+	if err := ipwardenv1.AddToScheme(s); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+func runController(f *controllerFlags) error {
+	if f.opts.Exhaustion.HighPercent < f.opts.Exhaustion.LowPercent {
+		return fmt.Errorf("--exhausted-clear-percent %v must not be below --exhausted-below-percent %v", f.opts.Exhaustion.HighPercent, f.opts.Exhaustion.LowPercent)
+	}
+	if f.opts.Workers < 1 {
+		return fmt.Errorf("--workers %d: must be at least 1", f.opts.Workers)
+	}
+	logger := zap.New(zap.UseFlagOptions(&f.zap))
+	ctrl.SetLogger(logger)
+	klog.SetLogger(logger)
+	log := logger.WithName("controller")
+	log.Info("starting ipwarden controller", "version", buildinfo.Get().String())
+
+	cfg, err := restConfig(f.kubeconfig)
+	if err != nil {
+		return err
+	}
+	cfg.UserAgent = "ipwarden-controller/" + buildinfo.Version
+	scheme, err := newScheme()
+	if err != nil {
+		return err
+	}
+	ns := f.leaderElectionNS
+	if ns == "" {
+		ns = os.Getenv("POD_NAMESPACE")
+	}
+	if ns == "" {
+		ns = "kube-system"
+	}
+	mgr, err := ctrl.NewManager(cfg, ctrl.Options{
+		Scheme:                        scheme,
+		Metrics:                       metricsserver.Options{BindAddress: f.metricsAddr},
+		HealthProbeBindAddress:        f.probeAddr,
+		LeaderElection:                f.leaderElect,
+		LeaderElectionID:              f.leaderElectionID,
+		LeaderElectionNamespace:       ns,
+		LeaderElectionReleaseOnCancel: true,
+	})
+	if err != nil {
+		return fmt.Errorf("create manager: %w", err)
+	}
+	metrics := controller.NewMetrics(ctrlmetrics.Registry)
+	c := controller.New(mgr.GetCache(), mgr.GetAPIReader(), mgr.GetClient(),
+		mgr.GetEventRecorderFor("ipwarden-controller"), metrics, log, f.opts)
+	if err := mgr.Add(c); err != nil {
+		return err
+	}
+	ctx := ctrl.SetupSignalHandler()
+	var synced atomic.Bool
+	go func() {
+		if mgr.GetCache().WaitForCacheSync(ctx) {
+			synced.Store(true)
+		}
+	}()
+	if err := mgr.AddHealthzCheck("ping", healthz.Ping); err != nil {
+		return err
+	}
+	if err := mgr.AddReadyzCheck("caches", func(*http.Request) error {
+		if !synced.Load() {
+			return fmt.Errorf("informer caches not synced yet")
+		}
+		return nil
+	}); err != nil {
+		return err
+	}
+	return mgr.Start(ctx)
+}

@@ -1,0 +1,785 @@
+package controller
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"runtime/debug"
+	"sync"
+	"time"
+
+	"github.com/go-logr/logr"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	toolscache "k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/record"
+	"sigs.k8s.io/controller-runtime/pkg/cache"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
+	"github.com/ipwarden/ipwarden/internal/addr"
+)
+
+// Options tune the controller. Zero values take the defaults in brackets.
+type Options struct {
+	// Workers is the number of node syncs run in parallel [4].
+	Workers int
+	// MinSyncInterval is the least time between two syncs of one node; events in between
+	// coalesce into one sync [100ms].
+	MinSyncInterval time.Duration
+	// ResyncPeriod is the period of the full pass that repairs anything an event missed [1m].
+	ResyncPeriod time.Duration
+	// BackoffBase and BackoffMax bound the retry delay of a failing node [250ms, 2m].
+	BackoffBase, BackoffMax time.Duration
+	// PoolStatusInterval coalesces pool status writes [1s].
+	PoolStatusInterval time.Duration
+	// Exhaustion sets the exhausted flag's hysteresis [DefaultExhaustionMarks].
+	Exhaustion ExhaustionMarks
+	// Now is the clock [time.Now].
+	Now func() time.Time
+}
+
+func (o *Options) setDefaults() {
+	if o.Workers <= 0 {
+		o.Workers = 4
+	}
+	if o.MinSyncInterval <= 0 {
+		o.MinSyncInterval = 100 * time.Millisecond
+	}
+	if o.ResyncPeriod <= 0 {
+		o.ResyncPeriod = time.Minute
+	}
+	if o.BackoffBase <= 0 {
+		o.BackoffBase = 250 * time.Millisecond
+	}
+	if o.BackoffMax <= 0 {
+		o.BackoffMax = 2 * time.Minute
+	}
+	if o.PoolStatusInterval <= 0 {
+		o.PoolStatusInterval = time.Second
+	}
+	if o.Exhaustion == (ExhaustionMarks{}) {
+		o.Exhaustion = DefaultExhaustionMarks
+	}
+	if o.Now == nil {
+		o.Now = time.Now
+	}
+}
+
+// Controller is the IO shell around State: it watches Nodes (metadata only), IPPools and
+// NodeIPAllocations, schedules node syncs by need, and writes statuses and objects.
+type Controller struct {
+	opts    Options
+	cache   cache.Cache
+	reader  client.Reader // uncached: fresh reads before decisions that must not trust the cache
+	writer  client.Client
+	events  record.EventRecorder
+	metrics *Metrics
+	log     logr.Logger
+	sched   *Scheduler
+
+	mu         sync.Mutex // guards state and nodeFlags
+	state      *State
+	nodeFlags  map[string][2]bool // deficit, at capacity: for the fleet gauges
+	poolLocks  sync.Map           // pool name -> *sync.Mutex, serializes a pool's status writes
+	poolWake   chan struct{}
+	ready      chan struct{}
+	readyOnce  sync.Once
+	workersWG  sync.WaitGroup
+	registered bool
+}
+
+// New returns a controller reading through c (an informer cache), reader (the API server,
+// uncached) and writing through writer.
+func New(c cache.Cache, reader client.Reader, writer client.Client, events record.EventRecorder, m *Metrics, log logr.Logger, opts Options) *Controller {
+	opts.setDefaults()
+	s := NewScheduler(opts.MinSyncInterval, opts.BackoffBase, opts.BackoffMax)
+	s.Jitter = rand.Float64
+	s.Now = opts.Now
+	return &Controller{
+		opts: opts, cache: c, reader: reader, writer: writer, events: events, metrics: m, log: log,
+		sched: s, state: NewState(opts.Exhaustion), nodeFlags: map[string][2]bool{},
+		poolWake: make(chan struct{}, 1), ready: make(chan struct{}),
+	}
+}
+
+// NeedLeaderElection makes the manager run the controller only on the elected replica.
+func (c *Controller) NeedLeaderElection() bool { return true }
+
+// Ready is closed once the controller has rebuilt its state and serves.
+func (c *Controller) Ready() <-chan struct{} { return c.ready }
+
+func nodeMeta() *metav1.PartialObjectMetadata {
+	m := &metav1.PartialObjectMetadata{}
+	m.SetGroupVersionKind(corev1.SchemeGroupVersion.WithKind("Node"))
+	return m
+}
+
+// Start runs the controller until ctx ends. It is called on gaining leadership: it rebuilds the
+// allocation state from a fresh LIST (not the cache, which may lag the previous leader's last
+// writes), then serves events, a periodic full pass and the pool status writer.
+func (c *Controller) Start(ctx context.Context) error {
+	nodeInf, err := c.cache.GetInformer(ctx, nodeMeta())
+	if err != nil {
+		return fmt.Errorf("node informer: %w", err)
+	}
+	poolInf, err := c.cache.GetInformer(ctx, &ipwardenv1.IPPool{})
+	if err != nil {
+		return fmt.Errorf("IPPool informer: %w", err)
+	}
+	allocInf, err := c.cache.GetInformer(ctx, &ipwardenv1.NodeIPAllocation{})
+	if err != nil {
+		return fmt.Errorf("NodeIPAllocation informer: %w", err)
+	}
+	if !c.cache.WaitForCacheSync(ctx) {
+		return errors.New("caches did not sync")
+	}
+	if err := c.rebuild(ctx); err != nil {
+		return err
+	}
+
+	if _, err := nodeInf.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
+		AddFunc: func(obj any) { c.nodeEvent(obj) },
+		UpdateFunc: func(old, obj any) {
+			o, n := metaOf(old), metaOf(obj)
+			if o == nil || n == nil || o.GetUID() != n.GetUID() || !equality.Semantic.DeepEqual(o.GetLabels(), n.GetLabels()) {
+				c.nodeEvent(obj)
+			}
+		},
+		DeleteFunc: func(obj any) { c.nodeEvent(obj) },
+	}); err != nil {
+		return err
+	}
+	if _, err := allocInf.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
+		AddFunc: func(obj any) { c.allocEvent(obj) },
+		UpdateFunc: func(old, obj any) {
+			o, n := metaOf(old), metaOf(obj)
+			if o == nil || n == nil || o.GetGeneration() != n.GetGeneration() || o.GetUID() != n.GetUID() ||
+				!equality.Semantic.DeepEqual(o.GetOwnerReferences(), n.GetOwnerReferences()) {
+				c.allocEvent(obj)
+			}
+		},
+		DeleteFunc: func(obj any) { c.allocEvent(obj) },
+	}); err != nil {
+		return err
+	}
+	if _, err := poolInf.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
+		AddFunc: func(obj any) { c.poolEvent(obj, false) },
+		UpdateFunc: func(old, obj any) {
+			o, n := metaOf(old), metaOf(obj)
+			if o == nil || n == nil || o.GetGeneration() != n.GetGeneration() {
+				c.poolEvent(obj, false)
+			}
+		},
+		DeleteFunc: func(obj any) { c.poolEvent(obj, true) },
+	}); err != nil {
+		return err
+	}
+
+	for range c.opts.Workers {
+		c.workersWG.Add(1)
+		go c.worker(ctx)
+	}
+	c.workersWG.Add(2)
+	go c.poolLoop(ctx)
+	go c.resyncLoop(ctx)
+	c.enqueueAll(ctx)
+	c.readyOnce.Do(func() { close(c.ready) })
+	c.log.Info("controller serving", "workers", c.opts.Workers, "resync", c.opts.ResyncPeriod)
+	<-ctx.Done()
+	c.sched.ShutDown()
+	c.workersWG.Wait()
+	return nil
+}
+
+// rebuild loads the state from the API server.
+func (c *Controller) rebuild(ctx context.Context) error {
+	var pools ipwardenv1.IPPoolList
+	if err := c.reader.List(ctx, &pools); err != nil {
+		return fmt.Errorf("list IPPools: %w", err)
+	}
+	var allocs ipwardenv1.NodeIPAllocationList
+	if err := c.reader.List(ctx, &allocs); err != nil {
+		return fmt.Errorf("list NodeIPAllocations: %w", err)
+	}
+	c.mu.Lock()
+	twice := c.state.Rebuild(pools.Items, allocs.Items, c.opts.Now())
+	c.mu.Unlock()
+	n, _ := twice.Size().Uint64()
+	c.metrics.AddressesTwice.Set(float64(n))
+	if n > 0 {
+		c.log.Error(nil, "addresses are held by two nodes; they stay with the first node by name until an operator resolves it",
+			"addresses", twice.String())
+	}
+	c.log.Info("state rebuilt from the API server", "pools", len(pools.Items), "nodeIPAllocations", len(allocs.Items))
+	return nil
+}
+
+func metaOf(obj any) metav1.Object {
+	if t, ok := obj.(toolscache.DeletedFinalStateUnknown); ok {
+		obj = t.Obj
+	}
+	m, _ := obj.(metav1.Object)
+	return m
+}
+
+func (c *Controller) nodeEvent(obj any) {
+	if m := metaOf(obj); m != nil {
+		c.enqueue(m.GetName())
+	}
+}
+
+func (c *Controller) allocEvent(obj any) {
+	if m := metaOf(obj); m != nil {
+		c.enqueue(m.GetName())
+	}
+}
+
+func (c *Controller) poolEvent(obj any, deleted bool) {
+	m := metaOf(obj)
+	if m == nil {
+		return
+	}
+	c.mu.Lock()
+	var affected bool
+	if deleted {
+		affected = c.state.DeletePool(m.GetName())
+	} else if p, ok := obj.(*ipwardenv1.IPPool); ok {
+		affected = c.state.SetPool(p)
+	}
+	c.mu.Unlock()
+	c.wakePools()
+	if affected {
+		c.enqueueAll(context.Background())
+	}
+}
+
+// enqueue marks a node dirty with its current need.
+func (c *Controller) enqueue(name string) {
+	var need Need
+	alloc := &ipwardenv1.NodeIPAllocation{}
+	if err := c.cache.Get(context.Background(), client.ObjectKey{Name: name}, alloc); err == nil {
+		c.mu.Lock()
+		need = c.state.NeedOfNode(name, alloc.Spec)
+		c.mu.Unlock()
+	}
+	c.sched.Add(name, need, c.opts.Now())
+	c.metrics.QueueDepth.Set(float64(c.sched.Len()))
+}
+
+// enqueueAll marks every known node dirty: the full pass.
+func (c *Controller) enqueueAll(ctx context.Context) {
+	names := map[string]bool{}
+	nodes := &metav1.PartialObjectMetadataList{}
+	nodes.SetGroupVersionKind(corev1.SchemeGroupVersion.WithKind("NodeList"))
+	if err := c.cache.List(ctx, nodes); err == nil {
+		for _, n := range nodes.Items {
+			names[n.Name] = true
+		}
+	}
+	var allocs ipwardenv1.NodeIPAllocationList
+	if err := c.cache.List(ctx, &allocs); err == nil {
+		for _, a := range allocs.Items {
+			names[a.Name] = true
+		}
+	}
+	c.mu.Lock()
+	for _, n := range c.state.Known() {
+		names[n] = true
+	}
+	c.mu.Unlock()
+	for n := range names {
+		c.enqueue(n)
+	}
+}
+
+func (c *Controller) resyncLoop(ctx context.Context) {
+	defer c.workersWG.Done()
+	t := time.NewTicker(c.opts.ResyncPeriod)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			c.enqueueAll(ctx)
+			c.mu.Lock()
+			for _, p := range c.state.PoolNames() {
+				c.state.MarkPoolDirty(p)
+			}
+			c.mu.Unlock()
+			c.wakePools()
+		}
+	}
+}
+
+func (c *Controller) worker(ctx context.Context) {
+	defer c.workersWG.Done()
+	for {
+		name, ok := c.sched.Get(ctx)
+		if !ok {
+			return
+		}
+		start := time.Now()
+		err := c.safeSyncNode(ctx, name)
+		c.metrics.SyncDuration.WithLabelValues("node").Observe(time.Since(start).Seconds())
+		if err != nil {
+			c.metrics.SyncErrors.WithLabelValues("node").Inc()
+			c.log.Error(err, "node sync failed; retrying with backoff", "node", name, "failures", c.sched.Failures(name)+1)
+		}
+		c.sched.Done(name, err != nil, c.opts.Now())
+		c.metrics.QueueDepth.Set(float64(c.sched.Len()))
+	}
+}
+
+// safeSyncNode turns a panic in a sync into a retried error.
+func (c *Controller) safeSyncNode(ctx context.Context, name string) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("panic in node sync: %v\n%s", r, debug.Stack())
+		}
+	}()
+	return c.syncNode(ctx, name)
+}
+
+// syncNode moves one node one step toward its goal: the right NodeIPAllocation object, holding
+// what its agent requests minus what it releases.
+func (c *Controller) syncNode(ctx context.Context, name string) error {
+	node := nodeMeta()
+	nodeErr := c.cache.Get(ctx, client.ObjectKey{Name: name}, node)
+	if nodeErr != nil && !apierrors.IsNotFound(nodeErr) {
+		return nodeErr
+	}
+	alloc := &ipwardenv1.NodeIPAllocation{}
+	allocErr := c.cache.Get(ctx, client.ObjectKey{Name: name}, alloc)
+	if allocErr != nil && !apierrors.IsNotFound(allocErr) {
+		return allocErr
+	}
+	facts := NodeFacts{NodeExists: nodeErr == nil, AllocationExists: allocErr == nil}
+	if facts.NodeExists {
+		facts.NodeUID = node.UID
+	}
+	if facts.AllocationExists {
+		facts.OwnerUID = nodeOwner(alloc)
+		for _, p := range alloc.Spec.Pools {
+			if p.Requested > 0 || len(p.Releasing) > 0 {
+				facts.Asks = true
+			}
+		}
+	}
+	c.mu.Lock()
+	if facts.NodeExists {
+		c.state.SetNodeLabels(name, node.Labels)
+		facts.Selected = c.state.Selected(node.Labels)
+	}
+	facts.Holds = c.state.Holds(name)
+	c.mu.Unlock()
+
+	lc := DecideLifecycle(facts)
+	switch {
+	case lc.ConfirmGone:
+		return c.confirmGone(ctx, name, facts.AllocationExists, alloc)
+	case lc.Create:
+		return c.createAllocation(ctx, name, node)
+	case lc.DeleteOrphan:
+		err := c.writer.Delete(ctx, alloc, client.Preconditions{UID: &alloc.UID, ResourceVersion: &alloc.ResourceVersion})
+		c.countWrite("nodeipallocations", "delete", err)
+		if err != nil && !apierrors.IsNotFound(err) {
+			return fmt.Errorf("delete orphan NodeIPAllocation: %w", err)
+		}
+		c.mu.Lock()
+		c.state.ForgetNode(name)
+		c.mu.Unlock()
+		c.log.Info("deleted NodeIPAllocation of a node no pool selects", "node", name)
+		return nil
+	}
+	if lc.FixOwner {
+		patch := client.MergeFrom(alloc.DeepCopy())
+		alloc.OwnerReferences = replaceNodeOwner(alloc.OwnerReferences, node)
+		err := c.writer.Patch(ctx, alloc, patch)
+		c.countWrite("nodeipallocations", "patch", err)
+		if err != nil {
+			return fmt.Errorf("set owner reference: %w", err)
+		}
+	}
+	if lc.Fill {
+		return c.fill(ctx, alloc)
+	}
+	return nil
+}
+
+func nodeOwner(a *ipwardenv1.NodeIPAllocation) types.UID {
+	for _, o := range a.OwnerReferences {
+		if o.Kind == "Node" && o.APIVersion == "v1" {
+			return o.UID
+		}
+	}
+	return ""
+}
+
+func replaceNodeOwner(refs []metav1.OwnerReference, node *metav1.PartialObjectMetadata) []metav1.OwnerReference {
+	out := []metav1.OwnerReference{{APIVersion: "v1", Kind: "Node", Name: node.Name, UID: node.UID}}
+	for _, o := range refs {
+		if !(o.Kind == "Node" && o.APIVersion == "v1") {
+			out = append(out, o)
+		}
+	}
+	return out
+}
+
+func (c *Controller) createAllocation(ctx context.Context, name string, node *metav1.PartialObjectMetadata) error {
+	obj := &ipwardenv1.NodeIPAllocation{ObjectMeta: metav1.ObjectMeta{
+		Name:            name,
+		OwnerReferences: replaceNodeOwner(nil, node),
+		Labels:          map[string]string{"app.kubernetes.io/managed-by": "ipwarden"},
+	}}
+	err := c.writer.Create(ctx, obj)
+	c.countWrite("nodeipallocations", "create", err)
+	if err != nil && !apierrors.IsAlreadyExists(err) {
+		return fmt.Errorf("create NodeIPAllocation: %w", err)
+	}
+	c.log.V(1).Info("created NodeIPAllocation", "node", name)
+	// The object's watch event queues the next sync, which fills it (and restores the status
+	// if the controller's record says the node holds addresses).
+	return nil
+}
+
+// confirmGone asks the API server whether a node the cache lacks is really gone; if so, its
+// addresses return to their pools (cooling first) and its NodeIPAllocation is deleted.
+func (c *Controller) confirmGone(ctx context.Context, name string, allocExists bool, alloc *ipwardenv1.NodeIPAllocation) error {
+	err := c.reader.Get(ctx, client.ObjectKey{Name: name}, nodeMeta())
+	if err == nil {
+		return nil // the cache lags; the node's event will queue it again
+	}
+	if !apierrors.IsNotFound(err) {
+		return fmt.Errorf("confirm node deletion: %w", err)
+	}
+	now := c.opts.Now()
+	c.mu.Lock()
+	held := c.state.HeldBy(name)
+	for pool, set := range held {
+		c.state.RecordCooling(pool, set, now.Add(c.state.CooldownOf(pool)))
+	}
+	c.mu.Unlock()
+	for pool := range held {
+		if err := c.flushPool(ctx, pool); err != nil {
+			return fmt.Errorf("record cooling addresses of deleted node: %w", err)
+		}
+	}
+	if allocExists {
+		err := c.writer.Delete(ctx, alloc, client.Preconditions{UID: &alloc.UID})
+		c.countWrite("nodeipallocations", "delete", err)
+		if err != nil && !apierrors.IsNotFound(err) {
+			return fmt.Errorf("delete NodeIPAllocation of deleted node: %w", err)
+		}
+	}
+	c.mu.Lock()
+	released := c.state.ReleaseNode(name, now)
+	c.mu.Unlock()
+	total := 0
+	for pool, set := range released {
+		n := count(set)
+		total += n
+		c.metrics.Releases.WithLabelValues(pool).Add(float64(n))
+		c.metrics.NodeHeld.DeleteLabelValues(name, pool)
+		c.metrics.NodeRequested.DeleteLabelValues(name, pool)
+		c.metrics.NodeDeficit.DeleteLabelValues(name, pool)
+	}
+	for pool := range released {
+		c.refillPool(pool)
+	}
+	c.setNodeFlags(name, false, false, true)
+	c.metrics.NodesReleased.Inc()
+	c.sched.Forget(name)
+	c.wakePools()
+	c.log.Info("node deleted: its addresses return to their pools after the reuse cooldown", "node", name, "addresses", total)
+	return nil
+}
+
+// fill writes one node's status: released addresses leave, new ones arrive. On a conflict it
+// retries from a fresh read; on an unknown outcome it keeps the new addresses reserved.
+func (c *Controller) fill(ctx context.Context, alloc *ipwardenv1.NodeIPAllocation) error {
+	name := alloc.Name
+	fresh := false
+	for attempt := 0; ; attempt++ {
+		now := c.opts.Now()
+		c.mu.Lock()
+		if fresh {
+			c.state.ResolvePending(name, alloc.Status)
+		}
+		f := c.state.PlanFill(name, alloc.Spec, now)
+		status := NodeStatus(alloc.Status, alloc.Spec, alloc.Generation, f)
+		if !f.Changed() && equality.Semantic.DeepEqual(status, alloc.Status) {
+			c.state.Abort(f, true)
+			c.mu.Unlock()
+			c.updateNodeMetrics(name, alloc.Spec, f)
+			return nil
+		}
+		removals := map[string]addr.Set{}
+		for pool, pf := range f.Pools {
+			if !pf.Removed.IsEmpty() {
+				removals[pool] = pf.Removed
+				c.state.RecordCooling(pool, pf.Removed, now.Add(c.state.CooldownOf(pool)))
+			}
+		}
+		c.mu.Unlock()
+
+		// Write-ahead: the pools record the released addresses as cooling before the node's
+		// status drops them.
+		for pool := range removals {
+			if err := c.flushPool(ctx, pool); err != nil {
+				c.mu.Lock()
+				c.state.Abort(f, true)
+				c.mu.Unlock()
+				return fmt.Errorf("record cooling addresses in pool %s: %w", pool, err)
+			}
+		}
+		obj := alloc.DeepCopy()
+		obj.Status = status
+		err := c.writer.Status().Update(ctx, obj)
+		c.countWrite("nodeipallocations/status", "update", err)
+		if err == nil {
+			c.mu.Lock()
+			c.state.Commit(f, now)
+			c.mu.Unlock()
+			c.afterFill(alloc, f)
+			return nil
+		}
+		if apierrors.IsConflict(err) && attempt < 3 {
+			c.mu.Lock()
+			c.state.Abort(f, true)
+			c.mu.Unlock()
+			alloc = &ipwardenv1.NodeIPAllocation{}
+			if err := c.reader.Get(ctx, client.ObjectKey{Name: name}, alloc); err != nil {
+				return fmt.Errorf("re-read NodeIPAllocation after a conflict: %w", err)
+			}
+			fresh = true
+			continue
+		}
+		c.mu.Lock()
+		c.state.Abort(f, apierrors.IsConflict(err) || apierrors.IsInvalid(err) || apierrors.IsNotFound(err))
+		c.mu.Unlock()
+		c.events.Eventf(alloc, corev1.EventTypeWarning, "FillFailed", "could not write the node's addresses: %v", err)
+		return fmt.Errorf("write NodeIPAllocation status: %w", err)
+	}
+}
+
+// afterFill records metrics and events of a committed fill.
+func (c *Controller) afterFill(alloc *ipwardenv1.NodeIPAllocation, f *Fill) {
+	woke := false
+	for pool, pf := range f.Pools {
+		if n := count(pf.Added); n > 0 {
+			c.metrics.Allocations.WithLabelValues(pool).Add(float64(n))
+			woke = true
+		}
+		if n := count(pf.Removed); n > 0 {
+			c.metrics.Releases.WithLabelValues(pool).Add(float64(n))
+			woke = true
+		}
+	}
+	for pool, pf := range f.Pools {
+		if !pf.Removed.IsEmpty() {
+			c.refillPool(pool)
+		}
+	}
+	for _, pool := range f.Starved {
+		c.events.Eventf(alloc, corev1.EventTypeWarning, "PoolExhausted", "pool %s cannot fill this node's request: %s", pool, f.Pools[pool].Reason)
+	}
+	if woke || len(f.Starved) > 0 {
+		c.wakePools()
+	}
+	c.updateNodeMetrics(alloc.Name, alloc.Spec, f)
+}
+
+func (c *Controller) updateNodeMetrics(name string, spec ipwardenv1.NodeIPAllocationSpec, f *Fill) {
+	requested := map[string]int{}
+	for _, p := range spec.Pools {
+		requested[p.Pool] = int(p.Requested)
+	}
+	deficit, atCap := false, false
+	c.mu.Lock()
+	for pool, pf := range f.Pools {
+		held := count(pf.Held)
+		d := max(requested[pool]-held, 0)
+		c.metrics.NodeHeld.WithLabelValues(name, pool).Set(float64(held))
+		c.metrics.NodeRequested.WithLabelValues(name, pool).Set(float64(requested[pool]))
+		c.metrics.NodeDeficit.WithLabelValues(name, pool).Set(float64(d))
+		if d > 0 {
+			deficit = true
+		}
+		if m := c.state.PoolMaxPerNode(pool); m > 0 && held >= m {
+			atCap = true
+		}
+	}
+	c.mu.Unlock()
+	c.setNodeFlags(name, deficit, atCap, false)
+}
+
+// setNodeFlags keeps the fleet gauges as running counts, changed only when a node's flags change.
+func (c *Controller) setNodeFlags(name string, deficit, atCap, gone bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	prev, had := c.nodeFlags[name]
+	d := func(b bool) float64 {
+		if b {
+			return 1
+		}
+		return 0
+	}
+	c.metrics.NodesInDeficit.Add(d(deficit && !gone) - d(prev[0]))
+	c.metrics.NodesAtCapacity.Add(d(atCap && !gone) - d(prev[1]))
+	if gone {
+		delete(c.nodeFlags, name)
+		if had {
+			c.metrics.Nodes.Dec()
+		}
+		return
+	}
+	if !had {
+		c.metrics.Nodes.Inc()
+	}
+	c.nodeFlags[name] = [2]bool{deficit, atCap}
+}
+
+// refillPool queues the nodes a pool left short (addresses came back to it).
+func (c *Controller) refillPool(pool string) {
+	c.mu.Lock()
+	nodes := c.state.Refill(pool)
+	c.mu.Unlock()
+	for _, n := range nodes {
+		c.enqueue(n)
+	}
+}
+
+func (c *Controller) wakePools() {
+	select {
+	case c.poolWake <- struct{}{}:
+	default:
+	}
+}
+
+// poolLoop writes dirty pool statuses, at most once per PoolStatusInterval.
+func (c *Controller) poolLoop(ctx context.Context) {
+	defer c.workersWG.Done()
+	t := time.NewTicker(c.opts.PoolStatusInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		case <-c.poolWake:
+			// Coalesce a burst of changes into one write per pool.
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(c.opts.PoolStatusInterval / 4):
+			}
+		}
+		c.mu.Lock()
+		refill := c.state.MarkExpiredCooling(c.opts.Now())
+		dirty := c.state.DirtyPools()
+		c.mu.Unlock()
+		for _, n := range refill {
+			c.enqueue(n)
+		}
+		for _, p := range dirty {
+			start := time.Now()
+			if err := c.flushPool(ctx, p); err != nil && ctx.Err() == nil {
+				c.metrics.SyncErrors.WithLabelValues("pool").Inc()
+				c.log.Error(err, "pool status write failed; retrying", "pool", p)
+			}
+			c.metrics.SyncDuration.WithLabelValues("pool").Observe(time.Since(start).Seconds())
+		}
+	}
+}
+
+func (c *Controller) poolLock(name string) *sync.Mutex {
+	l, _ := c.poolLocks.LoadOrStore(name, &sync.Mutex{})
+	return l.(*sync.Mutex)
+}
+
+// flushPool writes a pool's status if it changed. Writes of one pool are serialized so a write
+// carrying a new cooling record is never overtaken by an older one.
+func (c *Controller) flushPool(ctx context.Context, name string) error {
+	l := c.poolLock(name)
+	l.Lock()
+	defer l.Unlock()
+	obj := &ipwardenv1.IPPool{}
+	if err := c.cache.Get(ctx, client.ObjectKey{Name: name}, obj); err != nil {
+		if apierrors.IsNotFound(err) {
+			return nil // deleted pool: nothing to write
+		}
+		return err
+	}
+	for attempt := 0; ; attempt++ {
+		now := c.opts.Now()
+		c.mu.Lock()
+		st, ok := c.state.PoolStatus(name, obj.Status, obj.Generation, now)
+		c.mu.Unlock()
+		if !ok {
+			return nil
+		}
+		c.setPoolMetrics(name, st)
+		if equality.Semantic.DeepEqual(st, obj.Status) {
+			return nil
+		}
+		wasExhausted := obj.Status.Exhausted
+		upd := obj.DeepCopy()
+		upd.Status = st
+		err := c.writer.Status().Update(ctx, upd)
+		c.countWrite("ippools/status", "update", err)
+		if err == nil {
+			if st.Exhausted != wasExhausted {
+				if st.Exhausted {
+					c.events.Eventf(obj, corev1.EventTypeWarning, "PoolExhausted", "only %d of %d addresses free: nodes now grow one address at a time", st.Free, st.Capacity)
+				} else {
+					c.events.Eventf(obj, corev1.EventTypeNormal, "PoolRecovered", "%d of %d addresses free again", st.Free, st.Capacity)
+				}
+			}
+			return nil
+		}
+		c.mu.Lock()
+		c.state.MarkPoolDirty(name)
+		c.mu.Unlock()
+		if !apierrors.IsConflict(err) || attempt >= 3 {
+			return fmt.Errorf("write IPPool %s status: %w", name, err)
+		}
+		obj = &ipwardenv1.IPPool{}
+		if err := c.reader.Get(ctx, client.ObjectKey{Name: name}, obj); err != nil {
+			return err
+		}
+	}
+}
+
+func (c *Controller) setPoolMetrics(name string, st ipwardenv1.IPPoolStatus) {
+	c.metrics.PoolCapacity.WithLabelValues(name).Set(float64(st.Capacity))
+	c.metrics.PoolAllocated.WithLabelValues(name).Set(float64(st.Allocated))
+	c.metrics.PoolFree.WithLabelValues(name).Set(float64(st.Free))
+	ex := 0.0
+	if st.Exhausted {
+		ex = 1
+	}
+	c.metrics.PoolExhausted.WithLabelValues(name).Set(ex)
+	c.mu.Lock()
+	cooling, conflicts := c.state.PoolCounts(name)
+	c.mu.Unlock()
+	c.metrics.PoolCooling.WithLabelValues(name).Set(float64(cooling))
+	c.metrics.PoolConflicts.WithLabelValues(name).Set(float64(conflicts))
+}
+
+func (c *Controller) countWrite(resource, verb string, err error) {
+	result := "ok"
+	switch {
+	case err == nil:
+	case apierrors.IsConflict(err):
+		result = "conflict"
+	default:
+		result = "error"
+	}
+	c.metrics.APIWrites.WithLabelValues(resource, verb, result).Inc()
+}

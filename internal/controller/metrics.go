@@ -1,0 +1,71 @@
+package controller
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Metrics are the controller's Prometheus metrics. They are updated as state changes (after a
+// write, on a pool flush), never by rescanning all nodes on a scrape or an event.
+type Metrics struct {
+	PoolCapacity  *prometheus.GaugeVec
+	PoolAllocated *prometheus.GaugeVec
+	PoolFree      *prometheus.GaugeVec
+	PoolCooling   *prometheus.GaugeVec
+	PoolExhausted *prometheus.GaugeVec
+	PoolConflicts *prometheus.GaugeVec
+
+	NodeHeld      *prometheus.GaugeVec
+	NodeRequested *prometheus.GaugeVec
+	NodeDeficit   *prometheus.GaugeVec
+
+	NodesInDeficit  prometheus.Gauge
+	NodesAtCapacity prometheus.Gauge
+	Nodes           prometheus.Gauge
+
+	Allocations    *prometheus.CounterVec
+	Releases       *prometheus.CounterVec
+	APIWrites      *prometheus.CounterVec
+	SyncDuration   *prometheus.HistogramVec
+	SyncErrors     *prometheus.CounterVec
+	QueueDepth     prometheus.Gauge
+	AddressesTwice prometheus.Gauge
+	NodesReleased  prometheus.Counter
+}
+
+// NewMetrics creates the metrics and registers them with reg (nil: not registered).
+func NewMetrics(reg prometheus.Registerer) *Metrics {
+	const ns = "ipwarden_controller"
+	pool := []string{"pool"}
+	node := []string{"node", "pool"}
+	m := &Metrics{
+		PoolCapacity:  prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Name: "pool_capacity_addresses", Help: "Addresses the pool can hand out (CIDRs minus exclusions)."}, pool),
+		PoolAllocated: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Name: "pool_allocated_addresses", Help: "Pool addresses held by nodes or cooling down."}, pool),
+		PoolFree:      prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Name: "pool_free_addresses", Help: "Pool addresses neither held nor cooling."}, pool),
+		PoolCooling:   prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Name: "pool_cooling_addresses", Help: "Released addresses waiting out the reuse cooldown."}, pool),
+		PoolExhausted: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Name: "pool_exhausted", Help: "1 while the pool is marked exhausted."}, pool),
+		PoolConflicts: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Name: "pool_conflict_addresses", Help: "Held addresses outside the pool after it shrank; they drain as nodes release them."}, pool),
+
+		NodeHeld:      prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Name: "node_held_addresses", Help: "Addresses a node holds from a pool."}, node),
+		NodeRequested: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Name: "node_requested_addresses", Help: "Addresses a node requests from a pool."}, node),
+		NodeDeficit:   prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Name: "node_deficit_addresses", Help: "Requested addresses a node does not hold yet."}, node),
+
+		NodesInDeficit:  prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "nodes_in_deficit", Help: "Nodes holding fewer addresses than they request."}),
+		NodesAtCapacity: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "nodes_at_capacity", Help: "Nodes holding maxPerNode addresses of some pool."}),
+		Nodes:           prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "nodes", Help: "Nodes with a NodeIPAllocation record."}),
+
+		Allocations:    prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "allocated_addresses_total", Help: "Addresses handed to nodes."}, pool),
+		Releases:       prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "released_addresses_total", Help: "Addresses taken back from nodes (released or from deleted nodes)."}, pool),
+		APIWrites:      prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "api_writes_total", Help: "Writes to the API server by resource, verb and result."}, []string{"resource", "verb", "result"}),
+		SyncDuration:   prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: ns, Name: "sync_duration_seconds", Help: "Duration of one node or pool sync, API calls included.", Buckets: prometheus.ExponentialBuckets(0.0001, 4, 10)}, []string{"kind"}),
+		SyncErrors:     prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "sync_errors_total", Help: "Failed syncs (retried with backoff)."}, []string{"kind"}),
+		QueueDepth:     prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "queue_depth", Help: "Nodes waiting for a sync."}),
+		AddressesTwice: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "addresses_held_twice", Help: "Addresses found in two nodes' status when the state was rebuilt (must be 0)."}),
+		NodesReleased:  prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "deleted_nodes_released_total", Help: "Deleted nodes whose addresses returned to their pools."}),
+	}
+	if reg != nil {
+		reg.MustRegister(m.PoolCapacity, m.PoolAllocated, m.PoolFree, m.PoolCooling, m.PoolExhausted, m.PoolConflicts,
+			m.NodeHeld, m.NodeRequested, m.NodeDeficit, m.NodesInDeficit, m.NodesAtCapacity, m.Nodes,
+			m.Allocations, m.Releases, m.APIWrites, m.SyncDuration, m.SyncErrors, m.QueueDepth, m.AddressesTwice, m.NodesReleased)
+	}
+	return m
+}

@@ -1,0 +1,268 @@
+package integration
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/util/retry"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
+	"github.com/ipwarden/ipwarden/internal/addr"
+	"github.com/ipwarden/ipwarden/internal/controlplane"
+)
+
+var (
+	ipwardenBinOnce sync.Once
+	ipwardenBin     string
+	ipwardenBinErr  error
+)
+
+// ipwardenBinary builds cmd/ipwarden once per test binary into _bin/test/.
+func ipwardenBinary(t *testing.T) string {
+	t.Helper()
+	ipwardenBinOnce.Do(func() {
+		root, err := controlplane.RepoRoot()
+		if err != nil {
+			ipwardenBinErr = err
+			return
+		}
+		dir := filepath.Join(controlplane.BinDir(root), "test")
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			ipwardenBinErr = err
+			return
+		}
+		ipwardenBin = filepath.Join(dir, "ipwarden")
+		out, err := exec.Command("go", "build", "-o", ipwardenBin, filepath.Join(root, "cmd", "ipwarden")).CombinedOutput()
+		if err != nil {
+			ipwardenBinErr = fmt.Errorf("build ipwarden: %v\n%s", err, out)
+		}
+	})
+	if ipwardenBinErr != nil {
+		t.Fatal(ipwardenBinErr)
+	}
+	return ipwardenBin
+}
+
+// controllerProcess is a real `ipwarden controller` process.
+type controllerProcess struct {
+	cmd  *exec.Cmd
+	log  string
+	done chan struct{}
+}
+
+// startController runs `ipwarden controller` against the test API server; it is killed at the
+// end of the test and its log is printed if the test failed.
+func startController(t *testing.T, args ...string) *controllerProcess {
+	t.Helper()
+	logPath := filepath.Join(t.TempDir(), "controller.log")
+	logf, err := os.Create(logPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := []string{"controller", "--kubeconfig", kubeconfigPath, "--leader-elect=false",
+		"--metrics-bind-address=0", "--health-probe-bind-address=0",
+		"--min-sync-interval=20ms", "--pool-status-interval=200ms", "--backoff-base=50ms", "--backoff-max=2s"}
+	cmd := exec.Command(ipwardenBinary(t), append(base, args...)...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	p := &controllerProcess{cmd: cmd, log: logPath, done: make(chan struct{})}
+	go func() {
+		_ = cmd.Wait()
+		logf.Close()
+		close(p.done)
+	}()
+	t.Cleanup(func() {
+		p.kill()
+		if t.Failed() {
+			b, _ := os.ReadFile(logPath)
+			if len(b) > 8000 {
+				b = b[len(b)-8000:]
+			}
+			t.Logf("controller log (tail):\n%s", b)
+		}
+	})
+	return p
+}
+
+// kill sends SIGKILL, as a crash would.
+func (p *controllerProcess) kill() {
+	select {
+	case <-p.done:
+		return
+	default:
+	}
+	_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL)
+	<-p.done
+}
+
+// eventually polls cond until it returns nil or the deadline passes.
+func eventually(t *testing.T, timeout time.Duration, what string, cond func() error) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	var last error
+	for time.Now().Before(deadline) {
+		if last = cond(); last == nil {
+			return
+		}
+		time.Sleep(50 * time.Millisecond) // polling interval, not synchronization
+	}
+	t.Fatalf("timed out after %s waiting for %s: %v", timeout, what, last)
+}
+
+func createNode(t *testing.T, name string, labels map[string]string) *corev1.Node {
+	t.Helper()
+	n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}
+	if err := k8s.Create(context.Background(), n); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = k8s.Delete(context.Background(), n)
+		_ = k8s.Delete(context.Background(), &ipwardenv1.NodeIPAllocation{ObjectMeta: metav1.ObjectMeta{Name: name}})
+	})
+	return n
+}
+
+func createPool(t *testing.T, name string, spec ipwardenv1.IPPoolSpec) *ipwardenv1.IPPool {
+	t.Helper()
+	if spec.Scaling == (ipwardenv1.Scaling{}) {
+		spec.Scaling = ipwardenv1.Scaling{BatchSize: 16, BufferPercent: 50, MaxPerNode: 250}
+	}
+	p := &ipwardenv1.IPPool{ObjectMeta: metav1.ObjectMeta{Name: name}, Spec: spec}
+	if err := k8s.Create(context.Background(), p); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = k8s.Delete(context.Background(), p) })
+	return p
+}
+
+// waitAllocation waits for the controller to create a node's NodeIPAllocation.
+func waitAllocation(t *testing.T, name string) *ipwardenv1.NodeIPAllocation {
+	t.Helper()
+	a := &ipwardenv1.NodeIPAllocation{}
+	eventually(t, 30*time.Second, "NodeIPAllocation "+name, func() error {
+		return k8s.Get(context.Background(), client.ObjectKey{Name: name}, a)
+	})
+	return a
+}
+
+// request writes a node's spec for one pool, as its agent does.
+func request(t *testing.T, node, pool string, requested int, releasing addr.Set) {
+	t.Helper()
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		a := &ipwardenv1.NodeIPAllocation{}
+		if err := k8s.Get(context.Background(), client.ObjectKey{Name: node}, a); err != nil {
+			return err
+		}
+		var rel []ipwardenv1.AddressBlock
+		for _, s := range releasing.Strings() {
+			rel = append(rel, ipwardenv1.AddressBlock(s))
+		}
+		entry := ipwardenv1.NodePoolRequest{Pool: pool, Requested: int32(requested), Releasing: rel}
+		found := false
+		for i := range a.Spec.Pools {
+			if a.Spec.Pools[i].Pool == pool {
+				a.Spec.Pools[i], found = entry, true
+			}
+		}
+		if !found {
+			a.Spec.Pools = append(a.Spec.Pools, entry)
+		}
+		return k8s.Update(context.Background(), a)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// held returns what a node's status holds from a pool.
+func held(t *testing.T, node, pool string) addr.Set {
+	t.Helper()
+	a := &ipwardenv1.NodeIPAllocation{}
+	if err := k8s.Get(context.Background(), client.ObjectKey{Name: node}, a); err != nil {
+		if apierrors.IsNotFound(err) {
+			return addr.Set{}
+		}
+		t.Fatal(err)
+	}
+	for _, p := range a.Status.Pools {
+		if p.Pool == pool {
+			s, err := addr.ParseSet(p.Addresses)
+			if err != nil {
+				t.Fatalf("node %s status for pool %s does not parse: %v", node, pool, err)
+			}
+			if int(p.Held) != size(s) {
+				t.Fatalf("node %s pool %s: held %d but %d addresses listed", node, pool, p.Held, size(s))
+			}
+			return s
+		}
+	}
+	return addr.Set{}
+}
+
+func size(s addr.Set) int {
+	n, _ := s.Size().Uint64()
+	return int(n)
+}
+
+// waitHeld waits until a node holds exactly n addresses of a pool.
+func waitHeld(t *testing.T, node, pool string, n int) addr.Set {
+	t.Helper()
+	var s addr.Set
+	eventually(t, 30*time.Second, fmt.Sprintf("node %s to hold %d addresses of %s", node, n, pool), func() error {
+		s = held(t, node, pool)
+		if size(s) != n {
+			return fmt.Errorf("holds %d: %v", size(s), s)
+		}
+		return nil
+	})
+	return s
+}
+
+func getPool(t *testing.T, name string) *ipwardenv1.IPPool {
+	t.Helper()
+	p := &ipwardenv1.IPPool{}
+	if err := k8s.Get(context.Background(), client.ObjectKey{Name: name}, p); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// assertDisjoint checks invariant 1 across nodes: no address is held by two nodes.
+func assertDisjoint(t *testing.T, holdings map[string]addr.Set) {
+	t.Helper()
+	var seen addr.Set
+	for node, s := range holdings {
+		if dup := seen.Intersect(s); !dup.IsEmpty() {
+			t.Fatalf("addresses %v held twice (one holder is %s)", dup, node)
+		}
+		seen = seen.Union(s)
+	}
+}
+
+func mustPrefix(s string) addr.Set {
+	return addr.SetOfPrefixes(netip.MustParsePrefix(s))
+}
+
+func condition(conds []metav1.Condition, typ string) *metav1.Condition {
+	for i := range conds {
+		if conds[i].Type == typ {
+			return &conds[i]
+		}
+	}
+	return nil
+}
