@@ -32,6 +32,9 @@ type controllerFlags struct {
 	leaderElect      bool
 	leaderElectionNS string
 	leaderElectionID string
+	leaseDuration    time.Duration
+	renewDeadline    time.Duration
+	retryPeriod      time.Duration
 	opts             controller.Options
 	zap              zap.Options
 }
@@ -54,6 +57,9 @@ to their pools, and reports pool usage in IPPool status. Run two replicas; one l
 	fs.BoolVar(&f.leaderElect, "leader-elect", true, "elect one active replica with a Lease")
 	fs.StringVar(&f.leaderElectionNS, "leader-election-namespace", "", "namespace of the Lease (default: $POD_NAMESPACE, else kube-system)")
 	fs.StringVar(&f.leaderElectionID, "leader-election-id", "ipwarden-controller", "name of the Lease")
+	fs.DurationVar(&f.leaseDuration, "leader-election-lease-duration", 15*time.Second, "how long a standby waits before taking over a Lease that was not renewed")
+	fs.DurationVar(&f.renewDeadline, "leader-election-renew-deadline", 10*time.Second, "how long the leader keeps trying to renew before it steps down")
+	fs.DurationVar(&f.retryPeriod, "leader-election-retry-period", 2*time.Second, "interval of Lease acquire and renew attempts")
 	fs.IntVar(&f.opts.Workers, "workers", 4, "node syncs run in parallel")
 	fs.DurationVar(&f.opts.MinSyncInterval, "min-sync-interval", 100*time.Millisecond, "least time between two syncs of one node; events in between coalesce")
 	fs.DurationVar(&f.opts.ResyncPeriod, "resync-period", time.Minute, "period of the full pass that repairs anything an event missed")
@@ -133,6 +139,9 @@ func runController(f *controllerFlags) error {
 		LeaderElectionID:              f.leaderElectionID,
 		LeaderElectionNamespace:       ns,
 		LeaderElectionReleaseOnCancel: true,
+		LeaseDuration:                 &f.leaseDuration,
+		RenewDeadline:                 &f.renewDeadline,
+		RetryPeriod:                   &f.retryPeriod,
 	})
 	if err != nil {
 		return fmt.Errorf("create manager: %w", err)

@@ -587,7 +587,7 @@ func (c *Controller) afterFill(alloc *ipwardenv1.NodeIPAllocation, f *Fill) {
 		}
 	}
 	for _, pool := range f.Starved {
-		c.events.Eventf(alloc, corev1.EventTypeWarning, "PoolExhausted", "pool %s cannot fill this node's request: %s", pool, f.Pools[pool].Reason)
+		c.events.Eventf(alloc, corev1.EventTypeWarning, "PoolExhausted", "cannot fill this node's request: %s", f.Pools[pool].Reason)
 	}
 	if woke || len(f.Starved) > 0 {
 		c.wakePools()

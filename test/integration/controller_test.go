@@ -11,7 +11,9 @@ import (
 	"testing"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/util/retry"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
@@ -315,4 +317,81 @@ func httpGet(url string) (string, error) {
 		return "", fmt.Errorf("%s: %s", url, resp.Status)
 	}
 	return string(b), err
+}
+
+// Shrinking a pool never takes a live address away: the conflict shows in the Ready condition and
+// drains as the node releases the addresses.
+func TestControllerPoolShrinkDrains(t *testing.T) {
+	startController(t)
+	createPool(t, "shrink", ipwardenv1.IPPoolSpec{CIDRs: []ipwardenv1.CIDR{"10.108.0.0/24"}})
+	createNode(t, "shrink-node", nil)
+	waitAllocation(t, "shrink-node")
+	request(t, "shrink-node", "shrink", 16, addr.Set{})
+	first := waitHeld(t, "shrink-node", "shrink", 16)
+
+	// Exclude exactly what the node holds.
+	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		p := getPool(t, "shrink")
+		for _, s := range first.Strings() {
+			p.Spec.Exclude = append(p.Spec.Exclude, ipwardenv1.IPOrCIDR(s))
+		}
+		return k8s.Update(context.Background(), p)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	readyReason := func(reason string) func() error {
+		return func() error {
+			p := getPool(t, "shrink")
+			c := condition(p.Status.Conditions, ipwardenv1.ConditionReady)
+			if c == nil || c.Reason != reason || p.Status.ObservedGeneration != p.Generation {
+				return fmt.Errorf("Ready condition %+v at generation %d of %d", c, p.Status.ObservedGeneration, p.Generation)
+			}
+			return nil
+		}
+	}
+	eventually(t, 10*time.Second, "Ready reason Draining", readyReason("Draining"))
+	if c := condition(getPool(t, "shrink").Status.Conditions, ipwardenv1.ConditionReady); !strings.Contains(c.Message, "16 held addresses lie outside the pool") {
+		t.Errorf("Draining message %q does not say how many", c.Message)
+	}
+	if h := held(t, "shrink-node", "shrink"); !h.Equal(first) {
+		t.Fatalf("shrinking the pool took addresses: node holds %v, had %v", h, first)
+	}
+
+	// New addresses come from what is left of the pool; releasing the old ones drains the conflict.
+	request(t, "shrink-node", "shrink", 32, addr.Set{})
+	both := waitHeld(t, "shrink-node", "shrink", 32)
+	if added := both.Subtract(first); added.Overlaps(first) || size(added) != 16 {
+		t.Fatalf("added %v", added)
+	}
+	request(t, "shrink-node", "shrink", 16, first)
+	waitHeld(t, "shrink-node", "shrink", 16)
+	eventually(t, 10*time.Second, "Ready reason Serving", readyReason("Serving"))
+	if got := getPool(t, "shrink").Status.Capacity; got != 240 {
+		t.Errorf("capacity %d after excluding 16 of 256, want 240", got)
+	}
+}
+
+// A fill the pool cannot serve in full leaves a PoolExhausted event on the NodeIPAllocation.
+func TestControllerExhaustionEvent(t *testing.T) {
+	startController(t)
+	createPool(t, "tiny", ipwardenv1.IPPoolSpec{CIDRs: []ipwardenv1.CIDR{"10.109.0.0/29"}, Scaling: ipwardenv1.Scaling{BatchSize: 1, BufferPercent: 0, MaxPerNode: 16}})
+	createNode(t, "tiny-node", nil)
+	waitAllocation(t, "tiny-node")
+	request(t, "tiny-node", "tiny", 12, addr.Set{})
+	waitHeld(t, "tiny-node", "tiny", 8)
+	eventually(t, 10*time.Second, "a PoolExhausted event", func() error {
+		var events corev1.EventList
+		if err := k8s.List(context.Background(), &events); err != nil {
+			return err
+		}
+		for _, e := range events.Items {
+			if e.InvolvedObject.Kind == "NodeIPAllocation" && e.InvolvedObject.Name == "tiny-node" && e.Reason == "PoolExhausted" {
+				if !strings.Contains(e.Message, "cannot fill this node's request: pool tiny is exhausted: 8 free addresses for a deficit of 12") {
+					return fmt.Errorf("event message %q", e.Message)
+				}
+				return nil
+			}
+		}
+		return fmt.Errorf("no PoolExhausted event among %d events", len(events.Items))
+	})
 }

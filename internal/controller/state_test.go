@@ -1,0 +1,157 @@
+package controller
+
+import (
+	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
+	"github.com/ipwarden/ipwarden/internal/addr"
+)
+
+func testPool(name, cidr string, cooldown time.Duration) ipwardenv1.IPPool {
+	return ipwardenv1.IPPool{ObjectMeta: metav1.ObjectMeta{Name: name}, Spec: ipwardenv1.IPPoolSpec{
+		CIDRs:         []ipwardenv1.CIDR{ipwardenv1.CIDR(cidr)},
+		Scaling:       ipwardenv1.Scaling{BatchSize: 4, BufferPercent: 0, MaxPerNode: 64},
+		ReuseCooldown: metav1.Duration{Duration: cooldown},
+	}}
+}
+
+func allocWith(name, pool string, held ...string) ipwardenv1.NodeIPAllocation {
+	return ipwardenv1.NodeIPAllocation{ObjectMeta: metav1.ObjectMeta{Name: name},
+		Status: ipwardenv1.NodeIPAllocationStatus{Pools: []ipwardenv1.NodePoolStatus{{Pool: pool, Addresses: held}}}}
+}
+
+func spec(pool string, requested int, releasing ...string) ipwardenv1.NodeIPAllocationSpec {
+	var rel []ipwardenv1.AddressBlock
+	for _, r := range releasing {
+		rel = append(rel, ipwardenv1.AddressBlock(r))
+	}
+	return ipwardenv1.NodeIPAllocationSpec{Pools: []ipwardenv1.NodePoolRequest{{Pool: pool, Requested: int32(requested), Releasing: rel}}}
+}
+
+func TestRebuildRestoresHoldingsAndCooling(t *testing.T) {
+	pool := testPool("p", "10.0.0.0/28", time.Minute)
+	pool.Status.Cooling = []ipwardenv1.CoolingBlock{
+		{Addresses: []string{"10.0.0.8/30"}, Until: metav1.NewTime(t0.Add(30 * time.Second))},
+		{Addresses: []string{"10.0.0.12"}, Until: metav1.NewTime(t0.Add(-time.Second))}, // already over
+		{Addresses: []string{"10.0.0.0"}, Until: metav1.NewTime(t0.Add(30 * time.Second))}, // still held: held wins
+	}
+	s := NewState(DefaultExhaustionMarks)
+	twice := s.Rebuild([]ipwardenv1.IPPool{pool}, []ipwardenv1.NodeIPAllocation{
+		allocWith("a", "p", "10.0.0.0/30"),
+		allocWith("b", "p", "10.0.0.3-10.0.0.5"),
+	}, t0)
+	if !twice.Equal(set(t, "10.0.0.3")) {
+		t.Fatalf("twice = %v, want 10.0.0.3", twice)
+	}
+	if got := s.HeldBy("b")["p"]; !got.Equal(set(t, "10.0.0.4-10.0.0.5")) {
+		t.Fatalf("b holds %v after rebuild", got)
+	}
+	// 16 - 4 (a) - 2 (b) - 4 cooling = 6 usable: a request of 7 falls short by one, and never
+	// gets a cooling address.
+	f := s.PlanFill("c", spec("p", 7), t0)
+	got := f.Pools["p"].Added
+	if size := count(got); size != 6 || got.Overlaps(set(t, "10.0.0.8/30", "10.0.0.0/30", "10.0.0.4-10.0.0.5")) {
+		t.Fatalf("fill gave %v", got)
+	}
+	if len(f.Starved) != 1 {
+		t.Fatalf("starved = %v, want [p]", f.Starved)
+	}
+	s.Abort(f, true)
+	// After the cooling record ends the addresses are usable.
+	f = s.PlanFill("c", spec("p", 10), t0.Add(31*time.Second))
+	if n := count(f.Pools["p"].Added); n != 10 {
+		t.Fatalf("after the cooldown the fill gave %d, want 10", n)
+	}
+}
+
+func TestCommitAbortResolve(t *testing.T) {
+	s := NewState(DefaultExhaustionMarks)
+	s.Rebuild([]ipwardenv1.IPPool{testPool("p", "10.0.0.0/28", time.Minute)}, nil, t0)
+
+	// A rejected write returns the addresses at once.
+	f := s.PlanFill("n", spec("p", 8), t0)
+	s.Abort(f, true)
+	if s.Holds("n") {
+		t.Fatal("a rejected fill left the node holding addresses")
+	}
+	if f2 := s.PlanFill("m", spec("p", 16), t0); count(f2.Pools["p"].Added) != 16 {
+		t.Fatal("addresses of a rejected write were not returned at once")
+	} else {
+		s.Abort(f2, true)
+	}
+
+	// An unknown outcome keeps them reserved until the status is read again.
+	f = s.PlanFill("n", spec("p", 8), t0)
+	added := f.Pools["p"].Added
+	s.Abort(f, false)
+	if f2 := s.PlanFill("m", spec("p", 16), t0); count(f2.Pools["p"].Added) != 8 {
+		t.Fatalf("pending addresses were handed out again: %v", f2.Pools["p"].Added)
+	} else {
+		s.Abort(f2, true)
+	}
+	// The write did land for half of them (say the status shows the first 4).
+	landed := added.First(4)
+	s.ResolvePending("n", ipwardenv1.NodeIPAllocationStatus{Pools: []ipwardenv1.NodePoolStatus{{Pool: "p", Addresses: landed.Strings()}}})
+	if got := s.HeldBy("n")["p"]; !got.Equal(landed) {
+		t.Fatalf("after resolve the node holds %v, want %v", got, landed)
+	}
+	if f2 := s.PlanFill("m", spec("p", 12), t0); count(f2.Pools["p"].Added) != 12 {
+		t.Fatalf("unpublished pending addresses not returned: got %v", f2.Pools["p"].Added)
+	} else {
+		s.Abort(f2, true)
+	}
+
+	// Commit a release: the addresses cool, and only released ones leave.
+	f = s.PlanFill("n", spec("p", 2, landed.First(2).Strings()...), t0)
+	if !f.Pools["p"].Removed.Equal(landed.First(2)) {
+		t.Fatalf("removed %v", f.Pools["p"].Removed)
+	}
+	s.Commit(f, t0)
+	cool, _ := s.PoolCounts("p")
+	if cool != 2 {
+		t.Fatalf("cooling %d, want 2", cool)
+	}
+}
+
+func TestReleaseNode(t *testing.T) {
+	s := NewState(DefaultExhaustionMarks)
+	s.Rebuild([]ipwardenv1.IPPool{testPool("p", "10.0.0.0/28", time.Second)}, []ipwardenv1.NodeIPAllocation{allocWith("n", "p", "10.0.0.0/29")}, t0)
+	rel := s.ReleaseNode("n", t0)
+	if !rel["p"].Equal(set(t, "10.0.0.0/29")) || s.Holds("n") {
+		t.Fatalf("released %v", rel)
+	}
+	st, _ := s.PoolStatus("p", ipwardenv1.IPPoolStatus{}, 1, t0)
+	if st.Allocated != 8 || st.Nodes != 0 {
+		t.Fatalf("status right after release: %+v", st)
+	}
+	st, _ = s.PoolStatus("p", st, 1, t0.Add(2*time.Second))
+	if st.Allocated != 0 || st.Free != 16 {
+		t.Fatalf("status after cooldown: %+v", st)
+	}
+}
+
+func TestNodeStatus(t *testing.T) {
+	f := &Fill{Pools: map[string]*PoolFill{
+		"b": {Held: set(t, "fd00::/124")},
+		"a": {Held: set(t, "10.0.0.0/29", "10.0.0.9"), Reason: "pool a is exhausted: 0 free addresses for a deficit of 3"},
+		"c": {Held: addr.Set{}},
+	}}
+	sp := ipwardenv1.NodeIPAllocationSpec{Pools: []ipwardenv1.NodePoolRequest{{Pool: "a", Requested: 12}, {Pool: "b", Requested: 16}}}
+	st := NodeStatus(ipwardenv1.NodeIPAllocationStatus{}, sp, 3, f)
+	if len(st.Pools) != 2 || st.Pools[0].Pool != "a" || st.Pools[0].Held != 9 || st.Held != 25 {
+		t.Fatalf("pools %+v held %d", st.Pools, st.Held)
+	}
+	if got := st.Pools[0].Addresses; len(got) != 2 || got[0] != "10.0.0.0/29" || got[1] != "10.0.0.9" {
+		t.Fatalf("addresses %v", got)
+	}
+	c := st.Conditions[0]
+	if c.Status != metav1.ConditionFalse || c.Reason != "Short" || c.Message != "pool a is exhausted: 0 free addresses for a deficit of 3" {
+		t.Fatalf("condition %+v", c)
+	}
+	if st.Summary != "a 9/12, b 16/16" || st.ObservedGeneration != 3 {
+		t.Fatalf("summary %q generation %d", st.Summary, st.ObservedGeneration)
+	}
+}
