@@ -35,7 +35,7 @@ func TestRebuildRestoresHoldingsAndCooling(t *testing.T) {
 	pool := testPool("p", "10.0.0.0/28", time.Minute)
 	pool.Status.Cooling = []ipwardenv1.CoolingBlock{
 		{Addresses: []string{"10.0.0.8/30"}, Until: metav1.NewTime(t0.Add(30 * time.Second))},
-		{Addresses: []string{"10.0.0.12"}, Until: metav1.NewTime(t0.Add(-time.Second))}, // already over
+		{Addresses: []string{"10.0.0.12"}, Until: metav1.NewTime(t0.Add(-time.Second))},    // already over
 		{Addresses: []string{"10.0.0.0"}, Until: metav1.NewTime(t0.Add(30 * time.Second))}, // still held: held wins
 	}
 	s := NewState(DefaultExhaustionMarks)
