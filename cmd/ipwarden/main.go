@@ -2,6 +2,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"os"
 
@@ -11,6 +12,10 @@ import (
 func main() {
 	if err := newRootCommand().Execute(); err != nil {
 		fmt.Fprintln(os.Stderr, "ipwarden:", err)
+		var ee *exitError
+		if errors.As(err, &ee) {
+			os.Exit(ee.code)
+		}
 		os.Exit(1)
 	}
 }
@@ -24,11 +29,13 @@ cluster pools and gives pods their address from that node-local set.
 
 Subcommands:
   controller  run the cluster controller
+  check       report inconsistencies (read-only)
   version     print the build version`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
 	root.AddCommand(newVersionCommand())
 	root.AddCommand(newControllerCommand())
+	root.AddCommand(newCheckCommand())
 	return root
 }

@@ -1,0 +1,118 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"sort"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/ipwarden/ipwarden/internal/check"
+)
+
+// exitError carries a process exit code through cobra.
+type exitError struct {
+	code int
+	msg  string
+}
+
+func (e *exitError) Error() string { return e.msg }
+
+func newCheckCommand() *cobra.Command {
+	var kubeconfig, output string
+	var timeout time.Duration
+	cmd := &cobra.Command{
+		Use:   "check",
+		Short: "Report inconsistencies: addresses held twice, outside their pools, not held, or leaked",
+		Long: `check reads IPPools, Pods, NodeIPAllocations and Nodes (in that order, so objects created
+meanwhile cannot look inconsistent) and reports every violation of ipwarden's invariants:
+
+  HeldTwice          an address in two nodes' NodeIPAllocation status
+  AttachedTwice      an address used by two running pods
+  OutsidePool        a node holds addresses outside its pool (a shrunk pool drains as nodes release)
+  UnknownPool        a node holds addresses of a pool that no longer exists
+  PodAddressNotHeld  a running pod's address is not held by its node
+  OrphanAllocation   a NodeIPAllocation whose Node is gone
+
+It only lists objects: it takes no lock and blocks nothing. Exit status: 0 consistent,
+1 problems found, 2 could not check.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if output != "text" && output != "json" {
+				return &exitError{2, fmt.Sprintf("unknown output format %q: use text or json", output)}
+			}
+			cfg, err := restConfig(kubeconfig)
+			if err != nil {
+				return &exitError{2, err.Error()}
+			}
+			scheme, err := newScheme()
+			if err != nil {
+				return &exitError{2, err.Error()}
+			}
+			c, err := client.New(cfg, client.Options{Scheme: scheme})
+			if err != nil {
+				return &exitError{2, err.Error()}
+			}
+			ctx, cancel := context.WithTimeout(cmd.Context(), timeout)
+			defer cancel()
+			in, err := check.Collect(ctx, c)
+			if err != nil {
+				return &exitError{2, fmt.Sprintf("cannot read the cluster: %v", err)}
+			}
+			r := check.Check(in)
+			if err := writeReport(cmd.OutOrStdout(), r, output); err != nil {
+				return &exitError{2, err.Error()}
+			}
+			if !r.OK() {
+				return &exitError{1, fmt.Sprintf("%d problems found", len(r.Findings))}
+			}
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file; in-cluster configuration when empty")
+	cmd.Flags().StringVarP(&output, "output", "o", "text", "output format: text or json")
+	cmd.Flags().DurationVar(&timeout, "timeout", 2*time.Minute, "give up reading the cluster after this long")
+	return cmd
+}
+
+func writeReport(w io.Writer, r check.Report, output string) error {
+	if output == "json" {
+		enc := json.NewEncoder(w)
+		enc.SetIndent("", "  ")
+		return enc.Encode(r)
+	}
+	fmt.Fprintf(w, "checked %d pools, %d nodes holding %d addresses, %d running pods", r.Pools, r.Nodes, r.Held, r.RunningPods)
+	if r.AgentsAsked > 0 {
+		fmt.Fprintf(w, ", %d attachments from %d agents", r.Attachments, r.AgentsAsked)
+	}
+	fmt.Fprintln(w)
+	if r.OK() {
+		fmt.Fprintln(w, "no problems found")
+		return nil
+	}
+	kinds := make([]string, 0, len(r.CountsByKind))
+	for k, n := range r.CountsByKind {
+		kinds = append(kinds, fmt.Sprintf("%s %d", k, n))
+	}
+	sort.Strings(kinds)
+	fmt.Fprintf(w, "%d problems: %s\n\n", len(r.Findings), strings.Join(kinds, ", "))
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "KIND\tADDRESSES\tNODES\tPOOL\tPOD\tDETAIL")
+	for _, f := range r.Findings {
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", f.Kind, f.Addresses, strings.Join(f.Nodes, ","), dash(f.Pool), dash(f.Pod), f.Detail)
+	}
+	return tw.Flush()
+}
+
+func dash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}

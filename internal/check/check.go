@@ -1,0 +1,236 @@
+// Package check is ipwarden's consistency checker: given a snapshot of the API objects (and, where
+// reachable, the agents' attachment lists) it reports every violation of the invariants in
+// DESIGN.md. It is pure; `ipwarden check` and the chaos suite feed it.
+package check
+
+import (
+	"fmt"
+	"net/netip"
+	"sort"
+	"time"
+
+	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
+	"github.com/ipwarden/ipwarden/internal/addr"
+)
+
+// Pod is what the checker needs of a Pod.
+type Pod struct {
+	Namespace, Name, UID, Node string
+	IPs                        []netip.Addr
+	// Running: scheduled, not finished, not being deleted, not host-network (it owns its IPs).
+	Running bool
+}
+
+// Attachment is one pod interface an agent has handed addresses to.
+type Attachment struct {
+	Node         string
+	ContainerID  string
+	IfName       string
+	PodNamespace string
+	PodName      string
+	PodUID       string
+	Addrs        []netip.Addr
+	Created      time.Time
+}
+
+// Input is one snapshot. List pods before NodeIPAllocations and NodeIPAllocations before Nodes,
+// so that objects created during the snapshot cannot look inconsistent.
+type Input struct {
+	Pools  []ipwardenv1.IPPool
+	Allocs []ipwardenv1.NodeIPAllocation
+	Nodes  []string
+	Pods   []Pod
+	// Attachments by node, for the nodes whose agent answered; nil when none was asked.
+	Attachments map[string][]Attachment
+	// Now and Grace: an attachment younger than Grace is never reported as leaked (its pod may
+	// be too new for the snapshot).
+	Now   time.Time
+	Grace time.Duration
+}
+
+// Finding is one problem.
+type Finding struct {
+	Kind      string   `json:"kind"`
+	Addresses string   `json:"addresses"`
+	Nodes     []string `json:"nodes,omitempty"`
+	Pool      string   `json:"pool,omitempty"`
+	Pod       string   `json:"pod,omitempty"`
+	Detail    string   `json:"detail"`
+}
+
+// Kinds of findings.
+const (
+	HeldTwice         = "HeldTwice"         // an address in two nodes' status (invariant 1)
+	AttachedTwice     = "AttachedTwice"     // an address on two attachments or two running pods (invariant 1)
+	OutsidePool       = "OutsidePool"       // a node holds addresses outside the pool's CIDRs minus exclusions
+	PodAddressNotHeld = "PodAddressNotHeld" // a running pod's address is not held by its node (invariant 3)
+	OrphanAllocation  = "OrphanAllocation"  // a NodeIPAllocation whose Node is gone (invariant 5)
+	LeakedAttachment  = "LeakedAttachment"  // an attachment whose pod is gone (invariant 5)
+	UnknownPool       = "UnknownPool"       // a node holds addresses of a pool that does not exist
+)
+
+// Report is the checker's result.
+type Report struct {
+	Pools        int            `json:"pools"`
+	Nodes        int            `json:"nodes"`
+	Held         int64          `json:"heldAddresses"`
+	RunningPods  int            `json:"runningPods"`
+	Attachments  int            `json:"attachments"`
+	AgentsAsked  int            `json:"agentsAsked"`
+	Findings     []Finding      `json:"findings"`
+	CountsByKind map[string]int `json:"countsByKind"`
+}
+
+// OK says whether the snapshot is consistent.
+func (r Report) OK() bool { return len(r.Findings) == 0 }
+
+// Check inspects one snapshot.
+func Check(in Input) Report {
+	r := Report{Pools: len(in.Pools), Nodes: len(in.Allocs), AgentsAsked: len(in.Attachments), CountsByKind: map[string]int{}}
+	add := func(f Finding) {
+		r.Findings = append(r.Findings, f)
+		r.CountsByKind[f.Kind]++
+	}
+
+	pools := map[string]addr.Set{} // pool -> its addresses
+	var poolCIDRs addr.Set         // all pools' CIDRs: pod IPs outside them are another IPAM's
+	for _, p := range in.Pools {
+		var cidrs addr.Set
+		for _, c := range p.Spec.CIDRs {
+			if pr, err := netip.ParsePrefix(string(c)); err == nil {
+				cidrs = cidrs.Union(addr.SetOfPrefixes(pr.Masked()))
+			}
+		}
+		var excl []string
+		for _, e := range p.Spec.Exclude {
+			excl = append(excl, string(e))
+		}
+		ex, _ := addr.ParseSet(excl)
+		pools[p.Name] = cidrs.Subtract(ex)
+		poolCIDRs = poolCIDRs.Union(cidrs)
+	}
+
+	// Who holds what, and twice-held addresses.
+	nodeHeld := map[string]addr.Set{}
+	var all addr.Set
+	owner := []ownedSet{}
+	allocs := append([]ipwardenv1.NodeIPAllocation(nil), in.Allocs...)
+	sort.Slice(allocs, func(i, j int) bool { return allocs[i].Name < allocs[j].Name })
+	for _, a := range allocs {
+		for _, ps := range a.Status.Pools {
+			s, err := addr.ParseSet(ps.Addresses)
+			if err != nil {
+				add(Finding{Kind: OutsidePool, Nodes: []string{a.Name}, Pool: ps.Pool, Addresses: fmt.Sprint(ps.Addresses),
+					Detail: fmt.Sprintf("status does not parse: %v", err)})
+				continue
+			}
+			n, _ := s.Size().Uint64()
+			r.Held += int64(n)
+			if dup := all.Intersect(s); !dup.IsEmpty() {
+				add(Finding{Kind: HeldTwice, Addresses: dup.String(), Nodes: append(holders(owner, dup), a.Name), Pool: ps.Pool,
+					Detail: "held by two nodes"})
+			}
+			all = all.Union(s)
+			owner = append(owner, ownedSet{a.Name, s})
+			nodeHeld[a.Name] = nodeHeld[a.Name].Union(s)
+			pool, ok := pools[ps.Pool]
+			if !ok {
+				add(Finding{Kind: UnknownPool, Addresses: s.String(), Nodes: []string{a.Name}, Pool: ps.Pool,
+					Detail: "the node holds addresses of a pool that does not exist; they return when its agent releases them"})
+				continue
+			}
+			if out := s.Subtract(pool); !out.IsEmpty() {
+				add(Finding{Kind: OutsidePool, Addresses: out.String(), Nodes: []string{a.Name}, Pool: ps.Pool,
+					Detail: "held outside the pool's cidrs minus exclusions (after a shrink they drain as the node releases them)"})
+			}
+		}
+	}
+
+	// NodeIPAllocations of deleted Nodes.
+	nodes := map[string]bool{}
+	for _, n := range in.Nodes {
+		nodes[n] = true
+	}
+	for _, a := range allocs {
+		if !nodes[a.Name] {
+			add(Finding{Kind: OrphanAllocation, Addresses: nodeHeld[a.Name].String(), Nodes: []string{a.Name},
+				Detail: "the Node is gone but its NodeIPAllocation remains; the controller returns its addresses"})
+		}
+	}
+
+	// Running pods: their addresses are held by their node, and no two share one.
+	podUIDs := map[string]bool{}
+	byIP := map[netip.Addr]string{}
+	for _, p := range in.Pods {
+		podUIDs[p.UID] = true
+		if !p.Running {
+			continue
+		}
+		r.RunningPods++
+		id := p.Namespace + "/" + p.Name
+		for _, ip := range p.IPs {
+			if !poolCIDRs.Contains(ip) {
+				continue
+			}
+			if other, ok := byIP[ip]; ok {
+				add(Finding{Kind: AttachedTwice, Addresses: ip.String(), Pod: id, Nodes: []string{p.Node},
+					Detail: "also the address of running pod " + other})
+			}
+			byIP[ip] = id
+			if !nodeHeld[p.Node].Contains(ip) {
+				add(Finding{Kind: PodAddressNotHeld, Addresses: ip.String(), Pod: id, Nodes: []string{p.Node},
+					Detail: "the running pod's address is not in its node's NodeIPAllocation status"})
+			}
+		}
+	}
+
+	// Agents' attachments.
+	var attached addr.Set
+	nodesAsked := make([]string, 0, len(in.Attachments))
+	for n := range in.Attachments {
+		nodesAsked = append(nodesAsked, n)
+	}
+	sort.Strings(nodesAsked)
+	for _, node := range nodesAsked {
+		for _, at := range in.Attachments[node] {
+			r.Attachments++
+			s := addr.SetOfAddrs(at.Addrs...)
+			who := fmt.Sprintf("%s/%s (container %s, %s)", at.PodNamespace, at.PodName, short(at.ContainerID), at.IfName)
+			if dup := attached.Intersect(s); !dup.IsEmpty() {
+				add(Finding{Kind: AttachedTwice, Addresses: dup.String(), Nodes: []string{node}, Pod: who, Detail: "on two attachments"})
+			}
+			attached = attached.Union(s)
+			if out := s.Subtract(nodeHeld[node]); !out.IsEmpty() {
+				add(Finding{Kind: PodAddressNotHeld, Addresses: out.String(), Nodes: []string{node}, Pod: who,
+					Detail: "attached but not in the node's NodeIPAllocation status"})
+			}
+			if at.PodUID != "" && !podUIDs[at.PodUID] && in.Now.Sub(at.Created) >= in.Grace {
+				add(Finding{Kind: LeakedAttachment, Addresses: s.String(), Nodes: []string{node}, Pod: who,
+					Detail: fmt.Sprintf("pod UID %s no longer exists", at.PodUID)})
+			}
+		}
+	}
+	return r
+}
+
+type ownedSet struct {
+	node string
+	set  addr.Set
+}
+
+func holders(owners []ownedSet, s addr.Set) []string {
+	var out []string
+	for _, o := range owners {
+		if o.set.Overlaps(s) {
+			out = append(out, o.node)
+		}
+	}
+	return out
+}
+
+func short(id string) string {
+	if len(id) > 12 {
+		return id[:12]
+	}
+	return id
+}

@@ -1,0 +1,110 @@
+package check
+
+import (
+	"net/netip"
+	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
+)
+
+var now = time.Unix(1_700_000_000, 0)
+
+func pool(name, cidr string, exclude ...string) ipwardenv1.IPPool {
+	p := ipwardenv1.IPPool{ObjectMeta: metav1.ObjectMeta{Name: name}, Spec: ipwardenv1.IPPoolSpec{CIDRs: []ipwardenv1.CIDR{ipwardenv1.CIDR(cidr)}}}
+	for _, e := range exclude {
+		p.Spec.Exclude = append(p.Spec.Exclude, ipwardenv1.IPOrCIDR(e))
+	}
+	return p
+}
+
+func alloc(node, pool string, addrs ...string) ipwardenv1.NodeIPAllocation {
+	return ipwardenv1.NodeIPAllocation{ObjectMeta: metav1.ObjectMeta{Name: node},
+		Status: ipwardenv1.NodeIPAllocationStatus{Pools: []ipwardenv1.NodePoolStatus{{Pool: pool, Addresses: addrs}}}}
+}
+
+func ips(s ...string) []netip.Addr {
+	var out []netip.Addr
+	for _, x := range s {
+		out = append(out, netip.MustParseAddr(x))
+	}
+	return out
+}
+
+func healthy() Input {
+	return Input{
+		Pools:  []ipwardenv1.IPPool{pool("v4", "10.0.0.0/24", "10.0.0.1")},
+		Allocs: []ipwardenv1.NodeIPAllocation{alloc("n1", "v4", "10.0.0.16/28"), alloc("n2", "v4", "10.0.0.32/28")},
+		Nodes:  []string{"n1", "n2"},
+		Pods: []Pod{
+			{Namespace: "a", Name: "p1", UID: "u1", Node: "n1", IPs: ips("10.0.0.17"), Running: true},
+			{Namespace: "a", Name: "p2", UID: "u2", Node: "n2", IPs: ips("10.0.0.33"), Running: true},
+			{Namespace: "a", Name: "host", UID: "u3", Node: "n2", IPs: ips("192.168.1.5"), Running: true}, // not ours
+			{Namespace: "a", Name: "done", UID: "u4", Node: "n2", IPs: ips("10.0.0.99"), Running: false},
+		},
+		Attachments: map[string][]Attachment{
+			"n1": {{Node: "n1", ContainerID: "c1", IfName: "eth0", PodNamespace: "a", PodName: "p1", PodUID: "u1", Addrs: ips("10.0.0.17"), Created: now.Add(-time.Hour)}},
+		},
+		Now: now, Grace: time.Minute,
+	}
+}
+
+func TestCheck(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		mod  func(*Input)
+		want map[string]int
+	}{
+		{"healthy", func(*Input) {}, nil},
+		{"held twice", func(in *Input) { in.Allocs = append(in.Allocs, alloc("n3", "v4", "10.0.0.30-10.0.0.34")); in.Nodes = append(in.Nodes, "n3") },
+			map[string]int{HeldTwice: 1}},
+		{"outside the pool", func(in *Input) { in.Allocs[0] = alloc("n1", "v4", "10.0.0.0/27") }, map[string]int{OutsidePool: 1}},
+		{"unknown pool", func(in *Input) { in.Allocs[1] = alloc("n2", "gone", "10.0.0.32/28") },
+			map[string]int{UnknownPool: 1, PodAddressNotHeld: 0}},
+		{"node gone", func(in *Input) { in.Nodes = in.Nodes[:1] }, map[string]int{OrphanAllocation: 1}},
+		{"running pod's address not held", func(in *Input) { in.Pods[1].IPs = ips("10.0.0.200") }, map[string]int{PodAddressNotHeld: 1}},
+		{"two running pods share an address", func(in *Input) { in.Pods[1].IPs = ips("10.0.0.17"); in.Pods[1].Node = "n1" }, map[string]int{AttachedTwice: 1}},
+		{"attachment of a deleted pod", func(in *Input) { in.Pods = in.Pods[1:] }, map[string]int{LeakedAttachment: 1}},
+		{"young attachment is not a leak", func(in *Input) {
+			in.Pods = in.Pods[1:]
+			in.Attachments["n1"][0].Created = now.Add(-10 * time.Second)
+		}, nil},
+		{"attachment outside the node's holding", func(in *Input) { in.Attachments["n1"][0].Addrs = ips("10.0.0.40") },
+			map[string]int{PodAddressNotHeld: 1}},
+		{"two attachments share an address", func(in *Input) {
+			in.Attachments["n1"] = append(in.Attachments["n1"], Attachment{Node: "n1", ContainerID: "c2", IfName: "eth0", PodUID: "u1", Addrs: ips("10.0.0.17"), Created: now})
+		}, map[string]int{AttachedTwice: 1}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			in := healthy()
+			tc.mod(&in)
+			r := Check(in)
+			want := map[string]int{}
+			for k, v := range tc.want {
+				if v > 0 {
+					want[k] = v
+				}
+			}
+			if len(r.CountsByKind) != len(want) {
+				t.Fatalf("findings %+v, want counts %v", r.Findings, want)
+			}
+			for k, v := range want {
+				if r.CountsByKind[k] != v {
+					t.Fatalf("findings %+v, want counts %v", r.Findings, want)
+				}
+			}
+			if r.OK() != (len(want) == 0) {
+				t.Fatalf("OK() = %v with findings %v", r.OK(), r.Findings)
+			}
+		})
+	}
+}
+
+func TestCheckCounts(t *testing.T) {
+	r := Check(healthy())
+	if r.Pools != 1 || r.Nodes != 2 || r.Held != 32 || r.RunningPods != 3 || r.Attachments != 1 || r.AgentsAsked != 1 {
+		t.Fatalf("report %+v", r)
+	}
+}

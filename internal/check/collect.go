@@ -1,0 +1,67 @@
+package check
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
+)
+
+// Collect reads a snapshot from the API server in the order Input asks for (pools, pods,
+// NodeIPAllocations, Nodes). It only lists: it takes no lock and blocks nothing. Pods are read a
+// page at a time.
+func Collect(ctx context.Context, c client.Reader) (Input, error) {
+	in := Input{Now: time.Now()}
+	var pools ipwardenv1.IPPoolList
+	if err := c.List(ctx, &pools); err != nil {
+		return in, fmt.Errorf("list IPPools: %w", err)
+	}
+	in.Pools = pools.Items
+	opts := []client.ListOption{client.Limit(500)}
+	for {
+		var pods corev1.PodList
+		if err := c.List(ctx, &pods, opts...); err != nil {
+			return in, fmt.Errorf("list pods: %w", err)
+		}
+		for i := range pods.Items {
+			in.Pods = append(in.Pods, PodOf(&pods.Items[i]))
+		}
+		if pods.Continue == "" {
+			break
+		}
+		opts = []client.ListOption{client.Limit(500), client.Continue(pods.Continue)}
+	}
+	var allocs ipwardenv1.NodeIPAllocationList
+	if err := c.List(ctx, &allocs); err != nil {
+		return in, fmt.Errorf("list NodeIPAllocations: %w", err)
+	}
+	in.Allocs = allocs.Items
+	nodes := &metav1.PartialObjectMetadataList{}
+	nodes.SetGroupVersionKind(corev1.SchemeGroupVersion.WithKind("NodeList"))
+	if err := c.List(ctx, nodes); err != nil {
+		return in, fmt.Errorf("list nodes: %w", err)
+	}
+	for _, n := range nodes.Items {
+		in.Nodes = append(in.Nodes, n.Name)
+	}
+	return in, nil
+}
+
+// PodOf extracts what the checker needs of a pod.
+func PodOf(p *corev1.Pod) Pod {
+	out := Pod{Namespace: p.Namespace, Name: p.Name, UID: string(p.UID), Node: p.Spec.NodeName}
+	for _, ip := range p.Status.PodIPs {
+		if a, err := netip.ParseAddr(ip.IP); err == nil {
+			out.IPs = append(out.IPs, a)
+		}
+	}
+	out.Running = p.Spec.NodeName != "" && !p.Spec.HostNetwork && p.DeletionTimestamp == nil &&
+		p.Status.Phase != corev1.PodSucceeded && p.Status.Phase != corev1.PodFailed && len(out.IPs) > 0
+	return out
+}
