@@ -58,7 +58,10 @@ func TestCheck(t *testing.T) {
 		want map[string]int
 	}{
 		{"healthy", func(*Input) {}, nil},
-		{"held twice", func(in *Input) { in.Allocs = append(in.Allocs, alloc("n3", "v4", "10.0.0.30-10.0.0.34")); in.Nodes = append(in.Nodes, "n3") },
+		{"held twice", func(in *Input) {
+			in.Allocs = append(in.Allocs, alloc("n3", "v4", "10.0.0.30-10.0.0.34"))
+			in.Nodes = append(in.Nodes, "n3")
+		},
 			map[string]int{HeldTwice: 1}},
 		{"outside the pool", func(in *Input) { in.Allocs[0] = alloc("n1", "v4", "10.0.0.0/27") }, map[string]int{OutsidePool: 1}},
 		{"unknown pool", func(in *Input) { in.Allocs[1] = alloc("n2", "gone", "10.0.0.32/28") },

@@ -85,7 +85,7 @@ func TestCheckCommand(t *testing.T) {
 	}
 
 	// Now break it three ways.
-	setStatus("check-ghost", "10.110.0.8/29")                    // held twice, and no Node
+	setStatus("check-ghost", "10.110.0.8/29")                     // held twice, and no Node
 	createRunningPod(t, "check-stray", "check-b", "10.110.0.200") // not held by its node
 	r, code, _ = runCheck(t)
 	if code != 1 {
