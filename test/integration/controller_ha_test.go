@@ -90,7 +90,8 @@ func (p *controllerProcess) logContains(s string) bool {
 // leads and serves; when it dies the other takes over the Lease and serves. The service account
 // can do what the controller needs and nothing it does not.
 func TestControllerLeaderElectionWithShippedRBAC(t *testing.T) {
-	applyYAML(t, "deploy/rbac/controller.yaml")
+	applyYAML(t, "deploy/kustomize/namespace.yaml")
+	applyYAML(t, "deploy/kustomize/controller-rbac.yaml")
 	kc, sa := impersonating(t, "ipwarden-system", "ipwarden-controller")
 
 	ha := []string{"--kubeconfig", kc, "--leader-elect=true", "--leader-election-namespace=ipwarden-system",
