@@ -27,6 +27,8 @@ import (
 
 type controllerFlags struct {
 	kubeconfig       string
+	qps              float32
+	burst            int
 	metricsAddr      string
 	probeAddr        string
 	leaderElect      bool
@@ -52,6 +54,8 @@ to their pools, and reports pool usage in IPPool status. Run two replicas; one l
 	}
 	fs := cmd.Flags()
 	fs.StringVar(&f.kubeconfig, "kubeconfig", "", "kubeconfig file; in-cluster configuration when empty")
+	fs.Float32Var(&f.qps, "kube-api-qps", 100, "sustained rate of requests to the API server")
+	fs.IntVar(&f.burst, "kube-api-burst", 200, "burst of requests to the API server")
 	fs.StringVar(&f.metricsAddr, "metrics-bind-address", ":9100", `address of the Prometheus /metrics endpoint ("0" disables)`)
 	fs.StringVar(&f.probeAddr, "health-probe-bind-address", ":9101", `address of /healthz and /readyz ("0" disables)`)
 	fs.BoolVar(&f.leaderElect, "leader-elect", true, "elect one active replica with a Lease")
@@ -120,6 +124,7 @@ func runController(f *controllerFlags) error {
 		return err
 	}
 	cfg.UserAgent = "ipwarden-controller/" + buildinfo.Version
+	cfg.QPS, cfg.Burst = f.qps, f.burst
 	scheme, err := newScheme()
 	if err != nil {
 		return err

@@ -32,7 +32,7 @@ type Scheduler struct {
 	items    map[string]*schedItem
 	waiting  waitHeap
 	ready    readyHeap
-	wake     chan struct{}
+	changed  chan struct{} // closed and replaced on every change: a broadcast to blocked Gets
 	shutdown bool
 }
 
@@ -62,7 +62,7 @@ type schedItem struct {
 func NewScheduler(minInterval, backoffBase, backoffMax time.Duration) *Scheduler {
 	return &Scheduler{
 		MinInterval: minInterval, BackoffBase: backoffBase, BackoffMax: backoffMax,
-		items: map[string]*schedItem{}, wake: make(chan struct{}, 1),
+		items: map[string]*schedItem{}, changed: make(chan struct{}),
 	}
 }
 
@@ -87,7 +87,7 @@ func (s *Scheduler) Add(key string, need Need, now time.Time) {
 	case idle:
 		s.enqueue(it, now)
 	}
-	s.signal()
+	s.signalLocked()
 }
 
 func (s *Scheduler) enqueue(it *schedItem, now time.Time) {
@@ -150,7 +150,7 @@ func (s *Scheduler) Done(key string, failed bool, now time.Time) {
 	}
 	if dirty || failed {
 		s.enqueue(it, now)
-		s.signal()
+		s.signalLocked()
 	}
 }
 
@@ -200,8 +200,8 @@ func (s *Scheduler) backoff(failures int) time.Duration {
 func (s *Scheduler) ShutDown() {
 	s.mu.Lock()
 	s.shutdown = true
+	s.signalLocked()
 	s.mu.Unlock()
-	s.signal()
 }
 
 // Get blocks until a key is ready, ctx ends or the scheduler shuts down.
@@ -211,8 +211,9 @@ func (s *Scheduler) Get(ctx context.Context) (string, bool) {
 		now = time.Now
 	}
 	for {
+		// Take the change channel before looking, so a change after the look wakes us.
 		s.mu.Lock()
-		wake, down := s.wake, s.shutdown
+		changed, down := s.changed, s.shutdown
 		s.mu.Unlock()
 		if down || ctx.Err() != nil {
 			return "", false
@@ -221,31 +222,27 @@ func (s *Scheduler) Get(ctx context.Context) (string, bool) {
 		if ok {
 			return key, true
 		}
-		var timer <-chan time.Time
+		var timer *time.Timer
+		var fire <-chan time.Time
 		if !next.IsZero() {
-			t := time.NewTimer(max(time.Until(next), time.Millisecond))
-			timer = t.C
-			defer t.Stop()
+			timer = time.NewTimer(max(next.Sub(now()), time.Millisecond))
+			fire = timer.C
 		}
 		select {
 		case <-ctx.Done():
-			return "", false
-		case <-wake:
-			// Pass the wake-up on so every blocked worker re-checks.
-			s.signal()
-			if key, ok, _ := s.Next(now()); ok {
-				return key, true
-			}
-		case <-timer:
+		case <-changed:
+		case <-fire:
+		}
+		if timer != nil {
+			timer.Stop()
 		}
 	}
 }
 
-func (s *Scheduler) signal() {
-	select {
-	case s.wake <- struct{}{}:
-	default:
-	}
+// signalLocked wakes every blocked Get; s.mu must be held.
+func (s *Scheduler) signalLocked() {
+	close(s.changed)
+	s.changed = make(chan struct{})
 }
 
 type waitHeap []*schedItem

@@ -232,9 +232,10 @@ func TestControllerKilledMidFill(t *testing.T) {
 		return nil
 	})
 	ctrlProc.kill()
-	// Change requests while it is down, then start a new one.
+	// Raise some requests while it is down (raise: a lowered request without releases keeps
+	// what the node holds), then start a new one.
 	for i := 0; i < nodes; i += 3 {
-		request(t, fmt.Sprintf("crash-%02d", i), "crash", 40, addr.Set{})
+		request(t, fmt.Sprintf("crash-%02d", i), "crash", 60, addr.Set{})
 	}
 	startController(t, "--workers=4")
 	eventually(t, 60*time.Second, "all nodes filled", func() error {
@@ -243,7 +244,7 @@ func TestControllerKilledMidFill(t *testing.T) {
 			name := fmt.Sprintf("crash-%02d", i)
 			want := 16 + i
 			if i%3 == 0 {
-				want = 40
+				want = 60
 			}
 			h := held(t, name, "crash")
 			holdings[name] = h

@@ -1,0 +1,273 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/util/retry"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
+	"github.com/ipwarden/ipwarden/internal/controlplane"
+)
+
+// controllerBench measures the controller at scale against a real API server: hollow agents
+// (goroutines of this process, many per process as in kubemark) write NodeIPAllocation specs for
+// N nodes; a real `ipwarden controller` process fills them.
+type controllerBench struct {
+	nodes, perNode, parallel int
+	cidr                     string
+	bin                      string
+	cp                       *controlplane.ControlPlane
+	c                        client.Client
+	log                      func(string, ...any)
+}
+
+type figure struct {
+	name, value, goal string
+	ok                bool
+}
+
+func (b *controllerBench) run(ctx context.Context) ([]figure, error) {
+	var figs []figure
+	b.log("creating pool, %d Nodes and their NodeIPAllocations with %d addresses requested each (hollow agents)", b.nodes, b.perNode)
+	pool := &ipwardenv1.IPPool{ObjectMeta: metav1.ObjectMeta{Name: "bench"}, Spec: ipwardenv1.IPPoolSpec{
+		CIDRs:   []ipwardenv1.CIDR{ipwardenv1.CIDR(b.cidr)},
+		Scaling: ipwardenv1.Scaling{BatchSize: 16, BufferPercent: 50, MaxPerNode: 250},
+	}}
+	if err := b.c.Create(ctx, pool); err != nil {
+		return nil, err
+	}
+	start := time.Now()
+	err := b.forEachNode(ctx, func(name string) error {
+		n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}}
+		if err := b.c.Create(ctx, n); err != nil {
+			return err
+		}
+		a := &ipwardenv1.NodeIPAllocation{
+			ObjectMeta: metav1.ObjectMeta{Name: name, OwnerReferences: []metav1.OwnerReference{{APIVersion: "v1", Kind: "Node", Name: name, UID: n.UID}}},
+			Spec:       ipwardenv1.NodeIPAllocationSpec{Pools: []ipwardenv1.NodePoolRequest{{Pool: "bench", Requested: int32(b.perNode)}}},
+		}
+		return b.c.Create(ctx, a)
+	})
+	if err != nil {
+		return nil, err
+	}
+	b.log("created %d nodes in %s", b.nodes, time.Since(start).Round(time.Millisecond))
+
+	// Cold fill: a controller starts on a cluster whose every node asks for addresses.
+	proc, err := b.startController(ctx, "--resync-period=10s")
+	if err != nil {
+		return nil, err
+	}
+	want := int64(b.nodes * b.perNode)
+	if err := b.waitAllocated(ctx, want, 10*time.Minute); err != nil {
+		proc.stop()
+		return nil, err
+	}
+	fill := time.Since(proc.started)
+	figs = append(figs, figure{fmt.Sprintf("cold fill: %d nodes, %d addresses", b.nodes, want), fill.Round(time.Millisecond).String(), "(informational)", true})
+
+	// Idle full passes: CPU the controller spends per 10 s resync of the whole fleet.
+	cpu0 := proc.cpu()
+	idle := 30 * time.Second
+	b.log("measuring idle CPU over %s (3 full passes)", idle)
+	select {
+	case <-time.After(idle):
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	perPass := (proc.cpu() - cpu0) / 3
+	figs = append(figs, figure{fmt.Sprintf("full resync pass (CPU, %d nodes, nothing to change)", b.nodes), perPass.Round(time.Millisecond).String(), "(backstop, once a minute)", true})
+
+	// One dirty node, end to end through the API server.
+	var lat []time.Duration
+	for i := range 20 {
+		name := fmt.Sprintf("bench-%05d", (i*7919)%b.nodes)
+		req := int32(b.perNode + 16*(1+i%2))
+		t0 := time.Now()
+		if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+			a := &ipwardenv1.NodeIPAllocation{}
+			if err := b.c.Get(ctx, client.ObjectKey{Name: name}, a); err != nil {
+				return err
+			}
+			a.Spec.Pools[0].Requested = req
+			return b.c.Update(ctx, a)
+		}); err != nil {
+			return nil, err
+		}
+		for {
+			a := &ipwardenv1.NodeIPAllocation{}
+			if err := b.c.Get(ctx, client.ObjectKey{Name: name}, a); err != nil {
+				return nil, err
+			}
+			if len(a.Status.Pools) == 1 && a.Status.Pools[0].Held == req {
+				break
+			}
+			if time.Since(t0) > time.Minute {
+				return nil, fmt.Errorf("node %s not filled to %d within a minute", name, req)
+			}
+			time.Sleep(2 * time.Millisecond) // poll interval
+		}
+		lat = append(lat, time.Since(t0))
+	}
+	sort.Slice(lat, func(i, j int) bool { return lat[i] < lat[j] })
+	figs = append(figs, figure{"one dirty node: spec write to filled status (p50 / max of 20)",
+		fmt.Sprintf("%s / %s", lat[len(lat)/2].Round(100*time.Microsecond), lat[len(lat)-1].Round(100*time.Microsecond)), "(informational)", true})
+
+	rss := proc.rss()
+	figs = append(figs, figure{"controller resident memory", fmt.Sprintf("%d MiB", rss>>20), "< 300 MiB", rss < 300<<20})
+	proc.stop()
+
+	// Cold start: a new controller on the filled cluster rebuilds its state and serves.
+	proc, err = b.startController(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer proc.stop()
+	if err := proc.waitLog(ctx, `"msg":"controller serving"`, 5*time.Minute); err != nil {
+		return nil, err
+	}
+	cold := time.Since(proc.started)
+	figs = append(figs, figure{fmt.Sprintf("cold start: rebuild %d addresses and serve", want), cold.Round(time.Millisecond).String(), "< 10s", cold < 10*time.Second})
+	return figs, nil
+}
+
+func (b *controllerBench) forEachNode(ctx context.Context, f func(string) error) error {
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	errs := make(chan error, b.parallel)
+	for range b.parallel {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				i := next.Add(1) - 1
+				if i >= int64(b.nodes) || ctx.Err() != nil {
+					return
+				}
+				if err := f(fmt.Sprintf("bench-%05d", i)); err != nil {
+					errs <- err
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	return <-errs
+}
+
+func (b *controllerBench) waitAllocated(ctx context.Context, want int64, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	last := time.Now()
+	for time.Now().Before(deadline) {
+		p := &ipwardenv1.IPPool{}
+		if err := b.c.Get(ctx, client.ObjectKey{Name: "bench"}, p); err != nil {
+			return err
+		}
+		if p.Status.Allocated >= want {
+			return nil
+		}
+		if time.Since(last) > 5*time.Second {
+			b.log("  %d of %d addresses allocated", p.Status.Allocated, want)
+			last = time.Now()
+		}
+		time.Sleep(50 * time.Millisecond) // poll interval
+	}
+	return fmt.Errorf("pool not filled to %d within %s", want, timeout)
+}
+
+type benchProc struct {
+	cmd     *exec.Cmd
+	log     string
+	started time.Time
+	done    chan struct{}
+}
+
+func (b *controllerBench) startController(ctx context.Context, extra ...string) (*benchProc, error) {
+	logPath := filepath.Join(b.cp.Dir, fmt.Sprintf("controller-%d.log", time.Now().UnixNano()))
+	f, err := os.Create(logPath)
+	if err != nil {
+		return nil, err
+	}
+	args := append([]string{"controller", "--kubeconfig", b.cp.Kubeconfig, "--leader-elect=false",
+		"--metrics-bind-address=0", "--health-probe-bind-address=0"}, extra...)
+	cmd := exec.CommandContext(ctx, b.bin, args...)
+	cmd.Stdout, cmd.Stderr = f, f
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	p := &benchProc{cmd: cmd, log: logPath, started: time.Now(), done: make(chan struct{})}
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	go func() { _ = cmd.Wait(); f.Close(); close(p.done) }()
+	return p, nil
+}
+
+func (p *benchProc) stop() {
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.done:
+	case <-time.After(10 * time.Second):
+		_ = p.cmd.Process.Kill()
+		<-p.done
+	}
+}
+
+func (p *benchProc) waitLog(ctx context.Context, s string, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for time.Now().Before(deadline) {
+		b, _ := os.ReadFile(p.log)
+		if strings.Contains(string(b), s) {
+			return nil
+		}
+		select {
+		case <-p.done:
+			return fmt.Errorf("controller exited; log %s", p.log)
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(5 * time.Millisecond): // poll interval
+		}
+	}
+	return fmt.Errorf("no %q in the controller log within %s", s, timeout)
+}
+
+// cpu is the process's user+system CPU time so far.
+func (p *benchProc) cpu() time.Duration {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", p.cmd.Process.Pid))
+	if err != nil {
+		return 0
+	}
+	s := string(b)
+	fields := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
+	ut, _ := strconv.ParseInt(fields[11], 10, 64)
+	st, _ := strconv.ParseInt(fields[12], 10, 64)
+	return time.Duration(ut+st) * time.Second / 100 // USER_HZ
+}
+
+// rss is the process's resident set size in bytes.
+func (p *benchProc) rss() int64 {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", p.cmd.Process.Pid))
+	if err != nil {
+		return 0
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if strings.HasPrefix(line, "VmRSS:") {
+			kb, _ := strconv.ParseInt(strings.Fields(line)[1], 10, 64)
+			return kb << 10
+		}
+	}
+	return 0
+}
