@@ -29,6 +29,7 @@ cluster pools and gives pods their address from that node-local set.
 
 Subcommands:
   controller  run the cluster controller
+  agent       run the node agent (agent list: the node's attachments)
   check       report inconsistencies (read-only)
   version     print the build version`,
 		SilenceUsage:  true,
@@ -36,6 +37,7 @@ Subcommands:
 	}
 	root.AddCommand(newVersionCommand())
 	root.AddCommand(newControllerCommand())
+	root.AddCommand(newAgentCommand())
 	root.AddCommand(newCheckCommand())
 	return root
 }

@@ -1,0 +1,240 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/containernetworking/cni/pkg/skel"
+	"github.com/containernetworking/cni/pkg/types"
+	current "github.com/containernetworking/cni/pkg/types/100"
+	"github.com/containernetworking/cni/pkg/version"
+
+	"github.com/ipwarden/ipwarden/internal/cniproto"
+)
+
+// Time limits of one call to the agent. ADD may wait for the controller (the agent's
+// --address-wait), so it gets the most.
+const (
+	addTimeout   = 2 * time.Minute
+	otherTimeout = 30 * time.Second
+)
+
+// config is the part of the network configuration the plugin reads.
+type config struct {
+	types.PluginConf
+	Pools  []string
+	Socket string
+}
+
+// badConfig is a CNI "invalid network configuration" error naming the field.
+func badConfig(field, format string, args ...any) *types.Error {
+	return types.NewError(types.ErrInvalidNetworkConfig,
+		fmt.Sprintf("ipwarden-cni: network configuration field %q: %s", field, fmt.Sprintf(format, args...)),
+		"fix the CNI network configuration (see the ipwarden README, \"CNI configuration\")")
+}
+
+// parseConfig reads the network configuration: pools and socket from the "ipam" section, else
+// from the top level.
+func parseConfig(stdin []byte) (*config, error) {
+	c := &config{}
+	if err := json.Unmarshal(stdin, &c.PluginConf); err != nil {
+		return nil, types.NewError(types.ErrDecodingFailure, "ipwarden-cni: cannot decode the network configuration: "+err.Error(), "")
+	}
+	var raw struct {
+		Pools  json.RawMessage            `json:"pools"`
+		Socket json.RawMessage            `json:"socket"`
+		IPAM   map[string]json.RawMessage `json:"ipam"`
+	}
+	if err := json.Unmarshal(stdin, &raw); err != nil {
+		return nil, badConfig("ipam", "must be an object: %v", err)
+	}
+	pools, poolsField := raw.Pools, "pools"
+	socket, socketField := raw.Socket, "socket"
+	if p, ok := raw.IPAM["pools"]; ok {
+		pools, poolsField = p, "ipam.pools"
+	}
+	if s, ok := raw.IPAM["socket"]; ok {
+		socket, socketField = s, "ipam.socket"
+	}
+	if len(pools) > 0 && string(pools) != "null" {
+		if err := json.Unmarshal(pools, &c.Pools); err != nil {
+			return nil, badConfig(poolsField, `must be a list of IPPool names such as ["pods-v4", "pods-v6"], not %s`, pools)
+		}
+		seen := map[string]bool{}
+		for _, p := range c.Pools {
+			if p == "" {
+				return nil, badConfig(poolsField, "holds an empty pool name")
+			}
+			if seen[p] {
+				return nil, badConfig(poolsField, "names pool %q twice", p)
+			}
+			seen[p] = true
+		}
+	}
+	c.Socket = cniproto.DefaultSocket
+	if len(socket) > 0 && string(socket) != "null" {
+		if err := json.Unmarshal(socket, &c.Socket); err != nil {
+			return nil, badConfig(socketField, `must be the path of the agent's socket such as "%s", not %s`, cniproto.DefaultSocket, socket)
+		}
+		if !filepath.IsAbs(c.Socket) {
+			return nil, badConfig(socketField, "%q is not an absolute path", c.Socket)
+		}
+	}
+	return c, nil
+}
+
+// podFromArgs reads K8S_POD_NAMESPACE, K8S_POD_NAME and K8S_POD_UID from CNI_ARGS.
+func podFromArgs(args string) cniproto.Pod {
+	var p cniproto.Pod
+	for _, kv := range strings.Split(args, ";") {
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok {
+			continue
+		}
+		switch k {
+		case "K8S_POD_NAMESPACE":
+			p.Namespace = v
+		case "K8S_POD_NAME":
+			p.Name = v
+		case "K8S_POD_UID":
+			p.UID = v
+		}
+	}
+	return p
+}
+
+// call sends req to the agent and turns every failure into a CNI error. unreachableCode is the
+// code for an agent that cannot be reached (11 for the verbs, 50 for STATUS).
+func call(socket string, req cniproto.Request, timeout time.Duration, unreachableCode uint) (*cniproto.Response, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	resp, err := cniproto.Call(ctx, socket, req)
+	if err != nil {
+		var u *cniproto.UnreachableError
+		if errors.As(err, &u) {
+			return nil, types.NewError(unreachableCode,
+				fmt.Sprintf("ipwarden-cni: the ipwarden agent is not reachable at %s", socket),
+				fmt.Sprintf("%v; check that the ipwarden agent runs on this node and listens on %s (CNI config key \"socket\")", u.Err, socket))
+		}
+		return nil, types.NewError(types.ErrTryAgainLater, "ipwarden-cni: "+err.Error(), "the agent may be restarting; the runtime will retry")
+	}
+	if resp.Error != nil {
+		return nil, types.NewError(resp.Error.Code, resp.Error.Msg, resp.Error.Details)
+	}
+	return resp, nil
+}
+
+func request(op cniproto.Op, args *skel.CmdArgs, c *config) cniproto.Request {
+	return cniproto.Request{
+		Op:          op,
+		ContainerID: args.ContainerID,
+		IfName:      args.IfName,
+		Netns:       args.Netns,
+		Network:     c.Name,
+		Pools:       c.Pools,
+		Pod:         podFromArgs(args.Args),
+	}
+}
+
+func cmdAdd(args *skel.CmdArgs) error {
+	c, err := parseConfig(args.StdinData)
+	if err != nil {
+		return err
+	}
+	resp, err := call(c.Socket, request(cniproto.OpAdd, args, c), addTimeout, types.ErrTryAgainLater)
+	if err != nil {
+		return err
+	}
+	result, err := toResult(resp)
+	if err != nil {
+		return err
+	}
+	return types.PrintResult(result, c.CNIVersion)
+}
+
+// toResult builds the CNI result of an ADD answer.
+func toResult(resp *cniproto.Response) (*current.Result, error) {
+	result := &current.Result{CNIVersion: current.ImplementedSpecVersion}
+	for _, ip := range resp.IPs {
+		ipn, err := types.ParseCIDR(ip.Address)
+		if err != nil {
+			return nil, types.NewError(types.ErrInternal, fmt.Sprintf("ipwarden-cni: the agent answered a bad address %q", ip.Address), err.Error())
+		}
+		cfg := &current.IPConfig{Address: *ipn}
+		if ip.Gateway != "" {
+			cfg.Gateway = net.ParseIP(ip.Gateway)
+		}
+		result.IPs = append(result.IPs, cfg)
+	}
+	for _, r := range resp.Routes {
+		_, dst, err := net.ParseCIDR(r.Dst)
+		if err != nil {
+			return nil, types.NewError(types.ErrInternal, fmt.Sprintf("ipwarden-cni: the agent answered a bad route %q", r.Dst), err.Error())
+		}
+		rt := &types.Route{Dst: *dst}
+		if r.GW != "" {
+			rt.GW = net.ParseIP(r.GW)
+		}
+		result.Routes = append(result.Routes, rt)
+	}
+	return result, nil
+}
+
+func cmdDel(args *skel.CmdArgs) error {
+	c, err := parseConfig(args.StdinData)
+	if err != nil {
+		return err
+	}
+	_, err = call(c.Socket, request(cniproto.OpDel, args, c), otherTimeout, types.ErrTryAgainLater)
+	return err
+}
+
+func cmdCheck(args *skel.CmdArgs) error {
+	c, err := parseConfig(args.StdinData)
+	if err != nil {
+		return err
+	}
+	req := request(cniproto.OpCheck, args, c)
+	if c.RawPrevResult != nil {
+		if err := version.ParsePrevResult(&c.PluginConf); err != nil {
+			return types.NewError(types.ErrDecodingFailure, "ipwarden-cni: cannot decode prevResult: "+err.Error(), "")
+		}
+		prev, err := current.NewResultFromResult(c.PrevResult)
+		if err != nil {
+			return types.NewError(types.ErrDecodingFailure, "ipwarden-cni: cannot convert prevResult: "+err.Error(), "")
+		}
+		for _, ip := range prev.IPs {
+			req.PrevAddresses = append(req.PrevAddresses, ip.Address.String())
+		}
+	}
+	_, err = call(c.Socket, req, otherTimeout, types.ErrTryAgainLater)
+	return err
+}
+
+func cmdGC(args *skel.CmdArgs) error {
+	c, err := parseConfig(args.StdinData)
+	if err != nil {
+		return err
+	}
+	req := cniproto.Request{Op: cniproto.OpGC, Network: c.Name, Pools: c.Pools}
+	for _, a := range c.ValidAttachments {
+		req.ValidAttachments = append(req.ValidAttachments, cniproto.AttachmentID{ContainerID: a.ContainerID, IfName: a.IfName})
+	}
+	_, err = call(c.Socket, req, otherTimeout, types.ErrTryAgainLater)
+	return err
+}
+
+func cmdStatus(args *skel.CmdArgs) error {
+	c, err := parseConfig(args.StdinData)
+	if err != nil {
+		return err
+	}
+	_, err = call(c.Socket, cniproto.Request{Op: cniproto.OpStatus, Network: c.Name, Pools: c.Pools}, otherTimeout, types.ErrPluginNotAvailable)
+	return err
+}

@@ -1,0 +1,182 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	goflag "flag"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+	"k8s.io/klog/v2"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/log/zap"
+
+	"github.com/ipwarden/ipwarden/internal/agent"
+	"github.com/ipwarden/ipwarden/internal/buildinfo"
+	"github.com/ipwarden/ipwarden/internal/cniproto"
+)
+
+type agentFlags struct {
+	kubeconfig  string
+	cfg         agent.Config
+	pools       []string
+	zap         zap.Options
+	metricsAddr string
+	probeAddr   string
+}
+
+func newAgentCommand() *cobra.Command {
+	f := &agentFlags{}
+	cmd := &cobra.Command{
+		Use:   "agent",
+		Short: "Run the node agent: serve pod addresses to ipwarden-cni from the node's warm set",
+		Long: `The node agent runs on every node (DaemonSet). It answers ipwarden-cni over a root-only unix
+socket from the addresses its node holds, records every assignment in a durable journal
+(<state-dir>/journal.db) before it answers, and keeps the node's request in its NodeIPAllocation
+right-sized: target = batch * ceil(buffer + demand/batch) per pool, clamped at maxPerNode.
+
+On start it reloads the journal, reconciles it with the NodeIPAllocation status and the pods
+bound to the node (rebuilding attachments from their status.podIPs if the journal was lost), and
+serves only then. The controller creates the NodeIPAllocation; the agent waits for it.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error { return runAgent(cmd.Context(), f) },
+	}
+	fs := cmd.Flags()
+	fs.StringVar(&f.cfg.Node, "node-name", os.Getenv("NODE_NAME"), "name of this node (default $NODE_NAME)")
+	fs.StringVar(&f.kubeconfig, "kubeconfig", "", "kubeconfig file; in-cluster configuration when empty")
+	fs.StringVar(&f.cfg.Socket, "socket", cniproto.DefaultSocket, "unix socket ipwarden-cni connects to (directory 0700, socket 0600)")
+	fs.StringVar(&f.cfg.StateDir, "state-dir", "/var/lib/ipwarden", "directory of the journal (journal.db); must survive agent restarts")
+	fs.StringSliceVar(&f.pools, "pools", nil, "serve only these IPPools (default: every pool whose nodeSelector selects the node)")
+	fs.DurationVar(&f.cfg.AddressWait, "address-wait", 10*time.Second, "how long an ADD waits for the controller when the node has no free address before it fails with CNI error 11")
+	fs.StringVar(&f.metricsAddr, "metrics-bind-address", ":9102", `address of the Prometheus /metrics endpoint ("0" disables)`)
+	fs.StringVar(&f.probeAddr, "health-probe-bind-address", ":9103", `address of /healthz and /readyz ("0" disables)`)
+	fs.DurationVar(&f.cfg.Resync, "resync", 60*time.Second, "the pool monitor recomputes the request at least this often")
+	fs.DurationVar(&f.cfg.GCGrace, "gc-grace", time.Minute, "CNI GC never frees an attachment younger than this")
+	gofs := goflag.NewFlagSet("zap", goflag.ContinueOnError)
+	f.zap.BindFlags(gofs)
+	fs.AddGoFlagSet(gofs)
+	cmd.AddCommand(newAgentListCommand())
+	return cmd
+}
+
+func runAgent(ctx context.Context, f *agentFlags) error {
+	if f.cfg.Node == "" {
+		return fmt.Errorf("--node-name is required (or set NODE_NAME, e.g. from the pod's spec.nodeName)")
+	}
+	if f.cfg.AddressWait <= 0 {
+		return fmt.Errorf("--address-wait %s: must be positive", f.cfg.AddressWait)
+	}
+	if f.cfg.Resync <= 0 {
+		return fmt.Errorf("--resync %s: must be positive", f.cfg.Resync)
+	}
+	logger := zap.New(zap.UseFlagOptions(&f.zap))
+	ctrl.SetLogger(logger)
+	klog.SetLogger(logger)
+	log := logger.WithName("agent").WithValues("node", f.cfg.Node)
+	log.Info("starting ipwarden agent", "version", buildinfo.Get().String())
+
+	cfg, err := restConfig(f.kubeconfig)
+	if err != nil {
+		return err
+	}
+	cfg.UserAgent = "ipwarden-agent/" + buildinfo.Version
+	scheme, err := newScheme()
+	if err != nil {
+		return err
+	}
+	f.cfg.RestConfig, f.cfg.Scheme, f.cfg.Log = cfg, scheme, log
+	f.cfg.Pools = f.pools
+	f.cfg.MetricsAddr, f.cfg.ProbeAddr = f.metricsAddr, f.probeAddr
+	if ctx == nil {
+		ctx = context.Background()
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	sig := ctrl.SetupSignalHandler()
+	go func() {
+		<-sig.Done()
+		log.Info("signal received: finishing requests in flight and stopping")
+		cancel()
+	}()
+	return agent.Run(ctx, f.cfg)
+}
+
+func newAgentListCommand() *cobra.Command {
+	var socket, output string
+	cmd := &cobra.Command{
+		Use:   "list",
+		Short: "List the node's attachments and pools, as the local agent holds them",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			resp, err := cniproto.Call(ctx, socket, cniproto.Request{Op: cniproto.OpList})
+			if err != nil {
+				return err
+			}
+			if err := resp.AsError(); err != nil {
+				return err
+			}
+			switch output {
+			case "json":
+				enc := json.NewEncoder(cmd.OutOrStdout())
+				enc.SetIndent("", "  ")
+				return enc.Encode(resp)
+			case "table", "":
+				return printList(cmd.OutOrStdout(), resp)
+			}
+			return fmt.Errorf("-o %q: use table or json", output)
+		},
+	}
+	cmd.Flags().StringVar(&socket, "socket", cniproto.DefaultSocket, "the agent's unix socket")
+	cmd.Flags().StringVarP(&output, "output", "o", "table", "output format: table or json")
+	return cmd
+}
+
+func printList(w io.Writer, resp *cniproto.Response) error {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintf(tw, "NODE %s\n\n", resp.Node)
+	fmt.Fprintln(tw, "POOL\tSERVED\tHELD\tIN USE\tFREE\tCOOLING\tRELEASING\tREQUESTED\tCONFLICTS\tEXHAUSTED")
+	for _, p := range resp.Pools {
+		fmt.Fprintf(tw, "%s\t%v\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%v\n", p.Pool, p.Served, p.Held, p.InUse, p.Free, p.Cooling,
+			p.Releasing, p.Requested, p.Conflicts, p.Exhausted)
+	}
+	fmt.Fprintln(tw)
+	fmt.Fprintln(tw, "CONTAINER\tIFNAME\tNETWORK\tPOD\tADDRESSES\tAGE\tNOTE")
+	for _, a := range resp.Attachments {
+		var ips []string
+		for _, ip := range a.IPs {
+			ips = append(ips, ip.Address)
+		}
+		pod := a.Pod.Namespace + "/" + a.Pod.Name
+		if a.Pod.Name == "" {
+			pod = "-"
+		}
+		note := ""
+		if a.Rebuilt {
+			note = "rebuilt from pod status"
+		}
+		if len(a.Conflicts) > 0 {
+			note = strings.TrimSpace(note + " conflict: not held " + strings.Join(a.Conflicts, ","))
+		}
+		cid := a.ContainerID
+		if len(cid) > 16 && !strings.Contains(cid, ":") {
+			cid = cid[:16]
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", cid, a.IfName, orDash(a.Network), pod, strings.Join(ips, ","),
+			time.Since(a.Created).Round(time.Second), note)
+	}
+	return tw.Flush()
+}
+
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}

@@ -1,0 +1,381 @@
+package ipam
+
+import (
+	"cmp"
+	"fmt"
+	"net/netip"
+	"slices"
+	"strings"
+	"time"
+)
+
+// AddRequest is a CNI ADD as the agent sees it.
+type AddRequest struct {
+	Key     Key
+	Network string
+	Pod     PodRef
+	// Pools to draw one address each from, in order; empty means the pools that select the node.
+	Pools []string
+}
+
+// ConfigError is a request that names something invalid (CNI code 7). Field is the network
+// configuration key at fault.
+type ConfigError struct {
+	Field string
+	Msg   string
+}
+
+func (e *ConfigError) Error() string { return e.Field + ": " + e.Msg }
+
+// ShortError says that the named pools have no address to hand out right now (CNI code 11 once
+// the agent has waited long enough). Nothing was taken from any pool.
+type ShortError struct {
+	Pools []string
+}
+
+func (e *ShortError) Error() string {
+	return "no free address in pool " + strings.Join(e.Pools, ", ")
+}
+
+// NoPoolsError says that no pool selects the node and the request named none.
+type NoPoolsError struct{ Node string }
+
+func (e *NoPoolsError) Error() string {
+	return fmt.Sprintf("no IPPool selects node %s: give a pool a nodeSelector matching the node, or name pools in the CNI config", e.Node)
+}
+
+// UnknownAttachmentError is a CHECK for an attachment the agent does not know (CNI code 3).
+type UnknownAttachmentError struct{ Key Key }
+
+func (e *UnknownAttachmentError) Error() string {
+	return fmt.Sprintf("attachment %s is unknown to the ipwarden agent", e.Key)
+}
+
+// InFlightError is returned for an operation on an attachment whose ADD is still being
+// journaled; callers serialize per key, so it means a caller bug.
+type InFlightError struct{ Key Key }
+
+func (e *InFlightError) Error() string {
+	return fmt.Sprintf("attachment %s: an ADD is still being recorded", e.Key)
+}
+
+// resolvePools returns the pools a request draws from.
+func (s *State) resolvePools(names []string) ([]string, error) {
+	if len(names) == 0 {
+		if len(s.served) == 0 {
+			return nil, &NoPoolsError{Node: s.node}
+		}
+		return slices.Clone(s.served), nil
+	}
+	seen := map[string]bool{}
+	for _, n := range names {
+		if seen[n] {
+			return nil, &ConfigError{Field: "pools", Msg: fmt.Sprintf("pool %q is listed twice", n)}
+		}
+		seen[n] = true
+		if !slices.Contains(s.served, n) {
+			p, ok := s.pools[n]
+			what := "is not an IPPool the agent knows"
+			if ok && p.known {
+				what = "is not served on node " + s.node + " (its nodeSelector does not select the node, or the agent runs with --pools)"
+			}
+			return nil, &ConfigError{Field: "pools", Msg: fmt.Sprintf("pool %q %s (pools serving this node: %s)",
+				n, what, orNone(s.served))}
+		}
+	}
+	return slices.Clone(names), nil
+}
+
+func orNone(names []string) string {
+	if len(names) == 0 {
+		return "none"
+	}
+	return strings.Join(names, ", ")
+}
+
+// Add hands the attachment one address from each requested pool, all or nothing. A repeated ADD
+// for a known key returns the recorded attachment unchanged (and an empty Change). A new
+// attachment is reserved in memory and pending: the caller journals the Change, then calls
+// ConfirmAdd, or AbortAdd if the journal write failed. If a pool has no address now, Add returns
+// a *ShortError and changes nothing.
+//
+// An ADD for a pod whose attachment was rebuilt from its status.podIPs (see Rebuild) adopts the
+// rebuilt addresses of the pools it asks for: the pod keeps its address in its new sandbox.
+func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
+	if _, inFlight := s.pending[req.Key]; inFlight {
+		return Attachment{}, Change{}, &InFlightError{Key: req.Key}
+	}
+	if a, ok := s.atts[req.Key]; ok {
+		return *a.clone(), Change{}, nil
+	}
+	pools, err := s.resolvePools(req.Pools)
+	if err != nil {
+		return Attachment{}, Change{}, err
+	}
+	var ph *Attachment
+	if uid := req.Pod.UID; uid != "" {
+		for _, k := range s.PodAttachments(uid) {
+			if a := s.atts[k]; a.Rebuilt && s.pending[k] == nil {
+				ph = a
+				break
+			}
+		}
+	}
+	picks := make([]Address, len(pools))
+	adopted := make([]bool, len(pools))
+	var short []string
+	for i, name := range pools {
+		if ph != nil {
+			if j := slices.IndexFunc(ph.Addresses, func(a Address) bool { return a.Pool == name }); j >= 0 {
+				picks[i], adopted[i] = ph.Addresses[j], true
+				continue
+			}
+		}
+		a, _, ok := s.pools[name].next(now)
+		if !ok {
+			short = append(short, name)
+			continue
+		}
+		picks[i] = Address{Pool: name, Addr: a}
+	}
+	if len(short) > 0 {
+		return Attachment{}, Change{}, &ShortError{Pools: short}
+	}
+
+	var ch Change
+	u := &undo{}
+	for i, ad := range picks {
+		p := s.pools[ad.Pool]
+		if adopted[i] {
+			p.inUse[ad.Addr] = req.Key
+			continue
+		}
+		if c := p.take(ad.Addr, req.Key); c != nil {
+			u.fromCooling = append(u.fromCooling, *c)
+			ch.DeleteCooling = append(ch.DeleteCooling, Address{Pool: c.Pool, Addr: c.Addr})
+		}
+	}
+	if slices.Contains(adopted, true) {
+		u.placeholder = ph.clone()
+		rest := slices.DeleteFunc(slices.Clone(ph.Addresses), func(a Address) bool {
+			return slices.Contains(picks, a)
+		})
+		s.dropAttachment(ph.Key)
+		if len(rest) > 0 {
+			left := ph.clone()
+			left.Addresses = rest
+			s.putAttachment(left)
+			ch.PutAttachments = append(ch.PutAttachments, *left.clone())
+		} else {
+			ch.DeleteAttachments = append(ch.DeleteAttachments, ph.Key)
+		}
+	}
+	att := &Attachment{Key: req.Key, Network: req.Network, Pod: req.Pod, Addresses: picks, Created: now}
+	s.putAttachment(att)
+	s.pending[req.Key] = u
+	delete(s.waiters, req.Key)
+	ch.PutAttachments = append(ch.PutAttachments, *att.clone())
+	return *att.clone(), ch, nil
+}
+
+// ConfirmAdd marks the pending ADD of k as journaled.
+func (s *State) ConfirmAdd(k Key) { delete(s.pending, k) }
+
+// AbortAdd undoes the pending ADD of k after its journal write failed: its addresses go back
+// where they came from, as if the ADD had never happened.
+func (s *State) AbortAdd(k Key) {
+	u, ok := s.pending[k]
+	if !ok {
+		return
+	}
+	delete(s.pending, k)
+	att := s.atts[k]
+	s.dropAttachment(k)
+	for _, ad := range att.Addresses {
+		p := s.pools[ad.Pool]
+		if u.placeholder != nil && slices.Contains(u.placeholder.Addresses, ad) {
+			p.inUse[ad.Addr] = u.placeholder.Key
+			continue
+		}
+		delete(p.inUse, ad.Addr)
+		if i := slices.IndexFunc(u.fromCooling, func(c Cooling) bool { return c.Addr == ad.Addr && c.Pool == ad.Pool }); i >= 0 {
+			p.uncool(u.fromCooling[i])
+			continue
+		}
+		if _, rel := p.releasing[ad.Addr]; !rel && p.held.Contains(ad.Addr) {
+			p.fresh = p.fresh.Union(setOf(ad.Addr))
+		}
+	}
+	if u.placeholder != nil {
+		s.dropAttachment(u.placeholder.Key)
+		s.putAttachment(u.placeholder)
+	}
+}
+
+// DelPlan is a DEL decided but not yet applied; see PlanDel.
+type DelPlan struct {
+	Key    Key
+	At     time.Time
+	Change Change
+	// Found is false for an attachment the agent does not know: DEL is then a no-op success.
+	Found bool
+}
+
+// PlanDel decides the DEL of k at now without changing the state: the caller journals
+// plan.Change and then calls ApplyDel. Unknown keys give an empty plan (DEL is idempotent).
+func (s *State) PlanDel(k Key, now time.Time) (DelPlan, error) {
+	if _, inFlight := s.pending[k]; inFlight {
+		return DelPlan{}, &InFlightError{Key: k}
+	}
+	a, ok := s.atts[k]
+	if !ok {
+		return DelPlan{Key: k, At: now}, nil
+	}
+	plan := DelPlan{Key: k, At: now, Found: true}
+	plan.Change.DeleteAttachments = []Key{k}
+	for _, ad := range a.Addresses {
+		p := s.pools[ad.Pool]
+		if _, rel := p.releasing[ad.Addr]; rel || (p.heldKnown && !p.held.Contains(ad.Addr)) {
+			continue
+		}
+		plan.Change.PutCooling = append(plan.Change.PutCooling, Cooling{Pool: ad.Pool, Addr: ad.Addr, FreedAt: now})
+	}
+	return plan, nil
+}
+
+// ApplyDel frees the attachment of a journaled plan: its addresses go to the back of their
+// pools' cooling queues.
+func (s *State) ApplyDel(plan DelPlan) {
+	a, ok := s.atts[plan.Key]
+	if !ok || !plan.Found {
+		return
+	}
+	for _, ad := range a.Addresses {
+		p := s.pools[ad.Pool]
+		if p.inUse[ad.Addr] == plan.Key {
+			p.free(ad.Addr, plan.At)
+		}
+	}
+	s.dropAttachment(plan.Key)
+	delete(s.waiters, plan.Key)
+}
+
+// Check returns the attachment k, or an *UnknownAttachmentError.
+func (s *State) Check(k Key) (Attachment, error) {
+	a, ok := s.atts[k]
+	if !ok || s.pending[k] != nil {
+		return Attachment{}, &UnknownAttachmentError{Key: k}
+	}
+	return *a.clone(), nil
+}
+
+// Stale returns the attachments of network that are not in valid and were created before
+// bornBefore, sorted: what a CNI GC may free. Attachments of other networks and rebuilt ones
+// (their container ID is unknown, so no runtime can list them) are never stale here.
+func (s *State) Stale(network string, valid []Key, bornBefore time.Time) []Key {
+	ok := make(map[Key]bool, len(valid))
+	for _, k := range valid {
+		ok[k] = true
+	}
+	var out []Key
+	for k, a := range s.atts {
+		if a.Network != network || a.Rebuilt || ok[k] || s.pending[k] != nil || !a.Created.Before(bornBefore) {
+			continue
+		}
+		out = append(out, k)
+	}
+	slices.SortFunc(out, func(a, b Key) int {
+		return cmp.Or(cmp.Compare(a.ContainerID, b.ContainerID), cmp.Compare(a.IfName, b.IfName))
+	})
+	return out
+}
+
+// AddWaiter records that the ADD of k is waiting for addresses in pools, for the pod with uid
+// (may be empty); it counts as demand until Add succeeds or RemoveWaiter.
+func (s *State) AddWaiter(k Key, uid string, pools []string) {
+	if len(pools) == 0 {
+		pools = s.served
+	}
+	s.waiters[k] = waiter{uid: uid, pools: slices.Clone(pools)}
+}
+
+// RemoveWaiter forgets the waiting ADD of k.
+func (s *State) RemoveWaiter(k Key) { delete(s.waiters, k) }
+
+// Rebuild records, for pods bound to the node whose status.podIPs hold addresses of the node's
+// pools that no attachment accounts for, an attachment under RebuiltKey(uid), so those addresses
+// are never handed out twice. It is meant for start-up, after Restore and the first holdings:
+// with a lost journal it rebuilds everything; with an intact one it finds nothing. Addresses that
+// are cooling (their sandbox was deleted) or releasing are skipped and reported.
+func (s *State) Rebuild(pods []Pod, now time.Time) (Change, []string) {
+	var ch Change
+	var problems []string
+	for _, pod := range pods {
+		if !pod.MayRun() || pod.Ref.UID == "" || len(pod.IPs) == 0 {
+			continue
+		}
+		k := RebuiltKey(pod.Ref.UID)
+		if _, exists := s.atts[k]; exists {
+			continue
+		}
+		var picks []Address
+		for _, ip := range pod.IPs {
+			name := s.poolOf(ip)
+			if name == "" {
+				continue
+			}
+			p := s.pools[name]
+			if owner, used := p.inUse[ip]; used {
+				if a := s.atts[owner]; a != nil && a.Pod.UID != pod.Ref.UID && a.Pod.UID != "" {
+					problems = append(problems, fmt.Sprintf("pod %s shows address %s, which the journal records for %s of pod %s",
+						pod.Ref, ip, owner, a.Pod))
+				}
+				continue
+			}
+			if _, rel := p.releasing[ip]; rel {
+				problems = append(problems, fmt.Sprintf("pod %s shows address %s of pool %s, which the node is releasing; not recorded",
+					pod.Ref, ip, name))
+				continue
+			}
+			if _, cool := p.cooling[ip]; cool {
+				continue // its sandbox was deleted; the status is stale
+			}
+			if slices.ContainsFunc(picks, func(a Address) bool { return a.Pool == name }) {
+				continue
+			}
+			picks = append(picks, Address{Pool: name, Addr: ip})
+		}
+		if len(picks) == 0 {
+			continue
+		}
+		for _, ad := range picks {
+			s.pools[ad.Pool].take(ad.Addr, k)
+		}
+		att := &Attachment{Key: k, Pod: pod.Ref, Addresses: picks, Created: now, Rebuilt: true}
+		s.putAttachment(att)
+		ch.PutAttachments = append(ch.PutAttachments, *att.clone())
+	}
+	return ch, problems
+}
+
+// poolOf returns the pool whose holding (else whose CIDRs) contain ip, or "".
+func (s *State) poolOf(ip netip.Addr) string {
+	names := make([]string, 0, len(s.pools))
+	for n := range s.pools {
+		names = append(names, n)
+	}
+	slices.Sort(names)
+	for _, n := range names {
+		if s.pools[n].held.Contains(ip) {
+			return n
+		}
+	}
+	for _, n := range names {
+		for _, c := range s.pools[n].cfg.CIDRs {
+			if c.Contains(ip) {
+				return n
+			}
+		}
+	}
+	return ""
+}

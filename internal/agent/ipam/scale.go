@@ -1,0 +1,299 @@
+package ipam
+
+import (
+	"fmt"
+	"net/netip"
+	"slices"
+	"time"
+
+	"github.com/ipwarden/ipwarden/internal/addr"
+	"github.com/ipwarden/ipwarden/internal/scaling"
+)
+
+// MaxReleasingBlocks is the most releasing blocks one pool request publishes (the API's
+// MaxItems); the rest wait for the next round.
+const MaxReleasingBlocks = 1024
+
+func setOf(a netip.Addr) addr.Set { return addr.SetOfAddrs(a) }
+
+func count(s addr.Set) int {
+	n, ok := s.Size().Uint64()
+	if !ok || n > uint64(1<<31-1) {
+		return 1<<31 - 1
+	}
+	return int(n)
+}
+
+// served reports whether pool name selects the node.
+func (s *State) isServed(name string) bool { return slices.Contains(s.served, name) }
+
+// Demand is what the node needs from pool now: addresses in use plus pods bound to the node that
+// need an address from it and have none yet, plus ADDs waiting for one (a pod counted once).
+func (s *State) Demand(pool string) int {
+	p, ok := s.pools[pool]
+	inUse := 0
+	if ok {
+		inUse = len(p.inUse)
+	}
+	waiting := map[string]bool{}
+	if s.isServed(pool) {
+		for _, pod := range s.pods {
+			if !pod.NeedsAddress() || pod.Ref.UID == "" || s.podHolds(pod.Ref.UID, pool) {
+				continue
+			}
+			waiting[pod.Ref.UID] = true
+		}
+	}
+	for k, w := range s.waiters {
+		if !slices.Contains(w.pools, pool) {
+			continue
+		}
+		id := w.uid
+		if id == "" || s.podHolds(id, pool) {
+			id = "key:" + k.String()
+		}
+		waiting[id] = true
+	}
+	return scaling.Demand(inUse, len(waiting))
+}
+
+// podHolds reports whether the pod with uid has an attachment with an address of pool.
+func (s *State) podHolds(uid, pool string) bool {
+	for k := range s.byPod[uid] {
+		for _, a := range s.atts[k].Addresses {
+			if a.Pool == pool {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// Target is the number of addresses the node should hold from pool: the scaling formula over
+// Demand for a pool that selects the node, 0 for one that no longer does (it drains).
+func (s *State) Target(pool string) int {
+	p, ok := s.pools[pool]
+	if !ok || !p.known || !s.isServed(pool) {
+		return 0
+	}
+	return scaling.Target(s.Demand(pool), p.cfg.Scaling, p.cfg.Exhausted)
+}
+
+// ReleasePlan is what Release marked, for the journal and for UnmarkReleasing.
+type ReleasePlan struct {
+	Change Change
+	// Marked holds the addresses marked releasing, per pool.
+	Marked map[string]addr.Set
+	// wasCooling holds the marked addresses that were cooling down.
+	wasCooling []Cooling
+}
+
+// Release marks, in every pool, the free addresses the node holds beyond its target as
+// releasing: they are never handed out again. The caller journals plan.Change before it
+// publishes them (see Spec), and calls UnmarkReleasing if the journal write fails. Addresses in
+// use are never chosen; scaling.ChooseRelease picks which free ones go.
+func (s *State) Release(now time.Time) ReleasePlan {
+	plan := ReleasePlan{Marked: map[string]addr.Set{}}
+	for _, name := range s.poolNames() {
+		p := s.pools[name]
+		if !p.heldKnown || (!p.known && s.isServed(name)) {
+			continue
+		}
+		holding := p.held.Subtract(p.relSet)
+		excess := count(holding) - s.Target(name)
+		if excess <= 0 {
+			continue
+		}
+		free := holding.Subtract(p.inUseSet())
+		rel := scaling.ChooseRelease(holding, free, excess)
+		if rel.IsEmpty() {
+			continue
+		}
+		for _, a := range rel.Addrs(count(rel)) {
+			p.releasing[a] = now
+			if t, cool := p.cooling[a]; cool {
+				delete(p.cooling, a)
+				plan.wasCooling = append(plan.wasCooling, Cooling{Pool: name, Addr: a, FreedAt: t})
+				plan.Change.DeleteCooling = append(plan.Change.DeleteCooling, Address{Pool: name, Addr: a})
+			}
+			plan.Change.PutReleasing = append(plan.Change.PutReleasing, Releasing{Pool: name, Addr: a, Since: now})
+		}
+		p.coolq = slices.DeleteFunc(p.coolq, func(c Cooling) bool { return rel.Contains(c.Addr) })
+		p.relSet = p.relSet.Union(rel)
+		p.fresh = p.fresh.Subtract(rel)
+		plan.Marked[name] = rel
+	}
+	return plan
+}
+
+// UnmarkReleasing undoes Release after its journal write failed: the addresses are free again,
+// and those that were cooling down cool on from when they were freed.
+func (s *State) UnmarkReleasing(plan ReleasePlan) {
+	for name, rel := range plan.Marked {
+		p := s.pools[name]
+		for _, a := range rel.Addrs(count(rel)) {
+			delete(p.releasing, a)
+		}
+	}
+	for _, c := range plan.wasCooling {
+		s.pools[c.Pool].uncool(c)
+	}
+	for name := range plan.Marked {
+		s.pools[name].recompute()
+	}
+}
+
+// Spec is the request the node should publish: one entry per pool that selects it or that it
+// still holds, uses or releases addresses of, sorted by pool name.
+func (s *State) Spec() []PoolRequest {
+	var out []PoolRequest
+	for _, name := range s.poolNames() {
+		p := s.pools[name]
+		if !s.isServed(name) && p.empty() {
+			continue
+		}
+		rel := p.relSet
+		if rel.NumRanges() > MaxReleasingBlocks {
+			rs := rel.Ranges()[:MaxReleasingBlocks]
+			rel = addr.NewSet(rs...)
+		}
+		out = append(out, PoolRequest{Pool: name, Requested: s.Target(name), Releasing: rel})
+	}
+	return out
+}
+
+func (s *State) poolNames() []string {
+	names := make([]string, 0, len(s.pools))
+	for n := range s.pools {
+		names = append(names, n)
+	}
+	slices.Sort(names)
+	return names
+}
+
+// PoolStats counts one pool's addresses on the node.
+type PoolStats struct {
+	Pool   string
+	Served bool
+	// Held is what the controller reports the node holds.
+	Held int
+	// InUse counts addresses of attachments (including conflicts).
+	InUse int
+	// Free counts addresses that could be handed out now.
+	Free int
+	// Cooling counts freed addresses still inside their cooldown.
+	Cooling   int
+	Releasing int
+	// Requested is the target the node asks for.
+	Requested int
+	// Demand is in use plus pods and ADDs waiting for an address.
+	Demand int
+	// Conflicts counts addresses in use that the node does not hold.
+	Conflicts int
+	Exhausted bool
+}
+
+// Stats returns per-pool counts at now, sorted by pool.
+func (s *State) Stats(now time.Time) []PoolStats {
+	var out []PoolStats
+	for _, name := range s.poolNames() {
+		p := s.pools[name]
+		st := PoolStats{
+			Pool:      name,
+			Served:    s.isServed(name),
+			Held:      count(p.held),
+			InUse:     len(p.inUse),
+			Releasing: len(p.releasing),
+			Requested: s.Target(name),
+			Demand:    s.Demand(name),
+			Exhausted: p.cfg.Exhausted,
+		}
+		if p.heldKnown {
+			st.Free = count(p.fresh)
+			st.Conflicts = count(p.inUseSet().Subtract(p.held))
+		}
+		for _, c := range p.coolq {
+			if p.heldKnown && p.cooled(c.FreedAt, now) {
+				st.Free++
+			} else {
+				st.Cooling++
+			}
+		}
+		out = append(out, st)
+	}
+	return out
+}
+
+// Conflicts returns the addresses in use that pool does not hold, with their attachments.
+func (s *State) Conflicts(pool string) map[netip.Addr]Key {
+	p, ok := s.pools[pool]
+	if !ok || !p.heldKnown {
+		return nil
+	}
+	out := map[netip.Addr]Key{}
+	for a, k := range p.inUse {
+		if !p.held.Contains(a) {
+			out[a] = k
+		}
+	}
+	return out
+}
+
+// NextCooled returns the earliest time after now at which a cooling address becomes usable, or
+// the zero time if none is cooling.
+func (s *State) NextCooled(now time.Time) time.Time {
+	var next time.Time
+	for _, p := range s.pools {
+		for _, c := range p.coolq {
+			t := c.FreedAt.Add(p.cfg.Cooldown)
+			if !t.After(now) {
+				continue
+			}
+			if next.IsZero() || t.Before(next) {
+				next = t
+			}
+			break // the queue is ordered: the first still cooling is the pool's earliest
+		}
+	}
+	return next
+}
+
+// Reason says why pool has no address for an ADD at now, for the CNI error message: what is
+// short and what an operator can do.
+func (s *State) Reason(pool string, now time.Time) string {
+	p, ok := s.pools[pool]
+	switch {
+	case !ok || !p.known:
+		return fmt.Sprintf("the agent has not seen IPPool %s yet", pool)
+	case !p.heldKnown:
+		return fmt.Sprintf("the controller has not answered: NodeIPAllocation %s has no status for pool %s yet (is ipwarden controller running?)", s.node, pool)
+	}
+	holding := count(p.held.Subtract(p.relSet))
+	cooling := 0
+	var next time.Time
+	for _, c := range p.coolq {
+		if !p.cooled(c.FreedAt, now) {
+			if cooling == 0 {
+				next = c.FreedAt.Add(p.cfg.Cooldown)
+			}
+			cooling++
+		}
+	}
+	coolNote := ""
+	if cooling > 0 {
+		coolNote = fmt.Sprintf("; %d freed addresses are cooling down (reuseCooldown %s), the next is free in %s",
+			cooling, p.cfg.Cooldown, next.Sub(now).Round(time.Millisecond))
+	}
+	max := p.cfg.Scaling.MaxPerNode
+	switch {
+	case max > 0 && holding >= max:
+		return fmt.Sprintf("node %s is at the pool's maxPerNode (%d addresses held, all in use or cooling down)%s; raise spec.scaling.maxPerNode of IPPool %s or run fewer pods on the node",
+			s.node, max, coolNote, pool)
+	case p.cfg.Exhausted:
+		return fmt.Sprintf("pool %s is exhausted: the controller has no free address to give node %s (it holds %d)%s; add CIDRs to the IPPool",
+			pool, s.node, holding, coolNote)
+	default:
+		return fmt.Sprintf("the controller has not answered: node %s requested %d addresses of pool %s and holds %d%s; check that ipwarden controller is running",
+			s.node, s.Target(pool), pool, holding, coolNote)
+	}
+}

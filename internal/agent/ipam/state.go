@@ -1,0 +1,401 @@
+package ipam
+
+import (
+	"cmp"
+	"fmt"
+	"net/netip"
+	"slices"
+	"time"
+
+	"github.com/ipwarden/ipwarden/internal/addr"
+)
+
+// State is the node's allocation state. The zero value is not usable; see New.
+type State struct {
+	node   string
+	pools  map[string]*poolState
+	served []string // pools that select the node, the default of an ADD, IPv4 first then by name
+	atts   map[Key]*Attachment
+	byPod  map[string]map[Key]struct{} // pod UID -> attachments
+	// pending holds ADDs reserved in memory whose journal write has not finished, with what
+	// AbortAdd needs to undo them.
+	pending map[Key]*undo
+	pods    []Pod
+	waiters map[Key]waiter
+}
+
+// poolState is the node's view of one pool.
+type poolState struct {
+	name      string
+	cfg       Pool
+	known     bool     // cfg came from an IPPool (or the journal)
+	held      addr.Set // status.pools[].addresses
+	heldKnown bool     // held came from the controller (or the journal)
+	releasing map[netip.Addr]time.Time
+	relSet    addr.Set
+	inUse     map[netip.Addr]Key
+	cooling   map[netip.Addr]time.Time // freed-at, mirrors coolq
+	coolq     []Cooling                // oldest freed first
+	fresh     addr.Set                 // held - releasing - inUse - cooling
+}
+
+// waiter is an ADD waiting for addresses; it counts as demand.
+type waiter struct {
+	uid   string
+	pools []string
+}
+
+// undo is what AbortAdd restores.
+type undo struct {
+	fromCooling []Cooling
+	placeholder *Attachment // the rebuilt attachment the ADD adopted addresses from, before
+}
+
+// New returns an empty state for node.
+func New(node string) *State {
+	return &State{
+		node:    node,
+		pools:   map[string]*poolState{},
+		atts:    map[Key]*Attachment{},
+		byPod:   map[string]map[Key]struct{}{},
+		pending: map[Key]*undo{},
+		waiters: map[Key]waiter{},
+	}
+}
+
+// Node returns the node name.
+func (s *State) Node() string { return s.node }
+
+func (s *State) pool(name string) *poolState {
+	p, ok := s.pools[name]
+	if !ok {
+		p = &poolState{
+			name:      name,
+			cfg:       Pool{Name: name},
+			releasing: map[netip.Addr]time.Time{},
+			inUse:     map[netip.Addr]Key{},
+			cooling:   map[netip.Addr]time.Time{},
+		}
+		s.pools[name] = p
+	}
+	return p
+}
+
+// Restore loads a journal snapshot into an empty state. Records that contradict each other (an
+// address in two attachments, or in use and cooling) are kept in the safest reading (in use
+// wins, nothing is handed out twice) and reported as problems.
+func (s *State) Restore(snap Snapshot) (problems []string) {
+	for _, pc := range snap.Pools {
+		p := s.pool(pc.Name)
+		p.cfg, p.known = pc, true
+	}
+	for _, h := range snap.Holdings {
+		p := s.pool(h.Pool)
+		p.held, p.heldKnown = h.Addresses, true
+	}
+	for _, r := range snap.Releasing {
+		p := s.pool(r.Pool)
+		p.releasing[r.Addr] = r.Since
+	}
+	for _, a := range snap.Attachments {
+		att := a
+		att.Addresses = slices.Clone(a.Addresses)
+		for _, ad := range att.Addresses {
+			p := s.pool(ad.Pool)
+			if other, dup := p.inUse[ad.Addr]; dup {
+				problems = append(problems, fmt.Sprintf("address %s of pool %s is recorded for both %s and %s",
+					ad.Addr, ad.Pool, other, att.Key))
+				continue
+			}
+			p.inUse[ad.Addr] = att.Key
+			if _, rel := p.releasing[ad.Addr]; rel {
+				problems = append(problems, fmt.Sprintf("address %s of pool %s is in use by %s and also releasing",
+					ad.Addr, ad.Pool, att.Key))
+			}
+		}
+		s.putAttachment(&att)
+	}
+	for _, c := range snap.Cooling {
+		p := s.pool(c.Pool)
+		if k, used := p.inUse[c.Addr]; used {
+			problems = append(problems, fmt.Sprintf("address %s of pool %s is in use by %s and also cooling down; kept in use",
+				c.Addr, c.Pool, k))
+			continue
+		}
+		if _, rel := p.releasing[c.Addr]; rel {
+			continue
+		}
+		p.cooling[c.Addr] = c.FreedAt
+		p.coolq = append(p.coolq, c)
+	}
+	for _, p := range s.pools {
+		slices.SortStableFunc(p.coolq, func(a, b Cooling) int { return a.FreedAt.Compare(b.FreedAt) })
+		p.recompute()
+	}
+	return problems
+}
+
+// recompute derives relSet and fresh from the maps.
+func (p *poolState) recompute() {
+	rel := make([]netip.Addr, 0, len(p.releasing))
+	for a := range p.releasing {
+		rel = append(rel, a)
+	}
+	p.relSet = addr.SetOfAddrs(rel...)
+	p.fresh = p.held.Subtract(p.relSet).Subtract(p.inUseSet()).Subtract(p.coolingSet())
+}
+
+func (p *poolState) inUseSet() addr.Set {
+	as := make([]netip.Addr, 0, len(p.inUse))
+	for a := range p.inUse {
+		as = append(as, a)
+	}
+	return addr.SetOfAddrs(as...)
+}
+
+func (p *poolState) coolingSet() addr.Set {
+	as := make([]netip.Addr, 0, len(p.cooling))
+	for a := range p.cooling {
+		as = append(as, a)
+	}
+	return addr.SetOfAddrs(as...)
+}
+
+func (s *State) putAttachment(a *Attachment) {
+	s.atts[a.Key] = a
+	if uid := a.Pod.UID; uid != "" {
+		m := s.byPod[uid]
+		if m == nil {
+			m = map[Key]struct{}{}
+			s.byPod[uid] = m
+		}
+		m[a.Key] = struct{}{}
+	}
+}
+
+func (s *State) dropAttachment(k Key) {
+	a, ok := s.atts[k]
+	if !ok {
+		return
+	}
+	delete(s.atts, k)
+	if uid := a.Pod.UID; uid != "" {
+		delete(s.byPod[uid], k)
+		if len(s.byPod[uid]) == 0 {
+			delete(s.byPod, uid)
+		}
+	}
+}
+
+// SetPools replaces the pools' configuration with those from the API and sets the pools that
+// select the node (served), which ADD draws from by default: IPv4 pools first, then by name.
+// Pools that no longer serve the node drain: their free addresses are released and nothing new
+// is handed out from them. The returned Change journals the configuration, so a restart while
+// the API server is away still knows prefix lengths, gateways and cooldowns.
+func (s *State) SetPools(pools []Pool, served []string) Change {
+	var ch Change
+	seen := map[string]bool{}
+	for _, pc := range pools {
+		seen[pc.Name] = true
+		p := s.pool(pc.Name)
+		if !p.known || !poolEqual(p.cfg, pc) {
+			ch.PutPools = append(ch.PutPools, pc)
+		}
+		p.cfg, p.known = pc, true
+	}
+	for name, p := range s.pools {
+		if !seen[name] && p.known {
+			// The IPPool is gone: keep its last configuration for the addresses still in use,
+			// but forget it from the journal once nothing refers to it.
+			if p.empty() {
+				delete(s.pools, name)
+				ch.DeletePools = append(ch.DeletePools, name)
+			}
+		}
+	}
+	srv := slices.Clone(served)
+	slices.SortFunc(srv, func(a, b string) int {
+		a4, b4 := s.pool(a).cfg.Is4(), s.pool(b).cfg.Is4()
+		if a4 != b4 {
+			if a4 {
+				return -1
+			}
+			return 1
+		}
+		return cmp.Compare(a, b)
+	})
+	s.served = slices.Compact(srv)
+	return ch
+}
+
+func poolEqual(a, b Pool) bool {
+	return a.Name == b.Name && slices.Equal(a.CIDRs, b.CIDRs) && a.Gateway == b.Gateway &&
+		slices.Equal(a.Routes, b.Routes) && a.Scaling == b.Scaling && a.Cooldown == b.Cooldown &&
+		a.Exhausted == b.Exhausted
+}
+
+// empty reports whether the pool holds nothing the node must remember.
+func (p *poolState) empty() bool {
+	return p.held.IsEmpty() && len(p.inUse) == 0 && len(p.releasing) == 0 && len(p.cooling) == 0
+}
+
+// Served returns the pools that select the node, in ADD order.
+func (s *State) Served() []string { return slices.Clone(s.served) }
+
+// PoolConfig returns the configuration of pool name and whether it is known.
+func (s *State) PoolConfig(name string) (Pool, bool) {
+	p, ok := s.pools[name]
+	if !ok || !p.known {
+		return Pool{}, false
+	}
+	return p.cfg, true
+}
+
+// SetHolding records what the controller reports the node holds from pool. Releasing addresses
+// the controller has taken back are forgotten, as are cooling addresses no longer held.
+// Attachments whose addresses are not held are kept (a running pod never loses its address) and
+// show as conflicts.
+func (s *State) SetHolding(pool string, held addr.Set) Change {
+	var ch Change
+	p := s.pool(pool)
+	if p.heldKnown && p.held.Equal(held) {
+		return ch
+	}
+	p.held, p.heldKnown = held, true
+	for a := range p.releasing {
+		if !held.Contains(a) {
+			delete(p.releasing, a)
+			ch.DeleteReleasing = append(ch.DeleteReleasing, Address{pool, a})
+		}
+	}
+	if len(p.cooling) > 0 {
+		kept := p.coolq[:0]
+		for _, c := range p.coolq {
+			if held.Contains(c.Addr) {
+				kept = append(kept, c)
+				continue
+			}
+			delete(p.cooling, c.Addr)
+			ch.DeleteCooling = append(ch.DeleteCooling, Address{pool, c.Addr})
+		}
+		clear(p.coolq[len(kept):])
+		p.coolq = kept
+	}
+	p.recompute()
+	sortAddresses(ch.DeleteReleasing)
+	sortAddresses(ch.DeleteCooling)
+	ch.PutHoldings = append(ch.PutHoldings, Holding{Pool: pool, Addresses: held})
+	return ch
+}
+
+// SetPods records the pods bound to the node; those that need an address and have none yet
+// count as demand.
+func (s *State) SetPods(pods []Pod) { s.pods = slices.Clone(pods) }
+
+// Holding returns what the node holds from pool and whether the controller has said so.
+func (s *State) Holding(pool string) (addr.Set, bool) {
+	p, ok := s.pools[pool]
+	if !ok {
+		return addr.Set{}, false
+	}
+	return p.held, p.heldKnown
+}
+
+// Attachment returns a copy of the attachment k.
+func (s *State) Attachment(k Key) (Attachment, bool) {
+	a, ok := s.atts[k]
+	if !ok {
+		return Attachment{}, false
+	}
+	return *a.clone(), true
+}
+
+// NumAttachments returns the number of attachments.
+func (s *State) NumAttachments() int { return len(s.atts) }
+
+// Attachments returns copies of all attachments, sorted by key.
+func (s *State) Attachments() []Attachment {
+	out := make([]Attachment, 0, len(s.atts))
+	for _, a := range s.atts {
+		out = append(out, *a.clone())
+	}
+	slices.SortFunc(out, func(a, b Attachment) int {
+		return cmp.Or(cmp.Compare(a.Key.ContainerID, b.Key.ContainerID), cmp.Compare(a.Key.IfName, b.Key.IfName))
+	})
+	return out
+}
+
+// PodAttachments returns the keys of the attachments of the pod with uid, sorted.
+func (s *State) PodAttachments(uid string) []Key {
+	var ks []Key
+	for k := range s.byPod[uid] {
+		ks = append(ks, k)
+	}
+	slices.SortFunc(ks, func(a, b Key) int {
+		return cmp.Or(cmp.Compare(a.ContainerID, b.ContainerID), cmp.Compare(a.IfName, b.IfName))
+	})
+	return ks
+}
+
+func sortAddresses(as []Address) {
+	slices.SortFunc(as, func(a, b Address) int { return cmp.Or(cmp.Compare(a.Pool, b.Pool), a.Addr.Compare(b.Addr)) })
+}
+
+// cooled reports whether a cooling address freed at t may be handed out at now.
+func (p *poolState) cooled(t, now time.Time) bool { return !now.Before(t.Add(p.cfg.Cooldown)) }
+
+// next returns the address the pool would hand out at now: the lowest fresh address, else the
+// address freed longest ago if its cooldown has passed.
+func (p *poolState) next(now time.Time) (a netip.Addr, fromCooling bool, ok bool) {
+	if !p.heldKnown {
+		return netip.Addr{}, false, false
+	}
+	if !p.fresh.IsEmpty() {
+		return p.fresh.Ranges()[0].First, false, true
+	}
+	if len(p.coolq) > 0 && p.cooled(p.coolq[0].FreedAt, now) && p.held.Contains(p.coolq[0].Addr) {
+		return p.coolq[0].Addr, true, true
+	}
+	return netip.Addr{}, false, false
+}
+
+// take marks a as in use by k, removing it from fresh or the cooling queue.
+func (p *poolState) take(a netip.Addr, k Key) (fromCooling *Cooling) {
+	p.inUse[a] = k
+	if t, ok := p.cooling[a]; ok {
+		delete(p.cooling, a)
+		i := slices.IndexFunc(p.coolq, func(c Cooling) bool { return c.Addr == a })
+		if i >= 0 {
+			p.coolq = slices.Delete(p.coolq, i, i+1)
+		}
+		return &Cooling{Pool: p.name, Addr: a, FreedAt: t}
+	}
+	p.fresh = p.fresh.Subtract(addr.SetOfAddrs(a))
+	return nil
+}
+
+// free returns a, in use, to the back of the cooling queue at now, or forgets it when the node
+// does not hold it (a conflict). It reports whether it was queued.
+func (p *poolState) free(a netip.Addr, now time.Time) bool {
+	delete(p.inUse, a)
+	if _, rel := p.releasing[a]; rel {
+		return false
+	}
+	if p.heldKnown && !p.held.Contains(a) {
+		return false
+	}
+	p.cooling[a] = now
+	i := len(p.coolq)
+	for i > 0 && now.Before(p.coolq[i-1].FreedAt) {
+		i--
+	}
+	p.coolq = slices.Insert(p.coolq, i, Cooling{Pool: p.name, Addr: a, FreedAt: now})
+	return true
+}
+
+// uncool puts an address taken from cooling back where it was.
+func (p *poolState) uncool(c Cooling) {
+	p.cooling[c.Addr] = c.FreedAt
+	i, _ := slices.BinarySearchFunc(p.coolq, c.FreedAt, func(e Cooling, t time.Time) int { return e.FreedAt.Compare(t) })
+	p.coolq = slices.Insert(p.coolq, i, c)
+}

@@ -1,0 +1,206 @@
+package ipam
+
+import (
+	"net/netip"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/ipwarden/ipwarden/internal/addr"
+	"github.com/ipwarden/ipwarden/internal/scaling"
+)
+
+// Key identifies one CNI attachment: a container's interface.
+type Key struct {
+	ContainerID string `json:"containerID"`
+	IfName      string `json:"ifname"`
+}
+
+// String returns "containerID/ifname".
+func (k Key) String() string { return k.ContainerID + "/" + k.IfName }
+
+// rebuiltPrefix starts the container ID of attachments rebuilt from a pod's status.podIPs. The
+// colon cannot appear in a CNI container ID, so no CNI request can name such a key.
+const rebuiltPrefix = "rebuilt:"
+
+// RebuiltKey is the key of the attachment rebuilt for the pod with uid, whose container ID is
+// unknown.
+func RebuiltKey(uid string) Key { return Key{ContainerID: rebuiltPrefix + uid, IfName: "-"} }
+
+// IsRebuilt reports whether k is a RebuiltKey.
+func (k Key) IsRebuilt() bool { return strings.HasPrefix(k.ContainerID, rebuiltPrefix) }
+
+// PodRef names the pod an attachment belongs to (from CNI_ARGS K8S_POD_NAMESPACE, K8S_POD_NAME
+// and K8S_POD_UID). Any field may be empty when the runtime did not pass it.
+type PodRef struct {
+	Namespace string `json:"namespace,omitempty"`
+	Name      string `json:"name,omitempty"`
+	UID       string `json:"uid,omitempty"`
+}
+
+// String returns "namespace/name" or "" when the name is unknown.
+func (p PodRef) String() string {
+	if p.Name == "" {
+		return ""
+	}
+	return p.Namespace + "/" + p.Name
+}
+
+// Address is one address of one pool.
+type Address struct {
+	Pool string     `json:"pool"`
+	Addr netip.Addr `json:"addr"`
+}
+
+// Attachment is one CNI attachment and the addresses it holds, one per pool.
+type Attachment struct {
+	Key Key `json:"key"`
+	// Network is the CNI network name the attachment was made for; GC only considers
+	// attachments of its own network.
+	Network string `json:"network,omitempty"`
+	Pod     PodRef `json:"pod"`
+	// Addresses holds one address per pool, in the order the pools were requested.
+	Addresses []Address `json:"addresses"`
+	// Created is when the attachment was recorded.
+	Created time.Time `json:"created"`
+	// Rebuilt is set for attachments recorded from a pod's status.podIPs because the journal
+	// had lost them; their container ID is unknown (see RebuiltKey).
+	Rebuilt bool `json:"rebuilt,omitempty"`
+}
+
+// clone returns a deep copy of a.
+func (a *Attachment) clone() *Attachment {
+	c := *a
+	c.Addresses = slices.Clone(a.Addresses)
+	return &c
+}
+
+// Route is a route returned to the pod.
+type Route struct {
+	Dst netip.Prefix `json:"dst"`
+	GW  netip.Addr   `json:"gw,omitzero"`
+}
+
+// Pool is the part of an IPPool the agent needs.
+type Pool struct {
+	Name string `json:"name"`
+	// CIDRs give each address its prefix length in the CNI result.
+	CIDRs    []netip.Prefix `json:"cidrs"`
+	Gateway  netip.Addr     `json:"gateway,omitzero"`
+	Routes   []Route        `json:"routes,omitempty"`
+	Scaling  scaling.Params `json:"scaling"`
+	Cooldown time.Duration  `json:"cooldown"`
+	// Exhausted mirrors the IPPool's status.exhausted.
+	Exhausted bool `json:"exhausted,omitempty"`
+}
+
+// Is4 reports whether the pool is an IPv4 pool.
+func (p Pool) Is4() bool { return len(p.CIDRs) > 0 && p.CIDRs[0].Addr().Is4() }
+
+// Prefix returns a with the prefix length of the pool CIDR that contains it, or a single-address
+// prefix if none does.
+func (p Pool) Prefix(a netip.Addr) netip.Prefix {
+	for _, c := range p.CIDRs {
+		if c.Contains(a) {
+			return netip.PrefixFrom(a, c.Bits())
+		}
+	}
+	return netip.PrefixFrom(a, a.BitLen())
+}
+
+// Cooling is an address freed at FreedAt, resting for its pool's cooldown.
+type Cooling struct {
+	Pool    string     `json:"pool"`
+	Addr    netip.Addr `json:"addr"`
+	FreedAt time.Time  `json:"freedAt"`
+}
+
+// Releasing is an address the node gives back; it is never handed out again.
+type Releasing struct {
+	Pool  string     `json:"pool"`
+	Addr  netip.Addr `json:"addr"`
+	Since time.Time  `json:"since"`
+}
+
+// Holding is the set of addresses the node holds from a pool, as the controller last reported.
+type Holding struct {
+	Pool      string   `json:"pool"`
+	Addresses addr.Set `json:"-"`
+}
+
+// Change is what the journal must record, atomically, for one step of the state machine.
+type Change struct {
+	PutAttachments    []Attachment
+	DeleteAttachments []Key
+	PutCooling        []Cooling
+	DeleteCooling     []Address
+	PutReleasing      []Releasing
+	DeleteReleasing   []Address
+	PutHoldings       []Holding
+	DeleteHoldings    []string
+	PutPools          []Pool
+	DeletePools       []string
+}
+
+// IsEmpty reports whether c records nothing.
+func (c *Change) IsEmpty() bool {
+	return len(c.PutAttachments) == 0 && len(c.DeleteAttachments) == 0 && len(c.PutCooling) == 0 &&
+		len(c.DeleteCooling) == 0 && len(c.PutReleasing) == 0 && len(c.DeleteReleasing) == 0 &&
+		len(c.PutHoldings) == 0 && len(c.DeleteHoldings) == 0 && len(c.PutPools) == 0 && len(c.DeletePools) == 0
+}
+
+// Merge appends o to c.
+func (c *Change) Merge(o Change) {
+	c.PutAttachments = append(c.PutAttachments, o.PutAttachments...)
+	c.DeleteAttachments = append(c.DeleteAttachments, o.DeleteAttachments...)
+	c.PutCooling = append(c.PutCooling, o.PutCooling...)
+	c.DeleteCooling = append(c.DeleteCooling, o.DeleteCooling...)
+	c.PutReleasing = append(c.PutReleasing, o.PutReleasing...)
+	c.DeleteReleasing = append(c.DeleteReleasing, o.DeleteReleasing...)
+	c.PutHoldings = append(c.PutHoldings, o.PutHoldings...)
+	c.DeleteHoldings = append(c.DeleteHoldings, o.DeleteHoldings...)
+	c.PutPools = append(c.PutPools, o.PutPools...)
+	c.DeletePools = append(c.DeletePools, o.DeletePools...)
+}
+
+// Snapshot is the durable part of a State, as the journal loads it.
+type Snapshot struct {
+	Attachments []Attachment
+	Cooling     []Cooling
+	Releasing   []Releasing
+	Holdings    []Holding
+	Pools       []Pool
+}
+
+// IsEmpty reports whether s holds no record at all (a new or lost journal).
+func (s *Snapshot) IsEmpty() bool {
+	return len(s.Attachments) == 0 && len(s.Cooling) == 0 && len(s.Releasing) == 0 &&
+		len(s.Holdings) == 0 && len(s.Pools) == 0
+}
+
+// Pod is a pod bound to the node, as the agent's pod watch sees it.
+type Pod struct {
+	Ref PodRef
+	// IPs is the pod's status.podIPs.
+	IPs []netip.Addr
+	// HostNetwork pods get no address from ipwarden.
+	HostNetwork bool
+	// Finished is set for pods in phase Succeeded or Failed: their sandbox is gone.
+	Finished bool
+	// Deleting is set once the pod has a deletion timestamp; it may still run.
+	Deleting bool
+}
+
+// NeedsAddress reports whether the pod will need an address it may not have yet: it counts as
+// demand until it has an attachment.
+func (p Pod) NeedsAddress() bool { return !p.HostNetwork && !p.Finished && !p.Deleting }
+
+// MayRun reports whether the pod's sandbox may be running with the addresses in its status.
+func (p Pod) MayRun() bool { return !p.HostNetwork && !p.Finished }
+
+// PoolRequest is the agent's request for one pool, as published in NodeIPAllocation spec.pools.
+type PoolRequest struct {
+	Pool      string
+	Requested int
+	Releasing addr.Set
+}

@@ -1,0 +1,160 @@
+package journal
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/netip"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ipwarden/ipwarden/internal/addr"
+	"github.com/ipwarden/ipwarden/internal/agent/ipam"
+	"github.com/ipwarden/ipwarden/internal/scaling"
+)
+
+var t0 = time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)
+
+// canon renders a snapshot as JSON so snapshots compare by value (times by instant, sets by
+// their text form).
+func canon(t testing.TB, s ipam.Snapshot) string {
+	t.Helper()
+	s.Sort()
+	type holding struct {
+		Pool string
+		Addr []string
+	}
+	var hs []holding
+	for _, h := range s.Holdings {
+		hs = append(hs, holding{h.Pool, h.Addresses.Strings()})
+	}
+	for i := range s.Attachments {
+		s.Attachments[i].Created = s.Attachments[i].Created.UTC()
+	}
+	for i := range s.Cooling {
+		s.Cooling[i].FreedAt = s.Cooling[i].FreedAt.UTC()
+	}
+	for i := range s.Releasing {
+		s.Releasing[i].Since = s.Releasing[i].Since.UTC()
+	}
+	b, err := json.Marshal(struct {
+		A []ipam.Attachment
+		C []ipam.Cooling
+		R []ipam.Releasing
+		H []holding
+		P []ipam.Pool
+	}{s.Attachments, s.Cooling, s.Releasing, hs, s.Pools})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+func open(t testing.TB, dir, node string) *Journal {
+	t.Helper()
+	j, err := Open(dir, Options{Node: node})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return j
+}
+
+func TestRoundTrip(t *testing.T) {
+	dir := t.TempDir()
+	j := open(t, dir, "node-a")
+	pool := ipam.Pool{
+		Name: "v4", CIDRs: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/24")}, Gateway: netip.MustParseAddr("10.0.0.1"),
+		Routes:  []ipam.Route{{Dst: netip.MustParsePrefix("0.0.0.0/0")}},
+		Scaling: scaling.DefaultParams, Cooldown: 30 * time.Second,
+	}
+	changes := []ipam.Change{
+		{PutPools: []ipam.Pool{pool}, PutHoldings: []ipam.Holding{{Pool: "v4", Addresses: addr.MustParseSetString("10.0.0.0/28")}}},
+		{PutAttachments: []ipam.Attachment{{
+			Key: ipam.Key{ContainerID: "abc", IfName: "eth0"}, Network: "net",
+			Pod:       ipam.PodRef{Namespace: "ns", Name: "web", UID: "u1"},
+			Addresses: []ipam.Address{{Pool: "v4", Addr: netip.MustParseAddr("10.0.0.2")}}, Created: t0,
+		}}},
+		{PutCooling: []ipam.Cooling{{Pool: "v4", Addr: netip.MustParseAddr("10.0.0.3"), FreedAt: t0}},
+			PutReleasing: []ipam.Releasing{{Pool: "v4", Addr: netip.MustParseAddr("10.0.0.15"), Since: t0}}},
+		{DeleteCooling: []ipam.Address{{Pool: "v4", Addr: netip.MustParseAddr("10.0.0.3")}},
+			PutAttachments: []ipam.Attachment{{Key: ipam.RebuiltKey("u2"), Rebuilt: true, Created: t0,
+				Addresses: []ipam.Address{{Pool: "v4", Addr: netip.MustParseAddr("10.0.0.3")}}}}},
+	}
+	var want ipam.Snapshot
+	for _, ch := range changes {
+		if err := j.Commit(ch); err != nil {
+			t.Fatal(err)
+		}
+		want = want.Apply(ch)
+	}
+	if err := j.Close(); err != nil {
+		t.Fatal(err)
+	}
+	j = open(t, dir, "node-a")
+	defer j.Close()
+	got, err := j.Load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if canon(t, got) != canon(t, want) {
+		t.Fatalf("loaded\n%s\nwant\n%s", canon(t, got), canon(t, want))
+	}
+	if errs := j.Verify(); len(errs) > 0 {
+		t.Fatal(errs)
+	}
+}
+
+func TestRefusesOtherNodeAndSecondOpener(t *testing.T) {
+	dir := t.TempDir()
+	j := open(t, dir, "node-a")
+	if _, err := Open(dir, Options{Node: "node-a", LockTimeout: 100 * time.Millisecond}); err == nil ||
+		!strings.Contains(err.Error(), "another process holds its lock") {
+		t.Fatalf("second open: %v", err)
+	}
+	j.Close()
+	if _, err := Open(dir, Options{Node: "node-b"}); err == nil || !strings.Contains(err.Error(), `belongs to node "node-a"`) {
+		t.Fatalf("open for another node: %v", err)
+	}
+}
+
+// TestGroupCommit: concurrent commits all land, in fewer transactions than commits.
+func TestGroupCommit(t *testing.T) {
+	var mu sync.Mutex
+	txs := 0
+	j, err := Open(t.TempDir(), Options{Node: "n", ObserveWrite: func(time.Duration) { mu.Lock(); txs++; mu.Unlock() }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer j.Close()
+	const n = 200
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			k := ipam.Key{ContainerID: fmt.Sprintf("c%03d", i), IfName: "eth0"}
+			if err := j.Commit(ipam.Change{PutAttachments: []ipam.Attachment{{Key: k, Created: t0}}}); err != nil {
+				t.Error(err)
+			}
+		})
+	}
+	wg.Wait()
+	snap, err := j.Load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(snap.Attachments) != n {
+		t.Fatalf("%d attachments, want %d", len(snap.Attachments), n)
+	}
+	t.Logf("%d commits in %d transactions", n, txs)
+	if txs >= n {
+		t.Errorf("no grouping: %d transactions for %d concurrent commits", txs, n)
+	}
+}
+
+func TestCommitAfterClose(t *testing.T) {
+	j := open(t, t.TempDir(), "n")
+	j.Close()
+	if err := j.Commit(ipam.Change{DeletePools: []string{"x"}}); err != ErrClosed {
+		t.Fatalf("Commit after Close = %v", err)
+	}
+}

@@ -1,0 +1,347 @@
+package agent
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/go-logr/logr"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	k8slabels "k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/rest"
+	toolscache "k8s.io/client-go/tools/cache"
+	"sigs.k8s.io/controller-runtime/pkg/cache"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
+	"github.com/ipwarden/ipwarden/internal/addr"
+	"github.com/ipwarden/ipwarden/internal/agent/ipam"
+	"github.com/ipwarden/ipwarden/internal/scaling"
+)
+
+// fieldOwner names the agent in managed fields.
+const fieldOwner = client.FieldOwner("ipwarden-agent")
+
+// Kube is the agent's view of the API server: its Node, the IPPools, its NodeIPAllocation and
+// the pods bound to it, each watched through an informer (pods by field selector
+// spec.nodeName, the Node and NodeIPAllocation by metadata.name). It pushes what it sees into the
+// Service, level-based, and writes the node's request into the NodeIPAllocation spec.
+type Kube struct {
+	node    string
+	only    []string // --pools: serve only these
+	cache   cache.Cache
+	api     client.Client // uncached: writes and fresh reads
+	log     logr.Logger
+	svc     *Service
+	trigger chan struct{}
+
+	mu          sync.Mutex
+	lastWritten writtenSpec
+}
+
+// writtenSpec is the last spec the agent wrote, with the resource versions before and after,
+// so a lagging cache does not make it write the same spec again.
+type writtenSpec struct {
+	pools         []ipwardenv1.NodePoolRequest
+	baseRV, newRV string
+}
+
+// NewKube creates the informers' cache and an API client for node.
+func NewKube(cfg *rest.Config, scheme *runtime.Scheme, node string, only []string, svc *Service, log logr.Logger) (*Kube, error) {
+	byName := fields.OneTermEqualSelector("metadata.name", node)
+	c, err := cache.New(cfg, cache.Options{
+		Scheme: scheme,
+		ByObject: map[client.Object]cache.ByObject{
+			&corev1.Pod{}:                  {Field: fields.OneTermEqualSelector("spec.nodeName", node)},
+			&corev1.Node{}:                 {Field: byName},
+			&ipwardenv1.NodeIPAllocation{}: {Field: byName},
+			&ipwardenv1.IPPool{}:           {},
+		},
+	})
+	if err != nil {
+		return nil, fmt.Errorf("create informer cache: %w", err)
+	}
+	api, err := client.New(cfg, client.Options{Scheme: scheme})
+	if err != nil {
+		return nil, fmt.Errorf("create API client: %w", err)
+	}
+	return &Kube{node: node, only: only, cache: c, api: api, log: log, svc: svc, trigger: make(chan struct{}, 1)}, nil
+}
+
+// Start runs the informers and waits until they have listed everything once.
+func (k *Kube) Start(ctx context.Context) error {
+	for _, obj := range []client.Object{&corev1.Pod{}, &corev1.Node{}, &ipwardenv1.NodeIPAllocation{}, &ipwardenv1.IPPool{}} {
+		inf, err := k.cache.GetInformer(ctx, obj)
+		if err != nil {
+			return fmt.Errorf("informer for %T: %w", obj, err)
+		}
+		if _, err := inf.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
+			AddFunc:    func(any) { k.Trigger() },
+			UpdateFunc: func(any, any) { k.Trigger() },
+			DeleteFunc: func(any) { k.Trigger() },
+		}); err != nil {
+			return fmt.Errorf("watch %T: %w", obj, err)
+		}
+	}
+	go func() {
+		if err := k.cache.Start(ctx); err != nil {
+			k.log.Error(err, "informers stopped")
+		}
+	}()
+	k.log.Info("waiting for the informers to list the node's objects from the API server")
+	if !k.cache.WaitForCacheSync(ctx) {
+		return fmt.Errorf("informers did not sync: %w", context.Cause(ctx))
+	}
+	return nil
+}
+
+// Trigger asks Run to push the cache into the service.
+func (k *Kube) Trigger() {
+	select {
+	case k.trigger <- struct{}{}:
+	default:
+	}
+}
+
+// WaitForAllocation waits until the controller has created the node's NodeIPAllocation.
+func (k *Kube) WaitForAllocation(ctx context.Context) error {
+	tick := time.NewTicker(250 * time.Millisecond)
+	defer tick.Stop()
+	start := time.Now()
+	lastLog := time.Time{}
+	for {
+		var nipa ipwardenv1.NodeIPAllocation
+		err := k.cache.Get(ctx, client.ObjectKey{Name: k.node}, &nipa)
+		if err == nil {
+			return nil
+		}
+		if !apierrors.IsNotFound(err) {
+			return fmt.Errorf("read NodeIPAllocation %s: %w", k.node, err)
+		}
+		if time.Since(lastLog) > 10*time.Second {
+			k.log.Info("waiting for the controller to create this node's NodeIPAllocation; the agent never creates it. "+
+				"Is ipwarden controller running, and does an IPPool's nodeSelector select this node?",
+				"nodeIPAllocation", k.node, "waited", time.Since(start).Round(time.Second).String())
+			lastLog = time.Now()
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("waiting for NodeIPAllocation %s: %w", k.node, context.Cause(ctx))
+		case <-tick.C:
+		}
+	}
+}
+
+// Push hands the service everything the cache knows: pools and which select the node, the
+// node's holdings, and its pods. It returns the pods for the start-up rebuild.
+func (k *Kube) Push(ctx context.Context) ([]ipam.Pod, error) {
+	var node corev1.Node
+	var nodeLabels map[string]string
+	if err := k.cache.Get(ctx, client.ObjectKey{Name: k.node}, &node); err == nil {
+		nodeLabels = node.Labels
+	} else if !apierrors.IsNotFound(err) {
+		return nil, fmt.Errorf("read Node %s: %w", k.node, err)
+	}
+	var poolList ipwardenv1.IPPoolList
+	if err := k.cache.List(ctx, &poolList); err != nil {
+		return nil, fmt.Errorf("list IPPools: %w", err)
+	}
+	var pools []ipam.Pool
+	var served []string
+	for i := range poolList.Items {
+		p := &poolList.Items[i]
+		cfg, err := PoolFromAPI(p)
+		if err != nil {
+			k.log.Error(err, "ignoring an IPPool the agent cannot read", "pool", p.Name)
+			continue
+		}
+		pools = append(pools, cfg)
+		sel, err := selects(p, nodeLabels)
+		if err != nil {
+			k.log.Error(err, "ignoring an IPPool with a bad nodeSelector", "pool", p.Name)
+			continue
+		}
+		if sel && (len(k.only) == 0 || slices.Contains(k.only, p.Name)) {
+			served = append(served, p.Name)
+		}
+	}
+	k.svc.SetPools(pools, served)
+
+	var nipa ipwardenv1.NodeIPAllocation
+	if err := k.cache.Get(ctx, client.ObjectKey{Name: k.node}, &nipa); err == nil {
+		holdings := map[string]addr.Set{}
+		for _, ps := range nipa.Status.Pools {
+			s, err := addr.ParseSet(ps.Addresses)
+			if err != nil {
+				// Never guess: an unreadable holding is treated as unknown-but-kept (no change).
+				k.log.Error(err, "NodeIPAllocation status holds an unreadable address list; keeping the previous view", "pool", ps.Pool)
+				return nil, fmt.Errorf("NodeIPAllocation %s status for pool %s: %w", k.node, ps.Pool, err)
+			}
+			holdings[ps.Pool] = s
+		}
+		k.svc.SetHoldings(holdings)
+	} else if !apierrors.IsNotFound(err) {
+		return nil, fmt.Errorf("read NodeIPAllocation %s: %w", k.node, err)
+	}
+
+	var podList corev1.PodList
+	if err := k.cache.List(ctx, &podList); err != nil {
+		return nil, fmt.Errorf("list pods on node %s: %w", k.node, err)
+	}
+	pods := make([]ipam.Pod, 0, len(podList.Items))
+	for i := range podList.Items {
+		pods = append(pods, PodFromAPI(&podList.Items[i]))
+	}
+	k.svc.SetPods(pods)
+	return pods, nil
+}
+
+// Run pushes the cache into the service after every watch event, coalesced.
+func (k *Kube) Run(ctx context.Context) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-k.trigger:
+		}
+		if _, err := k.Push(ctx); err != nil && ctx.Err() == nil {
+			k.log.Error(err, "cannot read the node's objects from the informer cache")
+		}
+	}
+}
+
+// PublishSpec writes reqs into the NodeIPAllocation's spec.pools unless it already says so. It
+// patches with the resource version it read (optimistic concurrency) and on a conflict retries
+// from a fresh read of the API server. It reports whether it wrote.
+func (k *Kube) PublishSpec(ctx context.Context, reqs []ipam.PoolRequest) (bool, error) {
+	desired := specPools(reqs)
+	var nipa ipwardenv1.NodeIPAllocation
+	if err := k.cache.Get(ctx, client.ObjectKey{Name: k.node}, &nipa); err != nil {
+		return false, fmt.Errorf("read NodeIPAllocation %s: %w", k.node, err)
+	}
+	k.mu.Lock()
+	lw := k.lastWritten
+	k.mu.Unlock()
+	if nipa.ResourceVersion == lw.baseRV && poolsEqual(lw.pools, desired) {
+		return false, nil // the cache has not seen our last write yet
+	}
+	for attempt := 0; ; attempt++ {
+		if poolsEqual(nipa.Spec.Pools, desired) {
+			return false, nil
+		}
+		base := nipa.DeepCopy()
+		nipa.Spec.Pools = desired
+		err := k.api.Patch(ctx, &nipa, client.MergeFromWithOptions(base, client.MergeFromWithOptimisticLock{}), fieldOwner)
+		if err == nil {
+			k.mu.Lock()
+			k.lastWritten = writtenSpec{pools: desired, baseRV: base.ResourceVersion, newRV: nipa.ResourceVersion}
+			k.mu.Unlock()
+			return true, nil
+		}
+		if !apierrors.IsConflict(err) || attempt >= 5 {
+			return false, fmt.Errorf("write NodeIPAllocation %s spec: %w", k.node, err)
+		}
+		nipa = ipwardenv1.NodeIPAllocation{}
+		if err := k.api.Get(ctx, client.ObjectKey{Name: k.node}, &nipa); err != nil {
+			return false, fmt.Errorf("re-read NodeIPAllocation %s after a conflict: %w", k.node, err)
+		}
+	}
+}
+
+func specPools(reqs []ipam.PoolRequest) []ipwardenv1.NodePoolRequest {
+	out := make([]ipwardenv1.NodePoolRequest, 0, len(reqs))
+	for _, r := range reqs {
+		pr := ipwardenv1.NodePoolRequest{Pool: r.Pool, Requested: int32(min(r.Requested, 65536))}
+		for _, s := range r.Releasing.Strings() {
+			pr.Releasing = append(pr.Releasing, ipwardenv1.AddressBlock(s))
+		}
+		out = append(out, pr)
+	}
+	return out
+}
+
+func poolsEqual(a, b []ipwardenv1.NodePoolRequest) bool {
+	return slices.EqualFunc(a, b, func(x, y ipwardenv1.NodePoolRequest) bool {
+		return x.Pool == y.Pool && x.Requested == y.Requested && slices.Equal(x.Releasing, y.Releasing)
+	})
+}
+
+// PoolFromAPI converts an IPPool into what the state machine needs.
+func PoolFromAPI(p *ipwardenv1.IPPool) (ipam.Pool, error) {
+	cfg := ipam.Pool{
+		Name: p.Name,
+		Scaling: scaling.Params{
+			BatchSize:     int(p.Spec.Scaling.BatchSize),
+			BufferPercent: int(p.Spec.Scaling.BufferPercent),
+			MaxPerNode:    int(p.Spec.Scaling.MaxPerNode),
+		},
+		Cooldown:  p.Spec.ReuseCooldown.Duration,
+		Exhausted: p.Status.Exhausted,
+	}
+	if err := cfg.Scaling.Validate(); err != nil {
+		return ipam.Pool{}, fmt.Errorf("spec.scaling: %w", err)
+	}
+	for _, c := range p.Spec.CIDRs {
+		pfx, err := netip.ParsePrefix(string(c))
+		if err != nil {
+			return ipam.Pool{}, fmt.Errorf("spec.cidrs: %w", err)
+		}
+		cfg.CIDRs = append(cfg.CIDRs, pfx)
+	}
+	if p.Spec.Gateway != "" {
+		gw, err := netip.ParseAddr(string(p.Spec.Gateway))
+		if err != nil {
+			return ipam.Pool{}, fmt.Errorf("spec.gateway: %w", err)
+		}
+		cfg.Gateway = gw
+	}
+	for _, r := range p.Spec.Routes {
+		dst, err := netip.ParsePrefix(string(r.Dst))
+		if err != nil {
+			return ipam.Pool{}, fmt.Errorf("spec.routes: %w", err)
+		}
+		rt := ipam.Route{Dst: dst}
+		if r.GW != "" {
+			if rt.GW, err = netip.ParseAddr(string(r.GW)); err != nil {
+				return ipam.Pool{}, fmt.Errorf("spec.routes: %w", err)
+			}
+		}
+		cfg.Routes = append(cfg.Routes, rt)
+	}
+	return cfg, nil
+}
+
+// selects reports whether the pool's nodeSelector selects a node with labels.
+func selects(p *ipwardenv1.IPPool, labels map[string]string) (bool, error) {
+	if p.Spec.NodeSelector == nil {
+		return true, nil
+	}
+	sel, err := metav1.LabelSelectorAsSelector(p.Spec.NodeSelector)
+	if err != nil {
+		return false, err
+	}
+	return sel.Matches(k8slabels.Set(labels)), nil
+}
+
+// PodFromAPI converts a pod bound to the node.
+func PodFromAPI(p *corev1.Pod) ipam.Pod {
+	out := ipam.Pod{
+		Ref:         ipam.PodRef{Namespace: p.Namespace, Name: p.Name, UID: string(p.UID)},
+		HostNetwork: p.Spec.HostNetwork,
+		Finished:    p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed,
+		Deleting:    p.DeletionTimestamp != nil,
+	}
+	for _, ip := range p.Status.PodIPs {
+		if a, err := netip.ParseAddr(ip.IP); err == nil {
+			out.IPs = append(out.IPs, a)
+		}
+	}
+	return out
+}

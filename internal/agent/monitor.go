@@ -1,0 +1,109 @@
+package agent
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/go-logr/logr"
+
+	"github.com/ipwarden/ipwarden/internal/agent/ipam"
+)
+
+// SpecPublisher writes the node's request into its NodeIPAllocation spec; Kube implements it.
+type SpecPublisher interface {
+	PublishSpec(ctx context.Context, reqs []ipam.PoolRequest) (wrote bool, err error)
+}
+
+// Monitor is the pool monitor (seed 000's shape): on every change it is kicked, and at least
+// every resync period, it recomputes each pool's target from demand (scaling.Target through the
+// state machine), marks what it gives back as releasing (journaled before anything is
+// published), and publishes the request. Kicks coalesce, so a burst of ADDs costs a round per
+// burst, and the API sees a write only when a target crosses a batch boundary.
+type Monitor struct {
+	svc     *Service
+	pub     SpecPublisher
+	resync  time.Duration
+	log     logr.Logger
+	kick    chan struct{}
+	metrics *Metrics
+}
+
+// NewMonitor returns a monitor; Run starts it.
+func NewMonitor(svc *Service, pub SpecPublisher, resync time.Duration, log logr.Logger) *Monitor {
+	return &Monitor{svc: svc, pub: pub, resync: resync, log: log, kick: make(chan struct{}, 1), metrics: svc.metrics}
+}
+
+// Kick asks for a round soon; it never blocks.
+func (m *Monitor) Kick() {
+	select {
+	case m.kick <- struct{}{}:
+	default:
+	}
+}
+
+// Run does rounds until ctx ends. A failed round is retried with exponential backoff.
+func (m *Monitor) Run(ctx context.Context) {
+	ticker := time.NewTicker(m.resync)
+	defer ticker.Stop()
+	var backoff time.Duration
+	var retry <-chan time.Time
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-m.kick:
+		case <-ticker.C:
+		case <-retry:
+		}
+		if err := m.Round(ctx); err != nil {
+			if ctx.Err() != nil {
+				return
+			}
+			backoff = min(max(2*backoff, 200*time.Millisecond), 30*time.Second)
+			m.log.Error(err, "pool monitor round failed; the node keeps serving from the addresses it holds", "retryIn", backoff.String())
+			retry = time.After(backoff)
+			continue
+		}
+		backoff, retry = 0, nil
+	}
+}
+
+// Round does one round: release what is beyond the target, then publish the request.
+func (m *Monitor) Round(ctx context.Context) error {
+	s := m.svc
+	s.mu.Lock()
+	now := s.now()
+	plan := s.st.Release(now)
+	s.mu.Unlock()
+	if !plan.Change.IsEmpty() {
+		if err := s.journal.Commit(plan.Change); err != nil {
+			s.mu.Lock()
+			s.st.UnmarkReleasing(plan)
+			s.notifyLocked()
+			s.mu.Unlock()
+			return fmt.Errorf("journal the addresses to release: %w", err)
+		}
+		for pool, set := range plan.Marked {
+			m.log.Info("releasing addresses beyond the target", "pool", pool, "addresses", set.String())
+		}
+	}
+	s.mu.Lock()
+	spec := s.st.Spec()
+	stats := s.st.Stats(s.now())
+	n := s.st.NumAttachments()
+	s.mu.Unlock()
+	m.metrics.setPools(stats, n)
+	wrote, err := m.pub.PublishSpec(ctx, spec)
+	switch {
+	case err != nil:
+		m.metrics.SpecWrites.WithLabelValues("error").Inc()
+		return err
+	case wrote:
+		m.metrics.SpecWrites.WithLabelValues("ok").Inc()
+		for _, r := range spec {
+			m.log.V(1).Info("published request", "pool", r.Pool, "requested", r.Requested, "releasing", r.Releasing.String())
+		}
+	}
+	return nil
+}

@@ -1,0 +1,422 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/go-logr/logr"
+
+	"github.com/ipwarden/ipwarden/internal/addr"
+	"github.com/ipwarden/ipwarden/internal/agent/ipam"
+	"github.com/ipwarden/ipwarden/internal/cniproto"
+	"github.com/ipwarden/ipwarden/internal/scaling"
+)
+
+// memJournal is an in-memory journal: Snapshot.Apply of every commit, with failure injection.
+type memJournal struct {
+	mu   sync.Mutex
+	snap ipam.Snapshot
+	fail error
+	n    int
+}
+
+func (j *memJournal) Commit(ch ipam.Change) error {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if j.fail != nil {
+		return j.fail
+	}
+	j.snap = j.snap.Apply(ch)
+	j.n++
+	return nil
+}
+
+func (j *memJournal) setFail(err error) {
+	j.mu.Lock()
+	j.fail = err
+	j.mu.Unlock()
+}
+
+func (j *memJournal) snapshot() ipam.Snapshot {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	return j.snap
+}
+
+// fakePublisher records published specs, and can check the journal at publish time.
+type fakePublisher struct {
+	mu    sync.Mutex
+	specs [][]ipam.PoolRequest
+	check func([]ipam.PoolRequest)
+}
+
+func (p *fakePublisher) PublishSpec(_ context.Context, reqs []ipam.PoolRequest) (bool, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.check != nil {
+		p.check(reqs)
+	}
+	if n := len(p.specs); n > 0 && fmt.Sprint(p.specs[n-1]) == fmt.Sprint(reqs) {
+		return false, nil
+	}
+	p.specs = append(p.specs, reqs)
+	return true, nil
+}
+
+func (p *fakePublisher) last() []ipam.PoolRequest {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if len(p.specs) == 0 {
+		return nil
+	}
+	return p.specs[len(p.specs)-1]
+}
+
+var (
+	testV4 = ipam.Pool{Name: "v4", CIDRs: []netip.Prefix{netip.MustParsePrefix("10.1.0.0/16")}, Gateway: netip.MustParseAddr("10.1.0.1"),
+		Routes:  []ipam.Route{{Dst: netip.MustParsePrefix("0.0.0.0/0")}},
+		Scaling: scaling.Params{BatchSize: 4, BufferPercent: 50, MaxPerNode: 32}, Cooldown: time.Hour}
+	testV6 = ipam.Pool{Name: "v6", CIDRs: []netip.Prefix{netip.MustParsePrefix("fd01::/64")},
+		Scaling: scaling.Params{BatchSize: 4, BufferPercent: 50, MaxPerNode: 32}, Cooldown: time.Hour}
+)
+
+type svcHarness struct {
+	t   *testing.T
+	svc *Service
+	j   *memJournal
+	pub *fakePublisher
+	mon *Monitor
+}
+
+func newSvc(t *testing.T, wait time.Duration, pools ...ipam.Pool) *svcHarness {
+	t.Helper()
+	j := &memJournal{}
+	svc := NewService(ipam.New("node-a"), j, ServiceOptions{Node: "node-a", AddressWait: wait, GCGrace: time.Minute, Log: logr.Discard()})
+	var names []string
+	for _, p := range pools {
+		names = append(names, p.Name)
+	}
+	svc.SetPools(pools, names)
+	pub := &fakePublisher{}
+	h := &svcHarness{t: t, svc: svc, j: j, pub: pub, mon: NewMonitor(svc, pub, time.Hour, logr.Discard())}
+	svc.SetKick(h.mon.Kick)
+	svc.SetReady(true)
+	return h
+}
+
+func (h *svcHarness) hold(holdings map[string]string) {
+	h.t.Helper()
+	m := map[string]addr.Set{}
+	for p, s := range holdings {
+		m[p] = addr.MustParseSetString(s)
+	}
+	h.svc.SetHoldings(m)
+}
+
+func addReq(cid string, pools ...string) cniproto.Request {
+	return cniproto.Request{Op: cniproto.OpAdd, ContainerID: cid, IfName: "eth0", Network: "net", Pools: pools,
+		Pod: cniproto.Pod{Namespace: "ns", Name: "pod-" + cid, UID: "uid-" + cid}}
+}
+
+func (h *svcHarness) do(req cniproto.Request) *cniproto.Response {
+	return h.svc.Handle(context.Background(), req)
+}
+
+func TestServiceAddResultHasPrefixGatewayRoutes(t *testing.T) {
+	h := newSvc(t, time.Second, testV4, testV6)
+	h.hold(map[string]string{"v4": "10.1.0.10-10.1.0.20", "v6": "fd01::a-fd01::f"})
+	resp := h.do(addReq("c1"))
+	if resp.Error != nil {
+		t.Fatal(resp.Error)
+	}
+	want := "[{v4 10.1.0.10/16 10.1.0.1} {v6 fd01::a/64 }] [{0.0.0.0/0 }]"
+	if got := fmt.Sprint(resp.IPs, resp.Routes); got != want {
+		t.Fatalf("ADD result %s, want %s", got, want)
+	}
+	again := h.do(addReq("c1"))
+	if fmt.Sprint(again.IPs) != fmt.Sprint(resp.IPs) {
+		t.Fatalf("repeated ADD %v, first %v", again.IPs, resp.IPs)
+	}
+	if len(h.j.snapshot().Attachments) != 1 {
+		t.Fatal("attachment not journaled")
+	}
+}
+
+// TestServiceAddWaitsForController: with nothing held the ADD waits, raises the request, and
+// succeeds once the (fake) controller fills it.
+func TestServiceAddWaitsForController(t *testing.T) {
+	h := newSvc(t, 10*time.Second, testV4)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go h.mon.Run(ctx)
+	done := make(chan *cniproto.Response)
+	go func() { done <- h.do(addReq("c1")) }()
+	// The monitor publishes a request; the controller answers it.
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		if spec := h.pub.last(); len(spec) == 1 && spec[0].Requested >= 4 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no request published: %v", h.pub.last())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	h.hold(map[string]string{"v4": "10.1.0.0/30"})
+	select {
+	case resp := <-done:
+		if resp.Error != nil || resp.IPs[0].Address != "10.1.0.0/16" {
+			t.Fatalf("ADD after fill: %+v %v", resp.IPs, resp.Error)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("ADD did not finish after the holding arrived")
+	}
+}
+
+func TestServiceAddTimesOutWithReason(t *testing.T) {
+	h := newSvc(t, 100*time.Millisecond, testV4, testV6)
+	h.hold(map[string]string{"v4": "10.1.0.5"})
+	start := time.Now()
+	resp := h.do(addReq("c1"))
+	if resp.Error == nil || resp.Error.Code != cniproto.CodeTryAgainLater {
+		t.Fatalf("ADD with no v6 address: %+v", resp)
+	}
+	if time.Since(start) < 100*time.Millisecond {
+		t.Fatal("ADD did not wait --address-wait")
+	}
+	for _, want := range []string{"pool v6", "controller has not answered", "node node-a"} {
+		if !strings.Contains(resp.Error.Msg, want) {
+			t.Errorf("message %q does not mention %q", resp.Error.Msg, want)
+		}
+	}
+	// All or nothing: the v4 address is still free.
+	if resp := h.do(addReq("c2", "v4")); resp.Error != nil || resp.IPs[0].Address != "10.1.0.5/16" {
+		t.Fatalf("v4 ADD after the failed dual-stack ADD: %+v", resp)
+	}
+}
+
+func TestServiceConfigErrorAndNotReady(t *testing.T) {
+	h := newSvc(t, time.Second, testV4)
+	h.hold(map[string]string{"v4": "10.1.0.5"})
+	if resp := h.do(addReq("c1", "nope")); resp.Error == nil || resp.Error.Code != cniproto.CodeInvalidConfig ||
+		!strings.Contains(resp.Error.Msg, `field pools: pool "nope"`) {
+		t.Fatalf("unknown pool: %+v", resp.Error)
+	}
+	h.svc.SetReady(false)
+	if resp := h.do(addReq("c1")); resp.Error == nil || resp.Error.Code != cniproto.CodeTryAgainLater {
+		t.Fatalf("ADD before ready: %+v", resp.Error)
+	}
+	if resp := h.do(cniproto.Request{Op: cniproto.OpStatus}); resp.Error == nil || resp.Error.Code != cniproto.CodeNotAvailable {
+		t.Fatalf("STATUS before ready: %+v", resp.Error)
+	}
+}
+
+func TestServiceConcurrentAdds(t *testing.T) {
+	h := newSvc(t, time.Second, testV4)
+	h.hold(map[string]string{"v4": "10.1.0.0/26"})
+	var mu sync.Mutex
+	byKey := map[string]map[string]bool{}
+	owner := map[string]string{}
+	var wg sync.WaitGroup
+	for i := range 40 {
+		wg.Go(func() {
+			cid := fmt.Sprintf("c%d", i%20) // every attachment twice, concurrently
+			resp := h.do(addReq(cid))
+			if resp.Error != nil {
+				t.Error(resp.Error)
+				return
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if byKey[cid] == nil {
+				byKey[cid] = map[string]bool{}
+			}
+			byKey[cid][resp.IPs[0].Address] = true
+			if o, ok := owner[resp.IPs[0].Address]; ok && o != cid {
+				t.Errorf("%s handed to %s and %s", resp.IPs[0].Address, o, cid)
+			}
+			owner[resp.IPs[0].Address] = cid
+		})
+	}
+	wg.Wait()
+	for cid, as := range byKey {
+		if len(as) != 1 {
+			t.Errorf("%s got different addresses for repeated ADDs: %v", cid, as)
+		}
+	}
+}
+
+func TestServiceJournalFailures(t *testing.T) {
+	h := newSvc(t, 50*time.Millisecond, testV4)
+	h.hold(map[string]string{"v4": "10.1.0.5"})
+	h.j.setFail(errors.New("disk full"))
+	resp := h.do(addReq("c1"))
+	if resp.Error == nil || resp.Error.Code != cniproto.CodeTryAgainLater || !strings.Contains(resp.Error.Msg, "disk full") {
+		t.Fatalf("ADD with a failing journal: %+v", resp.Error)
+	}
+	h.j.setFail(nil)
+	if resp := h.do(addReq("c2")); resp.Error != nil || resp.IPs[0].Address != "10.1.0.5/16" {
+		t.Fatalf("the address of the failed ADD is not free again: %+v", resp)
+	}
+	h.j.setFail(errors.New("disk full"))
+	if resp := h.do(cniproto.Request{Op: cniproto.OpDel, ContainerID: "c2", IfName: "eth0"}); resp.Error == nil {
+		t.Fatal("DEL succeeded though the journal failed")
+	}
+	h.j.setFail(nil)
+	if resp := h.do(addReq("c2")); resp.Error != nil || resp.IPs[0].Address != "10.1.0.5/16" {
+		t.Fatalf("after a failed DEL the attachment must still hold its address: %+v", resp)
+	}
+	for range 2 { // DEL is idempotent
+		if resp := h.do(cniproto.Request{Op: cniproto.OpDel, ContainerID: "c2", IfName: "eth0"}); resp.Error != nil {
+			t.Fatal(resp.Error)
+		}
+	}
+	if resp := h.do(cniproto.Request{Op: cniproto.OpDel, ContainerID: "never", IfName: "eth0"}); resp.Error != nil {
+		t.Fatal(resp.Error)
+	}
+}
+
+func TestServiceCheck(t *testing.T) {
+	h := newSvc(t, time.Second, testV4)
+	h.hold(map[string]string{"v4": "10.1.0.5-10.1.0.9"})
+	h.do(addReq("c1"))
+	chk := func(prev ...string) *cniproto.Error {
+		return h.do(cniproto.Request{Op: cniproto.OpCheck, ContainerID: "c1", IfName: "eth0", PrevAddresses: prev}).Error
+	}
+	if err := chk("10.1.0.5/16"); err != nil {
+		t.Fatal(err)
+	}
+	if err := chk("10.1.0.6/16"); err == nil || !strings.Contains(err.Msg, "does not hold 10.1.0.6") {
+		t.Fatalf("CHECK with a wrong address: %v", err)
+	}
+	if err := h.do(cniproto.Request{Op: cniproto.OpCheck, ContainerID: "zz", IfName: "eth0"}).Error; err == nil || err.Code != cniproto.CodeUnknownContainer {
+		t.Fatalf("CHECK of an unknown attachment: %v", err)
+	}
+}
+
+func TestServiceGC(t *testing.T) {
+	now := time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)
+	var mu sync.Mutex
+	clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
+	h := newSvc(t, time.Second, testV4)
+	h.svc.now = clock
+	h.hold(map[string]string{"v4": "10.1.0.0/28"})
+	for _, cid := range []string{"keep", "gone1", "gone2"} {
+		h.do(addReq(cid))
+	}
+	other := addReq("othernet")
+	other.Network = "other"
+	h.do(other)
+	mu.Lock()
+	now = now.Add(2 * time.Minute)
+	mu.Unlock()
+	h.do(addReq("young"))
+	resp := h.do(cniproto.Request{Op: cniproto.OpGC, Network: "net", ValidAttachments: []cniproto.AttachmentID{{ContainerID: "keep", IfName: "eth0"}}})
+	if resp.Error != nil || resp.Freed != 2 {
+		t.Fatalf("GC = %+v, want 2 freed", resp)
+	}
+	list := h.do(cniproto.Request{Op: cniproto.OpList})
+	var left []string
+	for _, a := range list.Attachments {
+		left = append(left, a.ContainerID)
+	}
+	if got := strings.Join(left, ","); got != "keep,othernet,young" {
+		t.Fatalf("after GC: %s", got)
+	}
+}
+
+// TestMonitorJournalsReleasingBeforePublishing: when the monitor lowers the request, the released
+// addresses are already in the journal when the spec is published.
+func TestMonitorJournalsReleasingBeforePublishing(t *testing.T) {
+	h := newSvc(t, time.Second, testV4)
+	h.hold(map[string]string{"v4": "10.1.0.0/28"}) // 16 held, target 4
+	h.pub.check = func(reqs []ipam.PoolRequest) {
+		journaled := map[netip.Addr]bool{}
+		for _, r := range h.j.snapshot().Releasing {
+			journaled[r.Addr] = true
+		}
+		for _, r := range reqs {
+			for _, a := range r.Releasing.Addrs(1 << 16) {
+				if !journaled[a] {
+					t.Errorf("published releasing %s before journaling it", a)
+				}
+			}
+		}
+	}
+	if err := h.mon.Round(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	spec := h.pub.last()
+	if len(spec) != 1 || spec[0].Requested != 4 || spec[0].Releasing.Size().Lo != 12 {
+		t.Fatalf("spec %+v", spec)
+	}
+	// A failed journal write publishes nothing new and keeps the addresses usable.
+	h2 := newSvc(t, time.Second, testV4)
+	h2.hold(map[string]string{"v4": "10.1.0.0/28"})
+	h2.j.setFail(errors.New("disk full"))
+	if err := h2.mon.Round(context.Background()); err == nil {
+		t.Fatal("round succeeded with a failing journal")
+	}
+	if len(h2.pub.specs) != 0 {
+		t.Fatal("published a release that was not journaled")
+	}
+	h2.j.setFail(nil)
+	for i := range 16 {
+		if resp := h2.do(addReq(fmt.Sprint(i))); resp.Error != nil {
+			t.Fatalf("ADD %d after the failed release: %v", i, resp.Error)
+		}
+	}
+}
+
+func TestSocketPermissionsAndRoundTrip(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "run", "ipwarden")
+	sock := filepath.Join(dir, "agent.sock")
+	l, err := Listen(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for path, want := range map[string]os.FileMode{dir: 0o700, sock: 0o600} {
+		fi, err := os.Stat(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if fi.Mode().Perm() != want {
+			t.Errorf("%s mode %v, want %v", path, fi.Mode().Perm(), want)
+		}
+	}
+	h := newSvc(t, time.Second, testV4)
+	h.hold(map[string]string{"v4": "10.1.0.7"})
+	ctx, cancel := context.WithCancel(context.Background())
+	served := make(chan error)
+	go func() { served <- Serve(ctx, l, h.svc, time.Minute, logr.Discard()) }()
+	resp, err := cniproto.Call(context.Background(), sock, addReq("c1"))
+	if err != nil || resp.Error != nil || resp.IPs[0].Address != "10.1.0.7/16" {
+		t.Fatalf("ADD over the socket: %+v %v", resp, err)
+	}
+	cancel()
+	if err := <-served; err != nil {
+		t.Fatal(err)
+	}
+	// A stale socket file is replaced on the next start.
+	l2, err := Listen(sock)
+	if err != nil {
+		t.Fatalf("listen over a stale socket: %v", err)
+	}
+	l2.Close()
+	if _, err := cniproto.Call(context.Background(), filepath.Join(dir, "nope.sock"), addReq("c1")); !cniproto.IsUnreachable(err) {
+		t.Fatalf("call to a missing socket: %v", err)
+	}
+	for _, shared := range []string{"/run/agent.sock", "/tmp/agent.sock"} {
+		if _, err := Listen(shared); err == nil || !strings.Contains(err.Error(), "is shared") {
+			t.Errorf("Listen(%s) = %v, want a refusal of the shared directory", shared, err)
+		}
+	}
+}

@@ -1,0 +1,266 @@
+package e2e
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/cni/libcni"
+	current "github.com/containernetworking/cni/pkg/types/100"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
+	"github.com/ipwarden/ipwarden/internal/addr"
+	"github.com/ipwarden/ipwarden/internal/cniproto"
+)
+
+const (
+	nsPrefix     = "ipw-e2e-"
+	bridgePrefix = "ipwe2e"
+)
+
+// process is a child process of the test, killed (with its group) at the end of the test.
+type process struct {
+	name string
+	cmd  *exec.Cmd
+	log  string
+	done chan struct{}
+}
+
+func startProcess(t *testing.T, name string, args ...string) *process {
+	t.Helper()
+	logf, err := os.CreateTemp(t.TempDir(), name+"-*.log")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(ipwardenBin, args...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	p := &process{name: name, cmd: cmd, log: logf.Name(), done: make(chan struct{})}
+	go func() {
+		_ = cmd.Wait()
+		logf.Close()
+		close(p.done)
+	}()
+	t.Cleanup(func() {
+		p.kill()
+		if t.Failed() || os.Getenv("IPWARDEN_TEST_LOGS") != "" {
+			b, _ := os.ReadFile(p.log)
+			if len(b) > 12000 {
+				b = b[len(b)-12000:]
+			}
+			t.Logf("%s log (tail):\n%s", name, b)
+		}
+	})
+	return p
+}
+
+func (p *process) kill() {
+	select {
+	case <-p.done:
+		return
+	default:
+	}
+	_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL)
+	<-p.done
+}
+
+func startController(t *testing.T) *process {
+	return startProcess(t, "controller", "controller", "--kubeconfig", controlPlane.Kubeconfig, "--leader-elect=false",
+		"--metrics-bind-address=0", "--health-probe-bind-address=0", "--min-sync-interval=20ms", "--pool-status-interval=200ms")
+}
+
+// agent is a running `ipwarden agent`.
+type agent struct {
+	*process
+	node    string
+	socket  string
+	metrics string
+}
+
+func startAgent(t *testing.T, node string, args ...string) *agent {
+	t.Helper()
+	runDir, err := os.MkdirTemp("", "ipw-e2e-run-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(runDir) })
+	a := &agent{node: node, socket: filepath.Join(runDir, "s", "agent.sock"), metrics: freePort(t)}
+	base := []string{"agent", "--kubeconfig", controlPlane.Kubeconfig, "--node-name", node, "--socket", a.socket,
+		"--state-dir", t.TempDir(), "--metrics-bind-address", a.metrics, "--health-probe-bind-address=0"}
+	a.process = startProcess(t, "agent "+node, append(base, args...)...)
+	eventually(t, 60*time.Second, "agent "+node+" to serve", func() error {
+		select {
+		case <-a.done:
+			t.Fatalf("agent %s exited", node)
+		default:
+		}
+		_, err := a.list()
+		return err
+	})
+	return a
+}
+
+func (a *agent) list() (*cniproto.Response, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	resp, err := cniproto.Call(ctx, a.socket, cniproto.Request{Op: cniproto.OpList})
+	if err != nil {
+		return nil, err
+	}
+	return resp, resp.AsError()
+}
+
+func freePort(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+// eventually polls cond until it returns nil or the deadline passes.
+func eventually(t *testing.T, timeout time.Duration, what string, cond func() error) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	var last error
+	for time.Now().Before(deadline) {
+		if last = cond(); last == nil {
+			return
+		}
+		time.Sleep(50 * time.Millisecond) // polling interval, not synchronization
+	}
+	t.Fatalf("timed out after %s waiting for %s: %v", timeout, what, last)
+}
+
+func createPool(t *testing.T, name, label string, spec ipwardenv1.IPPoolSpec) {
+	t.Helper()
+	spec.NodeSelector = &metav1.LabelSelector{MatchLabels: map[string]string{"ipwarden.test/e2e": label}}
+	p := &ipwardenv1.IPPool{ObjectMeta: metav1.ObjectMeta{Name: name}, Spec: spec}
+	if err := k8s.Create(context.Background(), p); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = k8s.Delete(context.Background(), p) })
+}
+
+func createNode(t *testing.T, name, label string) {
+	t.Helper()
+	n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{"ipwarden.test/e2e": label}}}
+	if err := k8s.Create(context.Background(), n); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = k8s.Delete(context.Background(), n)
+		_ = k8s.Delete(context.Background(), &ipwardenv1.NodeIPAllocation{ObjectMeta: metav1.ObjectMeta{Name: name}})
+	})
+}
+
+func held(t *testing.T, node, pool string) addr.Set {
+	t.Helper()
+	a := &ipwardenv1.NodeIPAllocation{}
+	if err := k8s.Get(context.Background(), client.ObjectKey{Name: node}, a); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range a.Status.Pools {
+		if p.Pool == pool {
+			s, err := addr.ParseSet(p.Addresses)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return s
+		}
+	}
+	return addr.Set{}
+}
+
+// netns creates a network namespace named ipw-e2e-<suffix> and removes it at the end of the test.
+func netns(t *testing.T, suffix string) string {
+	t.Helper()
+	name := nsPrefix + suffix
+	if out, err := exec.Command("ip", "netns", "add", name).CombinedOutput(); err != nil {
+		t.Fatalf("ip netns add %s: %v: %s", name, err, out)
+	}
+	t.Cleanup(func() { _ = exec.Command("ip", "netns", "del", name).Run() })
+	return name
+}
+
+// bridgeName returns a fresh bridge name and removes the bridge at the end of the test.
+func bridgeName(t *testing.T) string {
+	t.Helper()
+	b := make([]byte, 3)
+	_, _ = rand.Read(b)
+	name := bridgePrefix + hex.EncodeToString(b) // 12 characters, under IFNAMSIZ
+	t.Cleanup(func() { _ = exec.Command("ip", "link", "del", name).Run() })
+	return name
+}
+
+// network is a CNI network: the bridge plugin with ipwarden as IPAM.
+type network struct {
+	cni  *libcni.CNIConfig
+	list *libcni.NetworkConfigList
+}
+
+func newNetwork(t *testing.T, bridge, socket string, pools ...string) *network {
+	t.Helper()
+	ipamConf := map[string]any{"type": "ipwarden", "socket": socket}
+	if len(pools) > 0 {
+		ipamConf["pools"] = pools
+	}
+	conf := map[string]any{
+		"cniVersion": "1.1.0",
+		"name":       "ipwarden-e2e",
+		"plugins": []any{map[string]any{
+			"type": "bridge", "bridge": bridge, "isGateway": true, "ipMasq": false, "ipam": ipamConf,
+		}},
+	}
+	b, _ := json.Marshal(conf)
+	list, err := libcni.NetworkConfFromBytes(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &network{cni: libcni.NewCNIConfigWithCacheDir([]string{cniDir}, t.TempDir(), nil), list: list}
+}
+
+func runtimeConf(ns, containerID, pod string) *libcni.RuntimeConf {
+	return &libcni.RuntimeConf{
+		ContainerID: containerID,
+		NetNS:       "/var/run/netns/" + ns,
+		IfName:      "eth0",
+		Args: [][2]string{{"IgnoreUnknown", "1"}, {"K8S_POD_NAMESPACE", "default"}, {"K8S_POD_NAME", pod},
+			{"K8S_POD_UID", "uid-" + pod}},
+	}
+}
+
+func (n *network) add(ctx context.Context, rt *libcni.RuntimeConf) (*current.Result, error) {
+	r, err := n.cni.AddNetworkList(ctx, n.list, rt)
+	if err != nil {
+		return nil, err
+	}
+	return current.NewResultFromResult(r)
+}
+
+// ping sends one echo request from inside namespace ns to ip.
+func ping(ns, ip string) error {
+	out, err := exec.Command("ip", "netns", "exec", ns, "ping", "-c", "1", "-W", "2", ip).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("ping %s from %s: %v: %s", ip, ns, err, strings.TrimSpace(string(out)))
+	}
+	return nil
+}

@@ -1,0 +1,261 @@
+package integration
+
+// Helpers of the node agent's integration tests: real `ipwarden agent` processes and the real
+// ipwarden-cni binary, against the package's API server and a real controller process.
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	cnitypes "github.com/containernetworking/cni/pkg/types"
+
+	"github.com/ipwarden/ipwarden/internal/cniproto"
+	"github.com/ipwarden/ipwarden/internal/controlplane"
+)
+
+var (
+	cniBinOnce sync.Once
+	cniBin     string
+	cniBinErr  error
+)
+
+// cniBinary builds cmd/ipwarden-cni once per test binary into _bin/test/.
+func cniBinary(t *testing.T) string {
+	t.Helper()
+	cniBinOnce.Do(func() {
+		root, err := controlplane.RepoRoot()
+		if err != nil {
+			cniBinErr = err
+			return
+		}
+		dir := filepath.Join(controlplane.BinDir(root), "test")
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			cniBinErr = err
+			return
+		}
+		cniBin = filepath.Join(dir, "ipwarden-cni")
+		out, err := exec.Command("go", "build", "-o", cniBin, filepath.Join(root, "cmd", "ipwarden-cni")).CombinedOutput()
+		if err != nil {
+			cniBinErr = fmt.Errorf("build ipwarden-cni: %v\n%s", err, out)
+		}
+	})
+	if cniBinErr != nil {
+		t.Fatal(cniBinErr)
+	}
+	return cniBin
+}
+
+// agentProcess is a real `ipwarden agent` process.
+type agentProcess struct {
+	node     string
+	socket   string
+	stateDir string
+	metrics  string
+	cmd      *exec.Cmd
+	log      string
+	done     chan struct{}
+}
+
+// startAgent runs `ipwarden agent` for node with its socket in a fresh short directory (unix
+// socket paths are limited to 108 bytes) and the journal in stateDir ("" for a fresh one). It
+// does not wait for the agent to serve; see waitServing. The agent is killed at the end of the
+// test and its log printed if the test failed (or IPWARDEN_TEST_LOGS is set).
+func startAgent(t *testing.T, node, stateDir string, args ...string) *agentProcess {
+	t.Helper()
+	runDir, err := os.MkdirTemp("", "ipw-run-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(runDir) })
+	if stateDir == "" {
+		stateDir = t.TempDir()
+	}
+	a := &agentProcess{node: node, socket: filepath.Join(runDir, "s", "agent.sock"), stateDir: stateDir, metrics: freeAddr(t)}
+	a.start(t, args...)
+	return a
+}
+
+func (a *agentProcess) start(t *testing.T, args ...string) {
+	t.Helper()
+	logf, err := os.CreateTemp(t.TempDir(), "agent-*.log")
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := []string{"agent", "--kubeconfig", kubeconfigPath, "--node-name", a.node, "--socket", a.socket,
+		"--state-dir", a.stateDir, "--metrics-bind-address", a.metrics, "--health-probe-bind-address=0", "--zap-log-level=debug"}
+	a.cmd = exec.Command(ipwardenBinary(t), append(base, args...)...)
+	a.cmd.Stdout, a.cmd.Stderr = logf, logf
+	a.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	if err := a.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	a.log = logf.Name()
+	done := make(chan struct{})
+	a.done = done
+	cmd := a.cmd
+	go func() {
+		_ = cmd.Wait()
+		logf.Close()
+		close(done)
+	}()
+	t.Cleanup(func() {
+		a.kill()
+		if t.Failed() || os.Getenv("IPWARDEN_TEST_LOGS") != "" {
+			b, _ := os.ReadFile(logf.Name())
+			if len(b) > 12000 {
+				b = b[len(b)-12000:]
+			}
+			t.Logf("agent %s log (tail):\n%s", a.node, b)
+		}
+	})
+}
+
+// kill sends SIGKILL, as a crash would.
+func (a *agentProcess) kill() {
+	select {
+	case <-a.done:
+		return
+	default:
+	}
+	_ = syscall.Kill(-a.cmd.Process.Pid, syscall.SIGKILL)
+	<-a.done
+}
+
+// restart kills the agent and starts it again on the same journal and socket.
+func (a *agentProcess) restart(t *testing.T, args ...string) {
+	t.Helper()
+	a.kill()
+	a.start(t, args...)
+}
+
+func (a *agentProcess) logContains(s string) bool {
+	b, _ := os.ReadFile(a.log)
+	return bytes.Contains(b, []byte(s))
+}
+
+// list asks the agent for its attachments and pools.
+func (a *agentProcess) list(t *testing.T) (*cniproto.Response, error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	resp, err := cniproto.Call(ctx, a.socket, cniproto.Request{Op: cniproto.OpList})
+	if err != nil {
+		return nil, err
+	}
+	return resp, resp.AsError()
+}
+
+// waitServing waits until the agent answers on its socket (it listens only once reconciled).
+func (a *agentProcess) waitServing(t *testing.T) {
+	t.Helper()
+	eventually(t, 60*time.Second, "agent "+a.node+" to serve on its socket", func() error {
+		select {
+		case <-a.done:
+			t.Fatalf("agent %s exited", a.node)
+		default:
+		}
+		_, err := a.list(t)
+		return err
+	})
+}
+
+// pool returns the agent's view of one pool.
+func (a *agentProcess) pool(t *testing.T, name string) cniproto.PoolStatus {
+	t.Helper()
+	resp, err := a.list(t)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range resp.Pools {
+		if p.Pool == name {
+			return p
+		}
+	}
+	return cniproto.PoolStatus{}
+}
+
+// cniResult is the part of a CNI result the tests read.
+type cniResult struct {
+	CNIVersion string `json:"cniVersion"`
+	IPs        []struct {
+		Address string `json:"address"`
+		Gateway string `json:"gateway"`
+	} `json:"ips"`
+	Routes []struct {
+		Dst string `json:"dst"`
+	} `json:"routes"`
+}
+
+func (r *cniResult) addrs() []string {
+	var out []string
+	for _, ip := range r.IPs {
+		out = append(out, ip.Address)
+	}
+	return out
+}
+
+// pluginConf is a network configuration delegating IPAM to ipwarden with socket and pools.
+func pluginConf(version, socket string, pools ...string) string {
+	ipamConf := map[string]any{"type": "ipwarden", "socket": socket}
+	if len(pools) > 0 {
+		ipamConf["pools"] = pools
+	}
+	b, _ := json.Marshal(map[string]any{"cniVersion": version, "name": "podnet", "type": "bridge", "ipam": ipamConf})
+	return string(b)
+}
+
+// cni runs the real plugin binary for one verb and returns its result or its CNI error.
+func cni(t *testing.T, verb, conf, containerID string, podArgs string) (*cniResult, *cnitypes.Error) {
+	t.Helper()
+	cmd := exec.Command(cniBinary(t))
+	cmd.Env = []string{"CNI_COMMAND=" + verb, "CNI_CONTAINERID=" + containerID, "CNI_NETNS=/var/run/netns/none",
+		"CNI_NETNS_OVERRIDE=1", "CNI_IFNAME=eth0", "CNI_PATH=/opt/cni/bin", "CNI_ARGS=" + podArgs}
+	cmd.Stdin = strings.NewReader(conf)
+	var out, errOut bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errOut
+	if err := cmd.Run(); err != nil {
+		var e cnitypes.Error
+		if jerr := json.Unmarshal(out.Bytes(), &e); jerr != nil {
+			t.Fatalf("%s %s: %v without a CNI error: %s %s", verb, containerID, err, out.String(), errOut.String())
+		}
+		return nil, &e
+	}
+	if verb != "ADD" {
+		return nil, nil
+	}
+	var r cniResult
+	if err := json.Unmarshal(out.Bytes(), &r); err != nil {
+		t.Fatalf("%s %s: result %q: %v", verb, containerID, out.String(), err)
+	}
+	return &r, nil
+}
+
+func podArgs(ns, name, uid string) string {
+	return fmt.Sprintf("IgnoreUnknown=1;K8S_POD_NAMESPACE=%s;K8S_POD_NAME=%s;K8S_POD_UID=%s", ns, name, uid)
+}
+
+func mustAdd(t *testing.T, conf, cid string) *cniResult {
+	t.Helper()
+	r, e := cni(t, "ADD", conf, cid, podArgs("default", "pod-"+cid, "uid-"+cid))
+	if e != nil {
+		t.Fatalf("ADD %s: %v", cid, e)
+	}
+	return r
+}
+
+func mustDel(t *testing.T, conf, cid string) {
+	t.Helper()
+	if _, e := cni(t, "DEL", conf, cid, podArgs("default", "pod-"+cid, "uid-"+cid)); e != nil {
+		t.Fatalf("DEL %s: %v", cid, e)
+	}
+}
