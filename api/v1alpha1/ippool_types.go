@@ -75,7 +75,9 @@ type IPPoolSpec struct {
 	// +required
 	CIDRs []CIDR `json:"cidrs"`
 
-	// Exclude lists addresses and networks inside the CIDRs that are never handed out.
+	// Exclude lists addresses and networks inside the CIDRs that are never handed out. The
+	// network and broadcast address of each IPv4 CIDR (up to /30), the first address of each
+	// IPv6 CIDR (up to /126) and the gateway are never handed out either, without being listed.
 	// +kubebuilder:validation:MaxItems=256
 	// +listType=set
 	// +optional

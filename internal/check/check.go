@@ -11,6 +11,7 @@ import (
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/addr"
+	"github.com/ipwarden/ipwarden/internal/controller"
 )
 
 // Pod is what the checker needs of a Pod.
@@ -101,13 +102,13 @@ func Check(in Input) Report {
 				cidrs = cidrs.Union(addr.SetOfPrefixes(pr.Masked()))
 			}
 		}
-		var excl []string
-		for _, e := range p.Spec.Exclude {
-			excl = append(excl, string(e))
-		}
-		ex, _ := addr.ParseSet(excl)
-		pools[p.Name] = cidrs.Subtract(ex)
 		poolCIDRs = poolCIDRs.Union(cidrs)
+		// What the controller hands out: CIDRs minus exclusions and reserved addresses.
+		if cfg, err := controller.ParsePool(p.Spec); err == nil {
+			pools[p.Name] = cfg.Addresses
+		} else {
+			pools[p.Name] = cidrs
+		}
 	}
 
 	// Who holds what, and twice-held addresses.
@@ -141,7 +142,7 @@ func Check(in Input) Report {
 			}
 			if out := s.Subtract(pool); !out.IsEmpty() {
 				add(Finding{Kind: OutsidePool, Addresses: out.String(), Nodes: []string{a.Name}, Pool: ps.Pool,
-					Detail: "held outside the pool's cidrs minus exclusions (after a shrink they drain as the node releases them)"})
+					Detail: "held outside the pool's cidrs minus exclusions and reserved addresses (after a shrink they drain as the node releases them)"})
 			}
 		}
 	}

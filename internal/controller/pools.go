@@ -59,7 +59,7 @@ func ParsePool(spec ipwardenv1.IPPoolSpec) (PoolConfig, error) {
 		}
 		excl = excl.Union(s)
 	}
-	cfg.Addresses = cidrs.Subtract(excl)
+	cfg.Addresses = cidrs.Subtract(excl).Subtract(Reserved(spec))
 	cfg.Scaling = scaling.Params{
 		BatchSize:     int(spec.Scaling.BatchSize),
 		BufferPercent: int(spec.Scaling.BufferPercent),
@@ -84,6 +84,31 @@ func ParsePool(spec ipwardenv1.IPPoolSpec) (PoolConfig, error) {
 		cfg.Selector = sel
 	}
 	return cfg, nil
+}
+
+// Reserved are the addresses of a pool's CIDRs that are never handed out even when not excluded:
+// the network and broadcast address of every IPv4 CIDR up to /30, the subnet-router anycast
+// address (the first) of every IPv6 CIDR up to /126, and the gateway.
+func Reserved(spec ipwardenv1.IPPoolSpec) addr.Set {
+	var out []netip.Addr
+	for _, c := range spec.CIDRs {
+		p, err := netip.ParsePrefix(string(c))
+		if err != nil {
+			continue
+		}
+		p = p.Masked()
+		r := addr.PrefixRange(p)
+		switch {
+		case p.Addr().Is4() && p.Bits() <= 30:
+			out = append(out, r.First, r.Last)
+		case p.Addr().Is6() && p.Bits() <= 126:
+			out = append(out, r.First)
+		}
+	}
+	if gw, err := netip.ParseAddr(string(spec.Gateway)); err == nil {
+		out = append(out, gw)
+	}
+	return addr.SetOfAddrs(out...)
 }
 
 // PoolAddresses names a pool's address set with its creation order.

@@ -24,7 +24,8 @@ func TestParsePool(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := set(t, "10.0.0.0", "10.0.0.2-10.0.0.127", "10.0.2.0/25"); !cfg.Addresses.Equal(want) {
+	// Network and broadcast addresses of each CIDR are reserved too.
+	if want := set(t, "10.0.0.2-10.0.0.127", "10.0.2.1-10.0.2.126"); !cfg.Addresses.Equal(want) {
 		t.Errorf("addresses = %v, want %v", cfg.Addresses, want)
 	}
 	if cfg.Scaling != (scaling.Params{BatchSize: 8, BufferPercent: 25, MaxPerNode: 64}) || cfg.Cooldown != time.Minute || cfg.Is6 {
@@ -78,5 +79,26 @@ func TestOverlaps(t *testing.T) {
 		if got[k] != v {
 			t.Fatalf("Overlaps = %v, want %v", got, want)
 		}
+	}
+}
+
+func TestReserved(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		spec ipwardenv1.IPPoolSpec
+		want []string
+	}{
+		{"v4 /24", ipwardenv1.IPPoolSpec{CIDRs: []ipwardenv1.CIDR{"10.0.0.0/24"}}, []string{"10.0.0.0", "10.0.0.255"}},
+		{"v4 /30 keeps two usable", ipwardenv1.IPPoolSpec{CIDRs: []ipwardenv1.CIDR{"10.0.0.0/30"}}, []string{"10.0.0.0", "10.0.0.3"}},
+		{"v4 /31 and /32 reserve nothing", ipwardenv1.IPPoolSpec{CIDRs: []ipwardenv1.CIDR{"10.0.0.0/31", "10.0.1.1/32"}}, nil},
+		{"v6 /64 reserves the anycast address", ipwardenv1.IPPoolSpec{CIDRs: []ipwardenv1.CIDR{"fd00::/64"}}, []string{"fd00::"}},
+		{"v6 /127 reserves nothing", ipwardenv1.IPPoolSpec{CIDRs: []ipwardenv1.CIDR{"fd00::/127"}}, nil},
+		{"gateway", ipwardenv1.IPPoolSpec{CIDRs: []ipwardenv1.CIDR{"10.0.0.0/24"}, Gateway: "10.0.0.1"}, []string{"10.0.0.0-10.0.0.1", "10.0.0.255"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := Reserved(tc.spec); !got.Equal(set(t, tc.want...)) {
+				t.Fatalf("Reserved = %v, want %v", got, tc.want)
+			}
+		})
 	}
 }

@@ -53,7 +53,7 @@ func TestControllerFillAndTakeBack(t *testing.T) {
 			s, _ := addr.ParseSet(c.Addresses)
 			cooling = cooling.Union(s)
 		}
-		if p.Status.Capacity != 255 || p.Status.Allocated != 32 || p.Status.Free != 223 || p.Status.Nodes != 1 || !cooling.Equal(release) {
+		if p.Status.Capacity != 254 || p.Status.Allocated != 32 || p.Status.Free != 222 || p.Status.Nodes != 1 || !cooling.Equal(release) {
 			return fmt.Errorf("status capacity %d allocated %d free %d nodes %d cooling %v", p.Status.Capacity, p.Status.Allocated, p.Status.Free, p.Status.Nodes, cooling)
 		}
 		return nil
@@ -110,7 +110,7 @@ func TestControllerRaceAndExhaustion(t *testing.T) {
 		if dup := a.Intersect(b); !dup.IsEmpty() {
 			t.Fatalf("addresses %v held by both nodes", dup)
 		}
-		if size(a)+size(b) != 32 {
+		if size(a)+size(b) != 30 { // a /27 less its network and broadcast addresses
 			return fmt.Errorf("a holds %d, b holds %d", size(a), size(b))
 		}
 		return nil
@@ -150,7 +150,7 @@ func TestControllerRaceAndExhaustion(t *testing.T) {
 	waitHeld(t, full, "small", 0)
 	waitHeld(t, short, "small", 24)
 
-	// Hysteresis with batch 4 on 32 addresses: set below 4 free, cleared only above 8 free.
+	// Hysteresis with batch 4 on 30 addresses: set below 4 free, cleared only above 8 free.
 	poolState := func(free int64, exhausted bool) func() error {
 		return func() error {
 			p := getPool(t, "small")
@@ -160,16 +160,16 @@ func TestControllerRaceAndExhaustion(t *testing.T) {
 			return nil
 		}
 	}
-	request(t, short, "small", 29, addr.Set{})
-	waitHeld(t, short, "small", 29)
+	request(t, short, "small", 27, addr.Set{})
+	waitHeld(t, short, "small", 27)
 	eventually(t, 10*time.Second, "3 free: exhausted", poolState(3, true))
 	s := held(t, short, "small")
-	request(t, short, "small", 26, scaling.ChooseRelease(s, s, 3))
-	waitHeld(t, short, "small", 26)
+	request(t, short, "small", 24, scaling.ChooseRelease(s, s, 3))
+	waitHeld(t, short, "small", 24)
 	eventually(t, 10*time.Second, "6 free, between the marks: still exhausted", poolState(6, true))
 	s = held(t, short, "small")
-	request(t, short, "small", 20, scaling.ChooseRelease(s, s, 6))
-	waitHeld(t, short, "small", 20)
+	request(t, short, "small", 18, scaling.ChooseRelease(s, s, 6))
+	waitHeld(t, short, "small", 18)
 	eventually(t, 10*time.Second, "12 free, above the high mark: cleared", poolState(12, false))
 }
 
@@ -196,7 +196,7 @@ func TestControllerNodeDeletion(t *testing.T) {
 			return fmt.Errorf("NodeIPAllocation still exists")
 		}
 		p := getPool(t, "gone")
-		if p.Status.Allocated != 0 || p.Status.Free != 256 || p.Status.Nodes != 0 || len(p.Status.Cooling) != 0 {
+		if p.Status.Allocated != 0 || p.Status.Free != 254 || p.Status.Nodes != 0 || len(p.Status.Cooling) != 0 {
 			return fmt.Errorf("allocated %d free %d nodes %d cooling %v", p.Status.Allocated, p.Status.Free, p.Status.Nodes, p.Status.Cooling)
 		}
 		return nil
@@ -281,7 +281,7 @@ func TestControllerMetricsAndProbes(t *testing.T) {
 			return err
 		}
 		for _, want := range []string{
-			`ipwarden_controller_pool_capacity_addresses{pool="metrics"} 256`,
+			`ipwarden_controller_pool_capacity_addresses{pool="metrics"} 254`,
 			`ipwarden_controller_pool_allocated_addresses{pool="metrics"} 16`,
 			`ipwarden_controller_node_held_addresses{node="metrics-node",pool="metrics"} 16`,
 			`ipwarden_controller_allocated_addresses_total{pool="metrics"} 16`,
@@ -367,8 +367,8 @@ func TestControllerPoolShrinkDrains(t *testing.T) {
 	request(t, "shrink-node", "shrink", 16, first)
 	waitHeld(t, "shrink-node", "shrink", 16)
 	eventually(t, 10*time.Second, "Ready reason Serving", readyReason("Serving"))
-	if got := getPool(t, "shrink").Status.Capacity; got != 240 {
-		t.Errorf("capacity %d after excluding 16 of 256, want 240", got)
+	if got := getPool(t, "shrink").Status.Capacity; got != 238 {
+		t.Errorf("capacity %d after excluding 16 of 254, want 238", got)
 	}
 }
 
@@ -379,7 +379,7 @@ func TestControllerExhaustionEvent(t *testing.T) {
 	createNode(t, "tiny-node", nil)
 	waitAllocation(t, "tiny-node")
 	request(t, "tiny-node", "tiny", 12, addr.Set{})
-	waitHeld(t, "tiny-node", "tiny", 8)
+	waitHeld(t, "tiny-node", "tiny", 6) // a /29 less its network and broadcast addresses
 	eventually(t, 10*time.Second, "a PoolExhausted event", func() error {
 		var events corev1.EventList
 		if err := k8s.List(context.Background(), &events); err != nil {
@@ -387,7 +387,7 @@ func TestControllerExhaustionEvent(t *testing.T) {
 		}
 		for _, e := range events.Items {
 			if e.InvolvedObject.Kind == "NodeIPAllocation" && e.InvolvedObject.Name == "tiny-node" && e.Reason == "PoolExhausted" {
-				if !strings.Contains(e.Message, "cannot fill this node's request: pool tiny is exhausted: 8 free addresses for a deficit of 12") {
+				if !strings.Contains(e.Message, "cannot fill this node's request: pool tiny is exhausted: 6 free addresses for a deficit of 12") {
 					return fmt.Errorf("event message %q", e.Message)
 				}
 				return nil
