@@ -69,6 +69,7 @@ to their pools, and reports pool usage in IPPool status. Run two replicas; one l
 	fs.DurationVar(&f.opts.ResyncPeriod, "resync-period", time.Minute, "period of the full pass that repairs anything an event missed")
 	fs.DurationVar(&f.opts.BackoffBase, "backoff-base", 250*time.Millisecond, "first retry delay of a failing node sync (doubles, with jitter)")
 	fs.DurationVar(&f.opts.BackoffMax, "backoff-max", 2*time.Minute, "longest retry delay of a failing node sync")
+	fs.DurationVar(&f.opts.AuditPeriod, "audit-period", 10*time.Minute, "period of the audit that compares the controller's record with every NodeIPAllocation status (leaked allocations, addresses held twice)")
 	fs.DurationVar(&f.opts.PoolStatusInterval, "pool-status-interval", time.Second, "coalescing interval of IPPool status writes")
 	fs.Float64Var(&f.opts.Exhaustion.LowPercent, "exhausted-below-percent", controller.DefaultExhaustionMarks.LowPercent, "a pool is marked exhausted when free addresses fall below this share of capacity (or one batch, whichever is more)")
 	fs.Float64Var(&f.opts.Exhaustion.HighPercent, "exhausted-clear-percent", controller.DefaultExhaustionMarks.HighPercent, "the mark is cleared when free addresses rise above this share of capacity (or two batches, whichever is more)")

@@ -37,6 +37,9 @@ type Options struct {
 	BackoffBase, BackoffMax time.Duration
 	// PoolStatusInterval coalesces pool status writes [1s].
 	PoolStatusInterval time.Duration
+	// AuditPeriod is the period of the slow audit that compares the record with freshly listed
+	// NodeIPAllocation statuses [10m].
+	AuditPeriod time.Duration
 	// Exhaustion sets the exhausted flag's hysteresis [DefaultExhaustionMarks].
 	Exhaustion ExhaustionMarks
 	// Now is the clock [time.Now].
@@ -61,6 +64,9 @@ func (o *Options) setDefaults() {
 	}
 	if o.PoolStatusInterval <= 0 {
 		o.PoolStatusInterval = time.Second
+	}
+	if o.AuditPeriod <= 0 {
+		o.AuditPeriod = 10 * time.Minute
 	}
 	if o.Exhaustion == (ExhaustionMarks{}) {
 		o.Exhaustion = DefaultExhaustionMarks
@@ -184,9 +190,10 @@ func (c *Controller) Start(ctx context.Context) error {
 		c.workersWG.Add(1)
 		go c.worker(ctx)
 	}
-	c.workersWG.Add(2)
+	c.workersWG.Add(3)
 	go c.poolLoop(ctx)
 	go c.resyncLoop(ctx)
+	go c.auditLoop(ctx)
 	c.enqueueAll(ctx)
 	c.readyOnce.Do(func() { close(c.ready) })
 	c.log.Info("controller serving", "workers", c.opts.Workers, "resync", c.opts.ResyncPeriod)
@@ -315,6 +322,53 @@ func (c *Controller) resyncLoop(ctx context.Context) {
 			c.wakePools()
 		}
 	}
+}
+
+func (c *Controller) auditLoop(ctx context.Context) {
+	defer c.workersWG.Done()
+	t := time.NewTicker(c.opts.AuditPeriod)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			if err := c.audit(ctx); err != nil && ctx.Err() == nil {
+				c.metrics.GCFailed.Inc()
+				c.log.Error(err, "audit failed; the next one retries")
+			}
+		}
+	}
+}
+
+// audit is the slow backstop: it lists every NodeIPAllocation from the API server and compares
+// the statuses with the record (State.Audit), then syncs the nodes found out of step.
+func (c *Controller) audit(ctx context.Context) error {
+	var allocs ipwardenv1.NodeIPAllocationList
+	if err := c.reader.List(ctx, &allocs); err != nil {
+		return fmt.Errorf("list NodeIPAllocations: %w", err)
+	}
+	c.mu.Lock()
+	r := c.state.Audit(allocs.Items)
+	c.mu.Unlock()
+	c.metrics.GCCandidates.Add(float64(r.Candidates()))
+	c.metrics.GCCollected.Add(float64(count(r.Leaked)))
+	twice := count(r.Twice)
+	c.metrics.AddressesTwice.Set(float64(twice))
+	if twice > 0 {
+		c.log.Error(nil, "addresses are held by two nodes; an operator must decide which pod keeps them (ipwarden check shows both)", "addresses", r.Twice.String())
+	}
+	if !r.Leaked.IsEmpty() {
+		c.log.Info("audit returned allocations no node held to their pools", "addresses", r.Leaked.String())
+	}
+	for node, set := range r.Adopted {
+		c.log.Info("audit adopted addresses a node's status showed that the record lacked", "node", node, "addresses", set.String())
+	}
+	for _, n := range r.Nodes() {
+		c.enqueue(n)
+	}
+	c.wakePools()
+	return nil
 }
 
 func (c *Controller) worker(ctx context.Context) {

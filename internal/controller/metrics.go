@@ -30,6 +30,9 @@ type Metrics struct {
 	QueueDepth     prometheus.Gauge
 	AddressesTwice prometheus.Gauge
 	NodesReleased  prometheus.Counter
+	GCCandidates   prometheus.Counter
+	GCCollected    prometheus.Counter
+	GCFailed       prometheus.Counter
 }
 
 // NewMetrics creates the metrics and registers them with reg (nil: not registered).
@@ -61,11 +64,14 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		QueueDepth:     prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "queue_depth", Help: "Nodes waiting for a sync."}),
 		AddressesTwice: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "addresses_held_twice", Help: "Addresses found in two nodes' status when the state was rebuilt (must be 0)."}),
 		NodesReleased:  prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "deleted_nodes_released_total", Help: "Deleted nodes whose addresses returned to their pools."}),
+		GCCandidates:   prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "gc_candidates_total", Help: "Addresses the audit found out of step between the record and the API."}),
+		GCCollected:    prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "gc_collected_total", Help: "Allocations held by no node that the audit returned to their pool."}),
+		GCFailed:       prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "gc_failed_total", Help: "Audits that could not run (listing failed)."}),
 	}
 	if reg != nil {
 		reg.MustRegister(m.PoolCapacity, m.PoolAllocated, m.PoolFree, m.PoolCooling, m.PoolExhausted, m.PoolConflicts,
 			m.NodeHeld, m.NodeRequested, m.NodeDeficit, m.NodesInDeficit, m.NodesAtCapacity, m.Nodes,
-			m.Allocations, m.Releases, m.APIWrites, m.SyncDuration, m.SyncErrors, m.QueueDepth, m.AddressesTwice, m.NodesReleased)
+			m.Allocations, m.Releases, m.APIWrites, m.SyncDuration, m.SyncErrors, m.QueueDepth, m.AddressesTwice, m.NodesReleased, m.GCCandidates, m.GCCollected, m.GCFailed)
 	}
 	return m
 }

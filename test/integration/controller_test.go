@@ -396,3 +396,44 @@ func TestControllerExhaustionEvent(t *testing.T) {
 		return fmt.Errorf("no PoolExhausted event among %d events", len(events.Items))
 	})
 }
+
+// The slow audit repairs what no event reported: a status that lost addresses is rewritten, and
+// an address written into a status behind the controller's back is adopted, never handed out
+// to another node.
+func TestControllerAudit(t *testing.T) {
+	startController(t, "--audit-period=500ms")
+	createPool(t, "audit", ipwardenv1.IPPoolSpec{CIDRs: []ipwardenv1.CIDR{"10.111.0.0/27"},
+		Scaling: ipwardenv1.Scaling{BatchSize: 1, BufferPercent: 0, MaxPerNode: 64}})
+	createNode(t, "audit-a", nil)
+	createNode(t, "audit-b", nil)
+	waitAllocation(t, "audit-a")
+	waitAllocation(t, "audit-b")
+	request(t, "audit-a", "audit", 8, addr.Set{})
+	before := waitHeld(t, "audit-a", "audit", 8)
+
+	// Someone edits a's status: drops two held addresses, adds a free one.
+	extra := mustPrefix("10.111.0.30/32")
+	if before.Overlaps(extra) {
+		t.Fatalf("test assumption: %v already held", extra)
+	}
+	edited := before.Subtract(before.First(2)).Union(extra)
+	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		a := &ipwardenv1.NodeIPAllocation{}
+		if err := k8s.Get(context.Background(), client.ObjectKey{Name: "audit-a"}, a); err != nil {
+			return err
+		}
+		a.Status.Pools = []ipwardenv1.NodePoolStatus{{Pool: "audit", Addresses: edited.Strings(), Held: int32(size(edited))}}
+		return k8s.Status().Update(context.Background(), a)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	// The audit restores the dropped addresses and keeps the adopted one with a.
+	waitHeld(t, "audit-a", "audit", 9)
+	if h := held(t, "audit-a", "audit"); !h.Equal(before.Union(extra)) {
+		t.Fatalf("after the audit a holds %v, want %v", h, before.Union(extra))
+	}
+	// b takes everything else: never the adopted address.
+	request(t, "audit-b", "audit", 21, addr.Set{})
+	b := waitHeld(t, "audit-b", "audit", 21)
+	assertDisjoint(t, map[string]addr.Set{"audit-a": held(t, "audit-a", "audit"), "audit-b": b})
+}
