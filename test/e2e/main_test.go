@@ -24,6 +24,7 @@ import (
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/controlplane"
+	"github.com/ipwarden/ipwarden/internal/localcluster"
 
 	"testing"
 )
@@ -92,48 +93,13 @@ func run(m *testing.M) int {
 }
 
 // buildBinaries builds ipwarden and ipwarden-cni from this tree and installs the pinned bridge
-// plugin (the version go.mod requires) into _bin/cni when it is missing.
+// plugin into the e2e CNI_PATH when it is missing.
 func buildBinaries(root string) error {
-	bin := controlplane.BinDir(root)
-	cniDir = filepath.Join(bin, "cni")
-	ipwardenBin = filepath.Join(bin, "e2e", "ipwarden")
-	for _, d := range []string{cniDir, filepath.Dir(ipwardenBin)} {
-		if err := os.MkdirAll(d, 0o755); err != nil {
-			return err
-		}
-	}
-	goBuild := func(out, pkg string) error {
-		cmd := exec.Command("go", "build", "-o", out, pkg)
-		cmd.Dir = root
-		if b, err := cmd.CombinedOutput(); err != nil {
-			return fmt.Errorf("go build %s: %v\n%s", pkg, err, b)
-		}
-		return nil
-	}
-	if err := goBuild(ipwardenBin, "./cmd/ipwarden"); err != nil {
-		return err
-	}
-	// The CNI type "ipwarden" is the binary's name in CNI_PATH.
-	if err := goBuild(filepath.Join(cniDir, "ipwarden"), "./cmd/ipwarden-cni"); err != nil {
-		return err
-	}
-	if _, err := os.Stat(filepath.Join(cniDir, "bridge")); err == nil {
-		return nil
-	}
-	cmd := exec.Command("go", "list", "-m", "-f", "{{.Version}}", "github.com/containernetworking/plugins")
-	cmd.Dir = root
-	v, err := cmd.Output()
+	bins, err := localcluster.Build(root, filepath.Join(controlplane.BinDir(root), "e2e"), os.Stderr)
 	if err != nil {
-		return fmt.Errorf("find the containernetworking/plugins version in go.mod: %v", err)
+		return err
 	}
-	pkg := "github.com/containernetworking/plugins/plugins/main/bridge@" + strings.TrimSpace(string(v))
-	fmt.Fprintln(os.Stderr, "e2e: installing", pkg, "into", cniDir)
-	cmd = exec.Command("go", "install", pkg)
-	cmd.Dir = os.TempDir() // outside the module: go install pkg@version
-	cmd.Env = append(os.Environ(), "GOBIN="+cniDir)
-	if b, err := cmd.CombinedOutput(); err != nil {
-		return fmt.Errorf("go install %s: %v\n%s", pkg, err, b)
-	}
+	cniDir, ipwardenBin = bins.CNIDir, bins.Ipwarden
 	return nil
 }
 

@@ -1,0 +1,176 @@
+// Package localcluster runs ipwarden on this machine as a user would run it on a cluster: real
+// `ipwarden controller` and `ipwarden agent` processes against a local control plane
+// (internal/controlplane), and pods started through the real CNI plugin binary, in network
+// namespaces with the bridge plugin when run as root. The demo, the bench and the chaos suite
+// use it.
+package localcluster
+
+import (
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// Binaries are the programs a local cluster runs.
+type Binaries struct {
+	// Ipwarden is the ipwarden binary (controller, agent, check).
+	Ipwarden string
+	// CNIDir is a CNI_PATH holding ipwarden (the ipwarden-cni binary under its CNI type name),
+	// bridge and host-local.
+	CNIDir string
+}
+
+// PluginsVersion is the containernetworking/plugins release whose bridge and host-local plugins
+// the local cluster, the end-to-end tests and the bench run.
+const PluginsVersion = "v1.9.1"
+
+// Build compiles ipwarden and ipwarden-cni from the tree at root into binDir and installs the
+// bridge and host-local plugins (PluginsVersion) when they are missing.
+func Build(root, binDir string, log io.Writer) (Binaries, error) {
+	b := Binaries{Ipwarden: filepath.Join(binDir, "ipwarden"), CNIDir: filepath.Join(binDir, "cni")}
+	if err := os.MkdirAll(b.CNIDir, 0o755); err != nil {
+		return b, err
+	}
+	goBuild := func(out, pkg string) error {
+		cmd := exec.Command("go", "build", "-o", out, pkg)
+		cmd.Dir = root
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("go build %s: %v\n%s", pkg, err, out)
+		}
+		return nil
+	}
+	if err := goBuild(b.Ipwarden, "./cmd/ipwarden"); err != nil {
+		return b, err
+	}
+	if err := goBuild(filepath.Join(b.CNIDir, "ipwarden"), "./cmd/ipwarden-cni"); err != nil {
+		return b, err
+	}
+	for _, plugin := range []string{"main/bridge", "ipam/host-local"} {
+		if _, err := os.Stat(filepath.Join(b.CNIDir, filepath.Base(plugin))); err == nil {
+			continue
+		}
+		pkg := "github.com/containernetworking/plugins/plugins/" + plugin + "@" + PluginsVersion
+		fmt.Fprintln(log, "installing", pkg, "into", b.CNIDir)
+		cmd := exec.Command("go", "install", pkg)
+		cmd.Dir = os.TempDir() // outside the module: go install pkg@version
+		cmd.Env = append(os.Environ(), "GOBIN="+b.CNIDir)
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return b, fmt.Errorf("go install %s: %v\n%s", pkg, err, out)
+		}
+	}
+	return b, nil
+}
+
+// Process is a running ipwarden component.
+type Process struct {
+	Name string
+	Log  string
+	bin  string
+	args []string
+
+	mu   sync.Mutex
+	cmd  *exec.Cmd
+	done chan struct{}
+}
+
+// Start runs bin with args, logging to logPath. The process dies with this one (Pdeathsig).
+func Start(name, bin, logPath string, args ...string) (*Process, error) {
+	p := &Process{Name: name, Log: logPath, bin: bin, args: args}
+	return p, p.start()
+}
+
+func (p *Process) start() error {
+	f, err := os.OpenFile(p.Log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return err
+	}
+	cmd := exec.Command(p.bin, p.args...)
+	cmd.Stdout, cmd.Stderr = f, f
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		f.Close()
+		return fmt.Errorf("start %s: %w", p.Name, err)
+	}
+	done := make(chan struct{})
+	go func() { _ = cmd.Wait(); f.Close(); close(done) }()
+	p.mu.Lock()
+	p.cmd, p.done = cmd, done
+	p.mu.Unlock()
+	return nil
+}
+
+// Pid is the current process id.
+func (p *Process) Pid() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.cmd.Process.Pid
+}
+
+// Running says whether the process has not exited.
+func (p *Process) Running() bool {
+	p.mu.Lock()
+	done := p.done
+	p.mu.Unlock()
+	select {
+	case <-done:
+		return false
+	default:
+		return true
+	}
+}
+
+// Kill sends SIGKILL, as a crash would, and waits for the exit.
+func (p *Process) Kill() { p.signal(syscall.SIGKILL, 0) }
+
+// Stop sends SIGTERM and waits up to 10 s before SIGKILL.
+func (p *Process) Stop() { p.signal(syscall.SIGTERM, 10*time.Second) }
+
+func (p *Process) signal(sig syscall.Signal, grace time.Duration) {
+	p.mu.Lock()
+	cmd, done := p.cmd, p.done
+	p.mu.Unlock()
+	select {
+	case <-done:
+		return
+	default:
+	}
+	_ = syscall.Kill(-cmd.Process.Pid, sig)
+	if grace > 0 {
+		select {
+		case <-done:
+			return
+		case <-time.After(grace):
+			_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+		}
+	}
+	<-done
+}
+
+// Restart starts the process again with the same arguments (after Kill or Stop).
+func (p *Process) Restart() error {
+	if p.Running() {
+		p.Stop()
+	}
+	return p.start()
+}
+
+// LogContains says whether the process's log holds s.
+func (p *Process) LogContains(s string) bool {
+	b, _ := os.ReadFile(p.Log)
+	return strings.Contains(string(b), s)
+}
+
+// LogTail is the end of the log, for error messages.
+func (p *Process) LogTail(n int) string {
+	b, _ := os.ReadFile(p.Log)
+	if len(b) > n {
+		b = b[len(b)-n:]
+	}
+	return string(b)
+}
