@@ -72,7 +72,13 @@ fuzz:
 clean:
 	rm -rf $(BIN)
 
-# The local demonstration: a real control plane on loopback and what ipwarden does today.
-demo: tools
+# kubectl from the same pinned Kubernetes release, to explore the demo (--keep).
+$(BIN)/kubectl: $(TOOLS_DIR)/go.mod $(TOOLS_DIR)/go.sum
+	@mkdir -p $(BIN)
+	cd $(TOOLS_DIR) && $(GO) build -o $(BIN)/ ./cmd/kubectl
+
+# The local demonstration: a real control plane, controller and agents; pods through the real
+# CNI plugin (in network namespaces on a bridge when run as root).
+demo: tools $(BIN)/kubectl
 	$(GO) run ./hack/demo $(DEMO_FLAGS)
 .PHONY: demo
