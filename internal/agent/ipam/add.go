@@ -102,6 +102,7 @@ func orNone(names []string) string {
 // An ADD for a pod whose attachment was rebuilt from its status.podIPs (see Rebuild) adopts the
 // rebuilt addresses of the pools it asks for: the pod keeps its address in its new sandbox.
 func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
+	s.observe(now)
 	if _, inFlight := s.pending[req.Key]; inFlight {
 		return Attachment{}, Change{}, &InFlightError{Key: req.Key}
 	}
@@ -224,6 +225,7 @@ type DelPlan struct {
 // PlanDel decides the DEL of k at now without changing the state: the caller journals
 // plan.Change and then calls ApplyDel. Unknown keys give an empty plan (DEL is idempotent).
 func (s *State) PlanDel(k Key, now time.Time) (DelPlan, error) {
+	s.observe(now)
 	if _, inFlight := s.pending[k]; inFlight {
 		return DelPlan{}, &InFlightError{Key: k}
 	}
@@ -308,6 +310,7 @@ func (s *State) RemoveWaiter(k Key) { delete(s.waiters, k) }
 // with a lost journal it rebuilds everything; with an intact one it finds nothing. Addresses that
 // are cooling (their sandbox was deleted) or releasing are skipped and reported.
 func (s *State) Rebuild(pods []Pod, now time.Time) (Change, []string) {
+	s.observe(now)
 	var ch Change
 	var problems []string
 	for _, pod := range pods {

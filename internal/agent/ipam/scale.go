@@ -28,12 +28,19 @@ func count(s addr.Set) int {
 func (s *State) isServed(name string) bool { return slices.Contains(s.served, name) }
 
 // Demand is what the node needs from pool now: addresses in use plus pods bound to the node that
-// need an address from it and have none yet, plus ADDs waiting for one (a pod counted once).
+// need an address from it and have none yet, plus ADDs waiting for one (a pod counted once), plus
+// freed addresses still in their reuse cooldown: they cannot serve a pod yet, so under churn the
+// node asks for more instead of making new pods wait out the cooldown.
 func (s *State) Demand(pool string) int {
 	p, ok := s.pools[pool]
 	inUse := 0
 	if ok {
 		inUse = len(p.inUse)
+		for _, freed := range p.cooling {
+			if !p.cooled(freed, s.clock) {
+				inUse++
+			}
+		}
 	}
 	waiting := map[string]bool{}
 	if s.isServed(pool) {
@@ -93,6 +100,7 @@ type ReleasePlan struct {
 // publishes them (see Spec), and calls UnmarkReleasing if the journal write fails. Addresses in
 // use are never chosen; scaling.ChooseRelease picks which free ones go.
 func (s *State) Release(now time.Time) ReleasePlan {
+	s.observe(now)
 	plan := ReleasePlan{Marked: map[string]addr.Set{}}
 	for _, name := range s.poolNames() {
 		p := s.pools[name]
@@ -195,6 +203,7 @@ type PoolStats struct {
 
 // Stats returns per-pool counts at now, sorted by pool.
 func (s *State) Stats(now time.Time) []PoolStats {
+	s.observe(now)
 	var out []PoolStats
 	for _, name := range s.poolNames() {
 		p := s.pools[name]
@@ -242,6 +251,7 @@ func (s *State) Conflicts(pool string) map[netip.Addr]Key {
 // NextCooled returns the earliest time after now at which a cooling address becomes usable, or
 // the zero time if none is cooling.
 func (s *State) NextCooled(now time.Time) time.Time {
+	s.observe(now)
 	var next time.Time
 	for _, p := range s.pools {
 		for _, c := range p.coolq {
@@ -261,6 +271,7 @@ func (s *State) NextCooled(now time.Time) time.Time {
 // Reason says why pool has no address for an ADD at now, for the CNI error message: what is
 // short and what an operator can do.
 func (s *State) Reason(pool string, now time.Time) string {
+	s.observe(now)
 	p, ok := s.pools[pool]
 	switch {
 	case !ok || !p.known:

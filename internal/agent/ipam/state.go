@@ -22,6 +22,16 @@ type State struct {
 	pending map[Key]*undo
 	pods    []Pod
 	waiters map[Key]waiter
+	// clock is the latest time any call passed in: Demand counts the addresses still cooling
+	// then, without a time argument of its own.
+	clock time.Time
+}
+
+// observe advances the state's clock to now.
+func (s *State) observe(now time.Time) {
+	if now.After(s.clock) {
+		s.clock = now
+	}
 }
 
 // poolState is the node's view of one pool.
@@ -324,6 +334,10 @@ func (s *State) Attachments() []Attachment {
 	})
 	return out
 }
+
+// Pending reports whether the ADD of attachment k is reserved in memory but not yet journaled
+// (between Add and ConfirmAdd or AbortAdd). The leak collector never frees such an attachment.
+func (s *State) Pending(k Key) bool { return s.pending[k] != nil }
 
 // PodAttachments returns the keys of the attachments of the pod with uid, sorted.
 func (s *State) PodAttachments(uid string) []Key {

@@ -312,6 +312,11 @@ func TestUnmarkReleasingKeepsCooldown(t *testing.T) {
 	for _, c := range []string{"a", "b", "c", "d", "e", "f", "g", "h"} {
 		h.del(c)
 	}
+	// Cooling addresses count as demand, so only a lower cap makes the node give them back:
+	// the operator lowers maxPerNode.
+	lowered := poolV4
+	lowered.Scaling.MaxPerNode = 4
+	h.commit(h.s.SetPools([]Pool{lowered}, []string{"v4"}))
 	before := h.s.Stats(h.now)
 	plan := h.s.Release(h.now)
 	if len(plan.Marked) == 0 {
@@ -536,5 +541,28 @@ func TestDrainingPool(t *testing.T) {
 	}
 	if _, err := h.add("b", "v4"); err == nil {
 		t.Fatal("ADD drew from a pool that no longer selects the node")
+	}
+}
+
+// Addresses in their reuse cooldown cannot serve a pod, so they count as demand: under churn the
+// node asks for more instead of making new pods wait out the cooldown.
+func TestCoolingCountsAsDemand(t *testing.T) {
+	h := newHarness(t, poolV4) // batch 4, buffer 50 %, cooldown 30 s
+	h.hold("v4", "10.0.0.8/29")
+	for _, c := range []string{"a", "b", "c", "d"} {
+		h.mustAdd(c)
+	}
+	if d, tg := h.s.Demand("v4"), h.s.Target("v4"); d != 4 || tg != 8 {
+		t.Fatalf("4 in use: demand %d target %d, want 4 and 8", d, tg)
+	}
+	h.del("a")
+	h.del("b")
+	if d, tg := h.s.Demand("v4"), h.s.Target("v4"); d != 4 || tg != 8 {
+		t.Fatalf("2 in use, 2 cooling: demand %d target %d, want 4 and 8", d, tg)
+	}
+	h.now = h.now.Add(31 * time.Second)
+	h.s.Stats(h.now) // any call with the time moves the state's clock
+	if d, tg := h.s.Demand("v4"), h.s.Target("v4"); d != 2 || tg != 4 {
+		t.Fatalf("after the cooldown: demand %d target %d, want 2 and 4", d, tg)
 	}
 }
