@@ -72,6 +72,11 @@ fuzz:
 clean:
 	rm -rf $(BIN)
 
+# The benchmarks of DESIGN.md's targets, each against its reference in the same run (BENCHMARKS.md).
+bench: tools
+	$(GO) run ./hack/bench all $(BENCH_FLAGS)
+.PHONY: bench
+
 # kubectl from the same pinned Kubernetes release, to explore the demo (--keep).
 $(BIN)/kubectl: $(TOOLS_DIR)/go.mod $(TOOLS_DIR)/go.sum
 	@mkdir -p $(BIN)

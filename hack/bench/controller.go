@@ -35,11 +35,6 @@ type controllerBench struct {
 	log                      func(string, ...any)
 }
 
-type figure struct {
-	name, value, goal string
-	ok                bool
-}
-
 func (b *controllerBench) run(ctx context.Context) ([]figure, error) {
 	var figs []figure
 	b.log("creating pool, %d Nodes and their NodeIPAllocations with %d addresses requested each (hollow agents)", b.nodes, b.perNode)

@@ -1,7 +1,8 @@
 // Command bench measures ipwarden against its targets (DESIGN.md "Targets") on this machine, with
-// the reference measured in the same run where one exists, and prints each figure next to its goal.
+// the reference measured in the same run where one exists, and prints each figure next to its
+// goal. `make bench` runs it all.
 //
-//	go run ./hack/bench controller [--nodes 5000 --per-node 30]
+//	go run ./hack/bench [all|cni|burst|controller] [flags]
 package main
 
 import (
@@ -9,20 +10,70 @@ import (
 	"flag"
 	"fmt"
 	"os"
-	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"runtime"
 	"syscall"
 	"text/tabwriter"
 	"time"
 
-	"k8s.io/apimachinery/pkg/runtime"
+	k8sruntime "k8s.io/apimachinery/pkg/runtime"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/controlplane"
+	"github.com/ipwarden/ipwarden/internal/localcluster"
 )
+
+type figure struct {
+	name, value, goal string
+	ok                bool
+}
+
+// benchEnv is one fresh local cluster: control plane, a controller, clients.
+type benchEnv struct {
+	root        string
+	bins        localcluster.Binaries
+	cp          *controlplane.ControlPlane
+	c           client.Client
+	controller  *localcluster.Process
+	ctrlMetrics string
+}
+
+func newEnv(ctx context.Context, root string, bins localcluster.Binaries, withController bool) (*benchEnv, error) {
+	cp, err := controlplane.Start(ctx, controlplane.Options{Root: root})
+	if err != nil {
+		return nil, err
+	}
+	scheme := k8sruntime.NewScheme()
+	_ = clientgoscheme.AddToScheme(scheme)
+	_ = ipwardenv1.AddToScheme(scheme)
+	c, err := client.New(cp.Config, client.Options{Scheme: scheme})
+	if err != nil {
+		cp.Stop()
+		return nil, err
+	}
+	env := &benchEnv{root: root, bins: bins, cp: cp, c: c}
+	if withController {
+		env.ctrlMetrics = freeAddr()
+		env.controller, err = localcluster.Start("controller", bins.Ipwarden, filepath.Join(cp.Dir, "controller.log"),
+			"controller", "--kubeconfig", cp.Kubeconfig, "--leader-elect=false",
+			"--metrics-bind-address", env.ctrlMetrics, "--health-probe-bind-address=0")
+		if err != nil {
+			cp.Stop()
+			return nil, err
+		}
+	}
+	return env, nil
+}
+
+func (e *benchEnv) close() {
+	if e.controller != nil {
+		e.controller.Stop()
+	}
+	_ = e.cp.Stop()
+}
 
 func main() {
 	if err := run(os.Args[1:]); err != nil {
@@ -32,15 +83,18 @@ func main() {
 }
 
 func run(args []string) error {
-	if len(args) < 1 || args[0] != "controller" {
-		return fmt.Errorf("usage: bench controller [flags]")
+	what := "all"
+	if len(args) > 0 && args[0] != "" && args[0][0] != '-' {
+		what, args = args[0], args[1:]
 	}
-	fs := flag.NewFlagSet("controller", flag.ContinueOnError)
-	nodes := fs.Int("nodes", 5000, "nodes (hollow agents)")
-	perNode := fs.Int("per-node", 30, "addresses each node requests")
-	cidr := fs.String("cidr", "10.64.0.0/12", "pool CIDR")
-	parallel := fs.Int("parallel", 32, "concurrent hollow-agent writers")
-	if err := fs.Parse(args[1:]); err != nil {
+	fs := flag.NewFlagSet(what, flag.ContinueOnError)
+	nodes := fs.Int("nodes", 5000, "controller bench: nodes (hollow agents)")
+	perNode := fs.Int("per-node", 30, "controller bench: addresses each node requests")
+	parallel := fs.Int("parallel", 32, "controller bench: concurrent hollow-agent writers")
+	pairs := fs.Int("pairs", 1000, "cni bench: sequential ADD+DEL pairs per plugin for the latency quantiles")
+	window := fs.Duration("window", 5*time.Second, "cni bench: duration of each throughput measurement")
+	pods := fs.Int("pods", 110, "burst bench: pods started at once")
+	if err := fs.Parse(args); err != nil {
 		return err
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
@@ -49,39 +103,78 @@ func run(args []string) error {
 	if err != nil {
 		return err
 	}
-	bin := filepath.Join(controlplane.BinDir(root), "ipwarden")
-	if out, err := exec.Command("go", "build", "-o", bin, "./cmd/ipwarden").CombinedOutput(); err != nil {
-		return fmt.Errorf("build ipwarden: %v\n%s", err, out)
-	}
-	logf := func(f string, a ...any) { fmt.Printf("  "+f+"\n", a...) }
-	logf("starting a local control plane")
-	cp, err := controlplane.Start(ctx, controlplane.Options{Root: root})
+	fmt.Println("building ipwarden, ipwarden-cni, bridge and host-local")
+	bins, err := localcluster.Build(root, filepath.Join(controlplane.BinDir(root), "bench"), os.Stdout)
 	if err != nil {
 		return err
 	}
-	defer cp.Stop()
-	scheme := runtime.NewScheme()
-	_ = clientgoscheme.AddToScheme(scheme)
-	_ = ipwardenv1.AddToScheme(scheme)
-	c, err := client.New(cp.Config, client.Options{Scheme: scheme})
-	if err != nil {
-		return err
+	sections := []struct {
+		name string
+		run  func() ([]figure, error)
+	}{
+		{"cni", func() ([]figure, error) {
+			env, err := newEnv(ctx, root, bins, true)
+			if err != nil {
+				return nil, err
+			}
+			defer env.close()
+			return cniBench(ctx, env, *pairs, *window)
+		}},
+		{"burst", func() ([]figure, error) {
+			env, err := newEnv(ctx, root, bins, true)
+			if err != nil {
+				return nil, err
+			}
+			defer env.close()
+			return burstBench(ctx, env, *pods)
+		}},
+		{"controller", func() ([]figure, error) {
+			env, err := newEnv(ctx, root, bins, false)
+			if err != nil {
+				return nil, err
+			}
+			defer env.close()
+			b := &controllerBench{nodes: *nodes, perNode: *perNode, parallel: *parallel, cidr: "10.64.0.0/12",
+				bin: bins.Ipwarden, cp: env.cp, c: env.c, log: func(f string, a ...any) { fmt.Printf("  "+f+"\n", a...) }}
+			return b.run(ctx)
+		}},
 	}
-	b := &controllerBench{nodes: *nodes, perNode: *perNode, parallel: *parallel, cidr: *cidr, bin: bin, cp: cp, c: c, log: logf}
-	start := time.Now()
-	figs, err := b.run(ctx)
-	if err != nil {
-		return err
+	var all []figure
+	ran := false
+	for _, s := range sections {
+		if what != "all" && what != s.name {
+			continue
+		}
+		ran = true
+		fmt.Printf("== %s\n", s.name)
+		t0 := time.Now()
+		figs, err := s.run()
+		if err != nil {
+			return fmt.Errorf("%s: %w", s.name, err)
+		}
+		fmt.Printf("   (%s)\n", time.Since(t0).Round(time.Second))
+		all = append(all, figs...)
 	}
-	fmt.Printf("\ncontroller at scale (%d nodes, %d addresses, real kube-apiserver on loopback, %s)\n", *nodes, *nodes**perNode, time.Since(start).Round(time.Second))
+	if !ran {
+		return fmt.Errorf("unknown bench %q: use all, cni, burst or controller", what)
+	}
+	fmt.Printf("\nipwarden bench: %d CPUs, %s/%s, %s, everything on loopback of this machine\n", runtime.NumCPU(), runtime.GOOS, runtime.GOARCH, time.Now().UTC().Format("2006-01-02"))
 	tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "FIGURE\tVALUE\tGOAL\tMET")
-	for _, f := range figs {
+	failed := 0
+	for _, f := range all {
 		met := "yes"
 		if !f.ok {
 			met = "NO"
+			failed++
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", f.name, f.value, f.goal, met)
 	}
-	return tw.Flush()
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	if failed > 0 {
+		return fmt.Errorf("%d figures miss their goal", failed)
+	}
+	return nil
 }

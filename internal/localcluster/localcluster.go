@@ -6,11 +6,14 @@
 package localcluster
 
 import (
+	"bufio"
 	"fmt"
 	"io"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -173,4 +176,29 @@ func (p *Process) LogTail(n int) string {
 		b = b[len(b)-n:]
 	}
 	return string(b)
+}
+
+// ScrapeSum adds up the samples of one metric on a Prometheus text endpoint (0 when unreachable).
+func ScrapeSum(url, metric string) float64 {
+	resp, err := http.Get(url)
+	if err != nil {
+		return 0
+	}
+	defer resp.Body.Close()
+	var sum float64
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		line := sc.Text()
+		if !strings.HasPrefix(line, metric) {
+			continue
+		}
+		if rest := line[len(metric):]; rest != "" && rest[0] != ' ' && rest[0] != '{' {
+			continue // another metric with this name as a prefix
+		}
+		f := strings.Fields(line)
+		if v, err := strconv.ParseFloat(f[len(f)-1], 64); err == nil {
+			sum += v
+		}
+	}
+	return sum
 }

@@ -44,6 +44,9 @@ func NewNetwork(cniDir, cacheDir, name, socket, bridge, nsPrefix string, pools .
 	}
 	n := &Network{Bridge: bridge, NSPrefix: nsPrefix, cni: libcni.NewCNIConfigWithCacheDir([]string{cniDir}, cacheDir, nil)}
 	var plugin map[string]any
+	if bridge == "" {
+		IPAMOnly()
+	}
 	if bridge != "" {
 		plugin = map[string]any{"type": "bridge", "bridge": bridge, "isGateway": true, "ipMasq": false, "ipam": ipam}
 	} else {
@@ -146,6 +149,11 @@ func CNICode(err error) (uint, string) {
 	}
 	return 0, ""
 }
+
+// IPAMOnly lets plugins be called with this process's own network namespace as CNI_NETNS, which
+// the CNI library otherwise refuses after an ADD: IPAM-only calls touch no namespace. It sets
+// CNI_NETNS_OVERRIDE=1 in this process's environment, which libcni passes to the plugins.
+func IPAMOnly() { _ = os.Setenv("CNI_NETNS_OVERRIDE", "1") }
 
 // IsRoot says whether network namespaces can be used.
 func IsRoot() bool { return os.Geteuid() == 0 }

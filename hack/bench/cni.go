@@ -1,0 +1,207 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/containernetworking/cni/libcni"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
+	"github.com/ipwarden/ipwarden/internal/localcluster"
+)
+
+// node is one benchmark node: a real agent process on its own socket and state directory.
+type node struct {
+	name, socket, metrics string
+	agent                 *localcluster.Process
+}
+
+// startNode creates a Node labeled for one bench pool and runs its agent.
+func startNode(ctx context.Context, env *benchEnv, name, pool string, extra ...string) (*node, error) {
+	cp, bins := env.cp, env.bins
+	if err := createNode(ctx, env.c, name, map[string]string{"ipwarden.io/bench-pool": pool}); err != nil {
+		return nil, err
+	}
+	dir := filepath.Join(cp.Dir, name)
+	if err := os.MkdirAll(filepath.Join(dir, "run"), 0o700); err != nil {
+		return nil, err
+	}
+	n := &node{name: name, socket: filepath.Join(dir, "run", "agent.sock"), metrics: freeAddr()}
+	args := append([]string{"agent", "--node-name", name, "--kubeconfig", cp.Kubeconfig, "--socket", n.socket,
+		"--state-dir", filepath.Join(dir, "state"), "--metrics-bind-address", n.metrics, "--health-probe-bind-address=0"}, extra...)
+	var err error
+	if n.agent, err = localcluster.Start("agent "+name, bins.Ipwarden, filepath.Join(cp.Dir, name+".log"), args...); err != nil {
+		return nil, err
+	}
+	return n, waitSocket(ctx, n)
+}
+
+// cniBench compares ADD+DEL through the real plugin binaries: ipwarden-cni (talking to a real
+// agent with a durable journal) against host-local, the containernetworking reference IPAM
+// plugin, driven the same way (libcni, IPAM-only network config) in the same run.
+func cniBench(ctx context.Context, env *benchEnv, pairs int, window time.Duration) ([]figure, error) {
+	if err := createPool(ctx, env.c, "bench-cni", "10.252.0.0/16", ipwardenv1.Scaling{BatchSize: 16, BufferPercent: 50, MaxPerNode: 250}, 0); err != nil {
+		return nil, err
+	}
+	n, err := startNode(ctx, env, "bench-cni-node", "bench-cni")
+	if err != nil {
+		return nil, err
+	}
+	defer n.agent.Stop()
+	cache := filepath.Join(env.cp.Dir, "cni-cache")
+	ipw, err := ipamNetwork(env.bins.CNIDir, cache, map[string]any{"type": "ipwarden", "socket": n.socket})
+	if err != nil {
+		return nil, err
+	}
+	hl, err := ipamNetwork(env.bins.CNIDir, cache, map[string]any{"type": "host-local",
+		"ranges": [][]map[string]any{{{"subnet": "10.253.0.0/16"}}}, "dataDir": filepath.Join(env.cp.Dir, "host-local")})
+	if err != nil {
+		return nil, err
+	}
+	plugins := []struct {
+		name string
+		net  *ipamNet
+	}{{"ipwarden", ipw}, {"host-local", hl}}
+
+	// Warm up both (the node's first batch, page cache, binaries) at the highest concurrency.
+	for _, p := range plugins {
+		if _, err := p.net.throughput(ctx, 32, 2*time.Second); err != nil {
+			return nil, fmt.Errorf("%s warm-up: %w", p.name, err)
+		}
+	}
+	var figs []figure
+	lat := map[string][]time.Duration{}
+	for round := 0; round < 2; round++ { // interleave the two to share any drift of the machine
+		for _, p := range plugins {
+			d, err := p.net.latencies(ctx, pairs/2)
+			if err != nil {
+				return nil, fmt.Errorf("%s: %w", p.name, err)
+			}
+			lat[p.name] = append(lat[p.name], d...)
+		}
+	}
+	for _, q := range []float64{0.5, 0.99} {
+		a, b := quantile(lat["ipwarden"], q), quantile(lat["host-local"], q)
+		figs = append(figs, figure{
+			name:  fmt.Sprintf("CNI ADD+DEL p%.0f, ipwarden vs host-local (%d pairs each)", q*100, len(lat["ipwarden"])),
+			value: fmt.Sprintf("%s vs %s = %.2fx", a.Round(10*time.Microsecond), b.Round(10*time.Microsecond), float64(a)/float64(b)),
+			goal:  "<= 1.3x", ok: float64(a) <= 1.3*float64(b),
+		})
+	}
+	for _, conc := range []int{1, 8, 32} {
+		a, err := ipw.throughput(ctx, conc, window)
+		if err != nil {
+			return nil, err
+		}
+		b, err := hl.throughput(ctx, conc, window)
+		if err != nil {
+			return nil, err
+		}
+		figs = append(figs, figure{
+			name:  fmt.Sprintf("CNI ADD+DEL throughput at concurrency %d", conc),
+			value: fmt.Sprintf("%.0f/s vs %.0f/s = %.2fx", a, b, a/b),
+			goal:  "(ratio; higher is better)", ok: true,
+		})
+	}
+	return figs, nil
+}
+
+// ipamNet invokes one IPAM plugin alone, as a main plugin would delegate to it.
+type ipamNet struct {
+	cni  *libcni.CNIConfig
+	list *libcni.NetworkConfigList
+	seq  atomic.Int64
+}
+
+func ipamNetwork(cniDir, cache string, plugin map[string]any) (*ipamNet, error) {
+	localcluster.IPAMOnly()
+	// An IPAM plugin called directly reads its settings from the "ipam" section, as when a main
+	// plugin delegates to it.
+	conf := map[string]any{"type": plugin["type"], "ipam": plugin}
+	b, _ := json.Marshal(map[string]any{"cniVersion": "1.1.0", "name": "bench-" + plugin["type"].(string), "plugins": []any{conf}})
+	list, err := libcni.NetworkConfFromBytes(b)
+	if err != nil {
+		return nil, err
+	}
+	return &ipamNet{cni: libcni.NewCNIConfigWithCacheDir([]string{cniDir}, cache, nil), list: list}, nil
+}
+
+func (n *ipamNet) pair(ctx context.Context) error {
+	id := n.seq.Add(1)
+	rt := podRuntime(fmt.Sprintf("bench%012d", id), "bench", fmt.Sprintf("p%d", id), fmt.Sprintf("uid-%d", id))
+	if _, err := n.cni.AddNetworkList(ctx, n.list, rt); err != nil {
+		return fmt.Errorf("ADD: %w", err)
+	}
+	if err := n.cni.DelNetworkList(ctx, n.list, rt); err != nil {
+		return fmt.Errorf("DEL: %w", err)
+	}
+	return nil
+}
+
+func (n *ipamNet) latencies(ctx context.Context, count int) ([]time.Duration, error) {
+	out := make([]time.Duration, 0, count)
+	for range count {
+		t0 := time.Now()
+		if err := n.pair(ctx); err != nil {
+			return nil, err
+		}
+		out = append(out, time.Since(t0))
+	}
+	return out, nil
+}
+
+func (n *ipamNet) throughput(ctx context.Context, workers int, window time.Duration) (float64, error) {
+	var done atomic.Int64
+	var firstErr atomic.Value
+	deadline := time.Now().Add(window)
+	var wg sync.WaitGroup
+	start := time.Now()
+	for range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for time.Now().Before(deadline) {
+				if err := n.pair(ctx); err != nil {
+					firstErr.CompareAndSwap(nil, err)
+					return
+				}
+				done.Add(1)
+			}
+		}()
+	}
+	wg.Wait()
+	if err, _ := firstErr.Load().(error); err != nil {
+		return 0, err
+	}
+	return float64(done.Load()) / time.Since(start).Seconds(), nil
+}
+
+func podRuntime(cid, ns, name, uid string) *libcni.RuntimeConf {
+	return &libcni.RuntimeConf{ContainerID: cid, NetNS: "/proc/self/ns/net", IfName: "eth0",
+		Args: [][2]string{{"IgnoreUnknown", "1"}, {"K8S_POD_NAMESPACE", ns}, {"K8S_POD_NAME", name}, {"K8S_POD_UID", uid}}}
+}
+
+func quantile(ds []time.Duration, q float64) time.Duration {
+	if len(ds) == 0 {
+		return 0
+	}
+	s := append([]time.Duration(nil), ds...)
+	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
+	return s[int(q*float64(len(s)-1))]
+}
+
+func createPool(ctx context.Context, c client.Client, name, cidr string, sc ipwardenv1.Scaling, cooldown time.Duration) error {
+	return c.Create(ctx, &ipwardenv1.IPPool{ObjectMeta: metav1.ObjectMeta{Name: name}, Spec: ipwardenv1.IPPoolSpec{
+		CIDRs: []ipwardenv1.CIDR{ipwardenv1.CIDR(cidr)}, Scaling: sc, ReuseCooldown: metav1.Duration{Duration: cooldown},
+		NodeSelector: &metav1.LabelSelector{MatchLabels: map[string]string{"ipwarden.io/bench-pool": name}},
+	}})
+}
