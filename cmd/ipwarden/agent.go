@@ -42,7 +42,19 @@ right-sized: target = batch * ceil(buffer + demand/batch) per pool, clamped at m
 
 On start it reloads the journal, reconciles it with the NodeIPAllocation status and the pods
 bound to the node (rebuilding attachments from their status.podIPs if the journal was lost), and
-serves only then. The controller creates the NodeIPAllocation; the agent waits for it.`,
+serves only then. The controller creates the NodeIPAllocation; the agent waits for it.
+
+Leak collection: addresses of pods that are gone come back without a CNI DEL.
+  - When a pod bound to the node is deleted, the attachments recorded for its UID are freed
+    (a new pod under the same name, as a StatefulSet makes, keeps its own).
+  - Every --gc-full-check-interval the journal is compared with the node's pods; attachments
+    older than --gc-grace whose pod is missing are freed.
+  - The CNI GC verb frees attachments older than --gc-grace that the runtime no longer lists.
+Before freeing, the first two read the pod from the API server (not the informer cache) and keep
+the attachment if that pod still exists (by UID; by name when the runtime passed no
+K8S_POD_UID) or if the read fails. A free is a DEL: journal first, then the pool's
+reuseCooldown. Events IPAddressGarbageCollected / IPAddressGarbageCollectionFailed go on the
+pod, or on the node's NodeIPAllocation when the pod object is gone from the agent's view.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return runAgent(cmd.Context(), f) },
 	}
@@ -56,7 +68,12 @@ serves only then. The controller creates the NodeIPAllocation; the agent waits f
 	fs.StringVar(&f.metricsAddr, "metrics-bind-address", ":9102", `address of the Prometheus /metrics endpoint ("0" disables)`)
 	fs.StringVar(&f.probeAddr, "health-probe-bind-address", ":9103", `address of /healthz and /readyz ("0" disables)`)
 	fs.DurationVar(&f.cfg.Resync, "resync", 60*time.Second, "the pool monitor recomputes the request at least this often")
-	fs.DurationVar(&f.cfg.GCGrace, "gc-grace", time.Minute, "CNI GC never frees an attachment younger than this")
+	fs.DurationVar(&f.cfg.GCGrace, "gc-grace", time.Minute,
+		"an attachment younger than this is never freed by the full check or by CNI GC (its pod may not be in the agent's cache yet); the deletion of its pod, matched by UID, frees it at any age")
+	fs.DurationVar(&f.cfg.GCFullCheckInterval, "gc-full-check-interval", 5*time.Minute,
+		"how often the leak collector compares the whole journal with the node's pods (the backstop for missed pod deletions, e.g. while the agent was down)")
+	fs.BoolVar(&f.cfg.GCDryRun, "gc-dry-run", false,
+		"leak collection and CNI GC only report what they would free (log, IPAddressGarbageCollectionDryRun events, ipwarden_agent_gc_dry_run_total) and free nothing")
 	gofs := goflag.NewFlagSet("zap", goflag.ContinueOnError)
 	f.zap.BindFlags(gofs)
 	fs.AddGoFlagSet(gofs)
@@ -73,6 +90,12 @@ func runAgent(ctx context.Context, f *agentFlags) error {
 	}
 	if f.cfg.Resync <= 0 {
 		return fmt.Errorf("--resync %s: must be positive", f.cfg.Resync)
+	}
+	if f.cfg.GCGrace < 0 {
+		return fmt.Errorf("--gc-grace %s: must not be negative", f.cfg.GCGrace)
+	}
+	if f.cfg.GCFullCheckInterval <= 0 {
+		return fmt.Errorf("--gc-full-check-interval %s: must be positive", f.cfg.GCFullCheckInterval)
 	}
 	logger := zap.New(zap.UseFlagOptions(&f.zap))
 	ctrl.SetLogger(logger)

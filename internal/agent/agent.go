@@ -4,13 +4,29 @@
 //
 // The decisions live in the pure state machine of package ipam; the journal in package journal.
 // This package is the imperative shell: Service (requests, journal, waiting), Kube (informers
-// and the spec write), Monitor (scaling rounds), and Run, which wires them in this order:
+// and the spec write), Monitor (scaling rounds), Collector (leak collection), and Run, which
+// wires them in this order:
 //
 //  1. open and load the journal (bbolt, <state-dir>/journal.db) and restore the state;
 //  2. start the informers and wait for the controller to create the node's NodeIPAllocation;
 //  3. reconcile: push pools, holdings and pods into the state (conflicts are logged and counted,
 //     never dropped), and rebuild attachments for running pods whose addresses the journal lacks;
-//  4. only then listen on the socket and serve; the monitor and the watch loop run from here on.
+//  4. only then listen on the socket and serve; the monitor, the watch loop and the leak
+//     collector run from here on.
+//
+// # Leak collection
+//
+// Addresses of pods that are gone come back without a CNI DEL in three ways (package gc holds the
+// decisions and the safety argument): the deletion of a pod bound to the node frees the
+// attachments recorded for its UID (event path); a full check every --gc-full-check-interval
+// frees attachments older than --gc-grace whose pod the informer cache does not show; and the
+// CNI GC verb frees attachments the runtime no longer lists. The first two re-read the pod from
+// the API server (not the cache) just before freeing and keep the attachment when that pod still
+// exists or the read fails. A free goes through the DEL path: journal first, then the pool's
+// reuse cooldown. --gc-dry-run reports (log, IPAddressGarbageCollectionDryRun events, metrics)
+// what would be freed and frees nothing. Events IPAddressGarbageCollected and
+// IPAddressGarbageCollectionFailed go on the pod when the agent saw its deletion, else on the
+// node's NodeIPAllocation.
 //
 // # A lost journal
 //
@@ -19,9 +35,8 @@
 // address lies in one of the node's pools gets an attachment keyed by its pod UID
 // (ipam.RebuiltKey), because its container ID is unknown. Those addresses are never handed out
 // while the record exists. CNI GC never frees a rebuilt record (no runtime can list its
-// container ID); the pod-deletion collector frees it by pod UID (ipam.State.PodAttachments lists
-// a pod's attachments; the collector is not part of this package yet). When an ADD later arrives for
-// that pod UID, it is the pod's new sandbox: kubelet has stopped the old one (and its DEL, for a
+// container ID); the leak collector frees it by pod UID once the pod is gone. When an ADD later
+// arrives for that pod UID, it is the pod's new sandbox: kubelet has stopped the old one (and its DEL, for a
 // container ID the agent does not know, was a no-op success), so the ADD adopts the recorded
 // addresses of the pools it asks for and the pod keeps its address. The DEL of the old container
 // ID can never free the adopted addresses, since it names a different attachment.
@@ -44,8 +59,12 @@ import (
 	"github.com/go-logr/logr"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/record"
 
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
 	"github.com/ipwarden/ipwarden/internal/agent/journal"
@@ -63,8 +82,13 @@ type Config struct {
 	MetricsAddr string
 	ProbeAddr   string
 	Resync      time.Duration
-	GCGrace     time.Duration
-	Log         logr.Logger
+	// GCGrace: an attachment younger than this is never freed by the full check or CNI GC.
+	GCGrace time.Duration
+	// GCFullCheckInterval is the period of the leak collector's full check (default 5m).
+	GCFullCheckInterval time.Duration
+	// GCDryRun: the leak collector and CNI GC report what they would free and free nothing.
+	GCDryRun bool
+	Log      logr.Logger
 }
 
 // Run runs the agent until ctx ends.
@@ -103,7 +127,8 @@ func Run(ctx context.Context, cfg Config) error {
 			"releasing", len(snap.Releasing))
 	}
 
-	svc := NewService(st, j, ServiceOptions{Node: cfg.Node, AddressWait: cfg.AddressWait, GCGrace: cfg.GCGrace, Log: log.WithName("service"), Metrics: metrics})
+	svc := NewService(st, j, ServiceOptions{Node: cfg.Node, AddressWait: cfg.AddressWait, GCGrace: cfg.GCGrace, GCDryRun: cfg.GCDryRun,
+		Log: log.WithName("service"), Metrics: metrics})
 	if err := ServeHTTP(ctx, cfg.MetricsAddr, MetricsHandler(reg), log); err != nil {
 		return fmt.Errorf("metrics endpoint: %w", err)
 	}
@@ -115,6 +140,14 @@ func Run(ctx context.Context, cfg Config) error {
 	if err != nil {
 		return err
 	}
+	events, err := newEventBroadcaster(ctx, cfg.RestConfig)
+	if err != nil {
+		return err
+	}
+	defer events.Shutdown()
+	svc.SetEvents(events.NewRecorder(eventScheme(cfg.Scheme), corev1.EventSource{Component: "ipwarden-agent", Host: cfg.Node}), kube.NodeRef)
+	collector := NewCollector(svc, kube, CollectorOptions{Grace: cfg.GCGrace, FullCheckInterval: cfg.GCFullCheckInterval, Log: log.WithName("gc")})
+	kube.OnPodDelete(collector.OnPodDelete)
 	if err := kube.Start(ctx); err != nil {
 		return err
 	}
@@ -152,5 +185,32 @@ func Run(ctx context.Context, cfg Config) error {
 	log.Info("serving CNI requests", "socket", cfg.Socket)
 	go mon.Run(ctx)
 	go kube.Run(ctx)
-	return Serve(ctx, l, svc, cfg.AddressWait+30*time.Second, log.WithName("socket"))
+	gcCtx, stopGC := context.WithCancel(ctx)
+	collected := make(chan struct{})
+	go func() {
+		defer close(collected)
+		collector.Run(gcCtx)
+	}()
+	err = Serve(ctx, l, svc, cfg.AddressWait+30*time.Second, log.WithName("socket"))
+	stopGC()
+	<-collected // no free in flight when the journal closes
+	return err
+}
+
+// newEventBroadcaster sends events to the API server (core/v1 Events).
+func newEventBroadcaster(ctx context.Context, cfg *rest.Config) (record.EventBroadcaster, error) {
+	cs, err := typedcorev1.NewForConfig(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("create events client: %w", err)
+	}
+	b := record.NewBroadcaster(record.WithContext(ctx))
+	b.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: cs.Events("")})
+	return b, nil
+}
+
+func eventScheme(s *runtime.Scheme) *runtime.Scheme {
+	if s == nil {
+		return clientgoscheme.Scheme
+	}
+	return s
 }

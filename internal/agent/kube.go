@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/netip"
 	"slices"
@@ -22,6 +23,7 @@ import (
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/addr"
+	"github.com/ipwarden/ipwarden/internal/agent/gc"
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
 	"github.com/ipwarden/ipwarden/internal/scaling"
 )
@@ -41,6 +43,8 @@ type Kube struct {
 	log     logr.Logger
 	svc     *Service
 	trigger chan struct{}
+	// podDeleted, when set, also receives the pod informer's delete notifications.
+	podDeleted func(obj any)
 
 	mu          sync.Mutex
 	lastWritten writtenSpec
@@ -75,6 +79,10 @@ func NewKube(cfg *rest.Config, scheme *runtime.Scheme, node string, only []strin
 	return &Kube{node: node, only: only, cache: c, api: api, log: log, svc: svc, trigger: make(chan struct{}, 1)}, nil
 }
 
+// OnPodDelete makes f receive the pod informer's delete notifications (a *corev1.Pod or a
+// cache.DeletedFinalStateUnknown tombstone). Call it before Start.
+func (k *Kube) OnPodDelete(f func(obj any)) { k.podDeleted = f }
+
 // Start runs the informers and waits until they have listed everything once.
 func (k *Kube) Start(ctx context.Context) error {
 	for _, obj := range []client.Object{&corev1.Pod{}, &corev1.Node{}, &ipwardenv1.NodeIPAllocation{}, &ipwardenv1.IPPool{}} {
@@ -82,10 +90,17 @@ func (k *Kube) Start(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("informer for %T: %w", obj, err)
 		}
+		onDelete := func(any) { k.Trigger() }
+		if _, isPod := obj.(*corev1.Pod); isPod && k.podDeleted != nil {
+			onDelete = func(o any) {
+				k.podDeleted(o)
+				k.Trigger()
+			}
+		}
 		if _, err := inf.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
 			AddFunc:    func(any) { k.Trigger() },
 			UpdateFunc: func(any, any) { k.Trigger() },
-			DeleteFunc: func(any) { k.Trigger() },
+			DeleteFunc: onDelete,
 		}); err != nil {
 			return fmt.Errorf("watch %T: %w", obj, err)
 		}
@@ -215,6 +230,65 @@ func (k *Kube) Run(ctx context.Context) {
 			k.log.Error(err, "cannot read the node's objects from the informer cache")
 		}
 	}
+}
+
+// CachedPods lists the pods bound to the node as the informer cache shows them (for the leak
+// collector, which only uses them to decide what to re-check against the API server).
+func (k *Kube) CachedPods(ctx context.Context) ([]ipam.PodRef, error) {
+	var list corev1.PodList
+	if err := k.cache.List(ctx, &list, client.UnsafeDisableDeepCopy); err != nil {
+		return nil, fmt.Errorf("list pods on node %s: %w", k.node, err)
+	}
+	out := make([]ipam.PodRef, len(list.Items))
+	for i := range list.Items {
+		p := &list.Items[i]
+		out[i] = ipam.PodRef{Namespace: p.Namespace, Name: p.Name, UID: string(p.UID)}
+	}
+	return out, nil
+}
+
+// GetPod reads the pod named n from the API server (a quorum read of its metadata, never the
+// cache). Not found is reported only when the API server says that this very pod does not exist
+// (a NotFound status naming it); any other answer, including a NotFound without those details
+// (a wrong path, a proxy), is an error, so the collector keeps the attachment.
+func (k *Kube) GetPod(ctx context.Context, n gc.Name) gc.Lookup {
+	l := gc.Lookup{Name: n}
+	if n.Namespace == "" || n.Name == "" {
+		l.Err = fmt.Errorf("cannot read pod %q: namespace and name are required", n.String())
+		return l
+	}
+	m := &metav1.PartialObjectMetadata{}
+	m.SetGroupVersionKind(corev1.SchemeGroupVersion.WithKind("Pod"))
+	err := k.api.Get(ctx, client.ObjectKey{Namespace: n.Namespace, Name: n.Name}, m)
+	switch {
+	case err == nil:
+		l.Found, l.UID = true, string(m.UID)
+	case podNotFound(err, n.Name):
+	default:
+		l.Err = fmt.Errorf("read pod %s from the API server: %w", n, err)
+	}
+	return l
+}
+
+// podNotFound reports whether err is the API server's NotFound for the pod name.
+func podNotFound(err error, name string) bool {
+	var st apierrors.APIStatus
+	if !apierrors.IsNotFound(err) || !errors.As(err, &st) {
+		return false
+	}
+	d := st.Status().Details
+	return d != nil && d.Kind == "pods" && d.Group == "" && d.Name == name
+}
+
+// NodeRef returns a reference to the node's NodeIPAllocation, for events about the node's
+// addresses that concern no pod the agent knows.
+func (k *Kube) NodeRef() *corev1.ObjectReference {
+	ref := &corev1.ObjectReference{APIVersion: ipwardenv1.SchemeGroupVersion.String(), Kind: "NodeIPAllocation", Name: k.node}
+	var nipa ipwardenv1.NodeIPAllocation
+	if err := k.cache.Get(context.Background(), client.ObjectKey{Name: k.node}, &nipa); err == nil {
+		ref.UID = nipa.UID
+	}
+	return ref
 }
 
 // PublishSpec writes reqs into the NodeIPAllocation's spec.pools unless it already says so. It

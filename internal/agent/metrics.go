@@ -25,6 +25,16 @@ type Metrics struct {
 	SpecWrites   *prometheus.CounterVec
 	Conflicts    prometheus.Counter
 
+	// Leak collection, by path (PathEvent, PathFullCheck, PathCNIGC).
+	GCCandidates   *prometheus.CounterVec
+	GCCollected    *prometheus.CounterVec
+	GCKept         *prometheus.CounterVec
+	GCFailed       *prometheus.CounterVec
+	GCDryRun       *prometheus.CounterVec
+	GCDeleteToFree *prometheus.HistogramVec
+	GCFullChecks   prometheus.Counter
+	GCQueueDepth   prometheus.Gauge
+
 	pools map[string]bool // pool labels set by setPools
 }
 
@@ -34,6 +44,9 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	pool := []string{"pool"}
 	gauge := func(name, help string) *prometheus.GaugeVec {
 		return prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Name: name, Help: help}, pool)
+	}
+	gcCounter := func(name, help string) *prometheus.CounterVec {
+		return prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: name, Help: help}, []string{"path"})
 	}
 	latency := []float64{.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30}
 	m := &Metrics{
@@ -58,10 +71,32 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Writes of the node's NodeIPAllocation spec, by result."}, []string{"result"}),
 		Conflicts: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "conflicts_total",
 			Help: "Attachments found using an address the node no longer holds."}),
+
+		GCCandidates: gcCounter("gc_candidates_total",
+			"Attachments the leak collector considered freeing: re-checked against the API server (event, full-check) or missing from the runtime's valid list (cni-gc)."),
+		GCCollected: gcCounter("gc_collected_total", "Attachments the leak collector freed (journal first, then the reuse cooldown, as a CNI DEL)."),
+		GCKept: gcCounter("gc_kept_total",
+			"Candidates kept because the API server still shows their pod (the informer cache lagged, or a stale delete event)."),
+		GCFailed: gcCounter("gc_failed_total",
+			"Candidates the leak collector could not decide or free: the API server did not answer, or the journal write failed. Retried; never freed on an error."),
+		GCDryRun: gcCounter("gc_dry_run_total", "Attachments the leak collector would have freed, with --gc-dry-run (nothing was freed)."),
+		GCDeleteToFree: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: ns, Name: "gc_delete_to_free_seconds",
+			Help:    "Time from a pod's deletion (its deletionTimestamp, or when the agent saw the deletion) to its addresses being free, when the agent saw the deletion.",
+			Buckets: []float64{.01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800}}, []string{"path"}),
+		GCFullChecks: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "gc_full_checks_total",
+			Help: "Full checks of the journal against the pods (--gc-full-check-interval)."}),
+		GCQueueDepth: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "gc_queue_depth",
+			Help: "Pod names waiting in the leak collector's work queue."}),
+	}
+	for _, path := range []string{PathEvent, PathFullCheck, PathCNIGC} {
+		for _, v := range []*prometheus.CounterVec{m.GCCandidates, m.GCCollected, m.GCKept, m.GCFailed, m.GCDryRun} {
+			v.WithLabelValues(path)
+		}
 	}
 	if reg != nil {
 		reg.MustRegister(m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict,
-			m.Attachments, m.OpDuration, m.IPWait, m.JournalWrite, m.Errors, m.SpecWrites, m.Conflicts)
+			m.Attachments, m.OpDuration, m.IPWait, m.JournalWrite, m.Errors, m.SpecWrites, m.Conflicts,
+			m.GCCandidates, m.GCCollected, m.GCKept, m.GCFailed, m.GCDryRun, m.GCDeleteToFree, m.GCFullChecks, m.GCQueueDepth)
 	}
 	return m
 }

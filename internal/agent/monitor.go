@@ -27,6 +27,9 @@ type Monitor struct {
 	log     logr.Logger
 	kick    chan struct{}
 	metrics *Metrics
+	// nextCooled is when the next address counted as cooling by the last round's target leaves
+	// its cooldown (zero: none); Run does a round then.
+	nextCooled time.Time
 }
 
 // NewMonitor returns a monitor; Run starts it.
@@ -42,10 +45,15 @@ func (m *Monitor) Kick() {
 	}
 }
 
-// Run does rounds until ctx ends. A failed round is retried with exponential backoff.
+// Run does rounds until ctx ends. A failed round is retried with exponential backoff. Besides
+// kicks and the resync period, a round runs when the next freed address leaves its reuse
+// cooldown: cooling addresses count as demand, so the target can drop then with no other event.
 func (m *Monitor) Run(ctx context.Context) {
 	ticker := time.NewTicker(m.resync)
 	defer ticker.Stop()
+	cooled := time.NewTimer(time.Hour)
+	cooled.Stop()
+	defer cooled.Stop()
 	var backoff time.Duration
 	var retry <-chan time.Time
 	for {
@@ -55,6 +63,7 @@ func (m *Monitor) Run(ctx context.Context) {
 		case <-m.kick:
 		case <-ticker.C:
 		case <-retry:
+		case <-cooled.C:
 		}
 		if err := m.Round(ctx); err != nil {
 			if ctx.Err() != nil {
@@ -66,6 +75,9 @@ func (m *Monitor) Run(ctx context.Context) {
 			continue
 		}
 		backoff, retry = 0, nil
+		if !m.nextCooled.IsZero() {
+			cooled.Reset(max(0, m.nextCooled.Sub(m.svc.now())))
+		}
 	}
 }
 
@@ -90,6 +102,9 @@ func (m *Monitor) Round(ctx context.Context) error {
 	}
 	s.mu.Lock()
 	spec := s.st.Spec()
+	// The target counted addresses cooling at the state's clock, which is at least now: every
+	// one of them leaves its cooldown no earlier than NextCooled(now).
+	m.nextCooled = s.st.NextCooled(now)
 	stats := s.st.Stats(s.now())
 	n := s.st.NumAttachments()
 	s.mu.Unlock()

@@ -14,6 +14,7 @@ import (
 	"github.com/go-logr/logr"
 
 	"github.com/ipwarden/ipwarden/internal/addr"
+	"github.com/ipwarden/ipwarden/internal/agent/gc"
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
 	"github.com/ipwarden/ipwarden/internal/cniproto"
 )
@@ -32,6 +33,8 @@ type Service struct {
 	now         func() time.Time
 	addressWait time.Duration
 	gcGrace     time.Duration
+	gcDryRun    bool
+	gcr         *gcReporter
 	log         logr.Logger
 	metrics     *Metrics
 
@@ -54,6 +57,8 @@ type ServiceOptions struct {
 	AddressWait time.Duration
 	// GCGrace protects attachments younger than it from CNI GC.
 	GCGrace time.Duration
+	// GCDryRun makes the leak collector and CNI GC report what they would free and free nothing.
+	GCDryRun bool
 	// Now is the clock (time.Now when nil).
 	Now     func() time.Time
 	Log     logr.Logger
@@ -74,6 +79,8 @@ func NewService(st *ipam.State, journal Committer, opts ServiceOptions) *Service
 		now:         opts.Now,
 		addressWait: opts.AddressWait,
 		gcGrace:     opts.GCGrace,
+		gcDryRun:    opts.GCDryRun,
+		gcr:         newGCReporter(opts.Log.WithName("gc"), opts.Metrics),
 		log:         opts.Log,
 		metrics:     opts.Metrics,
 		st:          st,
@@ -417,28 +424,41 @@ func (s *Service) del(req cniproto.Request) *cniproto.Response {
 }
 
 func (s *Service) delKey(key ipam.Key) error {
+	_, _, err := s.delKeyIf(key, nil)
+	return err
+}
+
+// delKeyIf frees the attachment key as DEL does: journal first, then its addresses go to the back
+// of their cooling queues. With accept set, it frees only a confirmed (not in-flight) attachment
+// that accept approves, decided under the attachment's lock, so a request racing the caller's
+// decision is never undone. It returns the freed attachment and whether it freed one.
+func (s *Service) delKeyIf(key ipam.Key, accept func(ipam.Attachment) bool) (ipam.Attachment, bool, error) {
 	unlock := s.keys.lock(key)
 	defer unlock()
 	s.mu.Lock()
+	att, found := s.st.Attachment(key)
+	if found && accept != nil && (s.st.Pending(key) || !accept(att)) {
+		s.mu.Unlock()
+		return ipam.Attachment{}, false, nil
+	}
 	plan, err := s.st.PlanDel(key, s.now())
 	s.mu.Unlock()
 	if err != nil {
-		return err
+		return ipam.Attachment{}, false, err
 	}
 	if !plan.Found {
-		return nil
+		return ipam.Attachment{}, false, nil
 	}
 	if err := s.journal.Commit(plan.Change); err != nil {
-		return err
+		return ipam.Attachment{}, false, err
 	}
 	s.mu.Lock()
-	att, _ := s.st.Attachment(key)
 	s.st.ApplyDel(plan)
 	s.notifyLocked()
 	s.mu.Unlock()
 	s.log.V(1).Info("DEL", "attachment", key.String(), "pod", att.Pod.String(), "addresses", fmtAddresses(att.Addresses))
 	s.kick()
-	return nil
+	return att, true, nil
 }
 
 // check verifies that the attachment exists and holds the addresses of prevResult.
@@ -477,7 +497,9 @@ func (s *Service) check(req cniproto.Request) *cniproto.Response {
 	return &cniproto.Response{}
 }
 
-// gc frees the network's attachments the runtime no longer lists, older than the grace period.
+// gc frees the network's attachments the runtime no longer lists, older than the grace period
+// (CNI GC). The runtime's list is the truth here, not the pod objects: a live pod's old sandbox
+// is exactly what it collects. With --gc-dry-run it reports and frees nothing.
 func (s *Service) gc(req cniproto.Request) *cniproto.Response {
 	valid := make([]ipam.Key, len(req.ValidAttachments))
 	for i, a := range req.ValidAttachments {
@@ -485,20 +507,26 @@ func (s *Service) gc(req cniproto.Request) *cniproto.Response {
 	}
 	s.mu.Lock()
 	stale := s.st.Stale(req.Network, valid, s.now().Add(-s.gcGrace))
+	var cands []gc.Candidate
+	for _, k := range stale {
+		if att, ok := s.st.Attachment(k); ok {
+			cands = append(cands, gc.Candidate{Attachment: gcAttachment(att, false)})
+		}
+	}
 	s.mu.Unlock()
 	freed := 0
 	var errs []string
-	for _, k := range stale {
-		s.mu.Lock()
-		att, _ := s.st.Attachment(k)
-		s.mu.Unlock()
-		if err := s.delKey(k); err != nil {
-			errs = append(errs, fmt.Sprintf("%s: %v", k, err))
+	why := "the container runtime no longer lists the attachment (CNI GC, network " + req.Network + ")"
+	for _, c := range cands {
+		s.metrics.GCCandidates.WithLabelValues(PathCNIGC).Inc()
+		ok, err := s.collect(PathCNIGC, c, why)
+		if err != nil {
+			errs = append(errs, fmt.Sprintf("%s: %v", c.Key, err))
 			continue
 		}
-		freed++
-		s.log.Info("CNI GC freed an attachment the runtime no longer lists", "network", req.Network,
-			"attachment", k.String(), "pod", att.Pod.String(), "podUID", att.Pod.UID, "addresses", fmtAddresses(att.Addresses))
+		if ok {
+			freed++
+		}
 	}
 	if len(errs) > 0 {
 		return errResp(cniproto.CodeTryAgainLater, "ipwarden: GC could not free "+strings.Join(errs, "; "), "")

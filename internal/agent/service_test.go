@@ -376,6 +376,37 @@ func TestMonitorJournalsReleasingBeforePublishing(t *testing.T) {
 	}
 }
 
+// TestMonitorRoundWhenCooldownEnds: freed addresses count as demand while they cool down, so the
+// monitor lowers the request when the cooldown ends, with no other event and long before resync.
+func TestMonitorRoundWhenCooldownEnds(t *testing.T) {
+	pool := testV4
+	pool.Cooldown = 100 * time.Millisecond
+	h := newSvc(t, time.Second, pool)
+	h.hold(map[string]string{"v4": "10.1.0.0/28"})
+	for i := range 8 {
+		if resp := h.do(addReq(fmt.Sprint(i))); resp.Error != nil {
+			t.Fatal(resp.Error)
+		}
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { h.mon.Run(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+	for i := range 8 {
+		h.do(cniproto.Request{Op: cniproto.OpDel, ContainerID: fmt.Sprint(i), IfName: "eth0"})
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		if spec := h.pub.last(); len(spec) == 1 && spec[0].Requested == 4 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the request did not drop to 4 after the cooldown: %+v", h.pub.last())
+		}
+		time.Sleep(10 * time.Millisecond) // polling interval
+	}
+}
+
 func TestSocketPermissionsAndRoundTrip(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "run", "ipwarden")
 	sock := filepath.Join(dir, "agent.sock")

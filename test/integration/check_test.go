@@ -72,9 +72,9 @@ func TestCheckCommand(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	setStatus("check-a", "10.110.0.0/28")
+	setStatus("check-a", "10.110.0.32/28")
 	setStatus("check-b", "10.110.0.16/28")
-	createRunningPod(t, "check-pod", "check-a", "10.110.0.3")
+	createRunningPod(t, "check-pod", "check-a", "10.110.0.35")
 
 	r, code, stderr := runCheck(t)
 	if code != 0 || !r.OK() {
@@ -85,7 +85,7 @@ func TestCheckCommand(t *testing.T) {
 	}
 
 	// Now break it three ways.
-	setStatus("check-ghost", "10.110.0.8/29")                     // held twice, and no Node
+	setStatus("check-ghost", "10.110.0.40/29")                    // held twice, and no Node
 	createRunningPod(t, "check-stray", "check-b", "10.110.0.200") // not held by its node
 	r, code, _ = runCheck(t)
 	if code != 1 {

@@ -1,0 +1,443 @@
+package agent
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/go-logr/logr"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	toolscache "k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/record"
+	"k8s.io/client-go/util/workqueue"
+
+	"github.com/ipwarden/ipwarden/internal/agent/gc"
+	"github.com/ipwarden/ipwarden/internal/agent/ipam"
+)
+
+// The ways the leak collector frees an attachment: the metrics' path label.
+const (
+	// PathEvent is the deletion of a pod bound to the node, seen by the pod informer.
+	PathEvent = "event"
+	// PathFullCheck is the periodic check of the journal against the pods.
+	PathFullCheck = "full-check"
+	// PathCNIGC is the CNI GC verb (the runtime's valid-attachments list).
+	PathCNIGC = "cni-gc"
+)
+
+// Kubernetes event reasons of the leak collector.
+const (
+	ReasonCollected       = "IPAddressGarbageCollected"
+	ReasonCollectionFail  = "IPAddressGarbageCollectionFailed"
+	ReasonCollectedDryRun = "IPAddressGarbageCollectionDryRun"
+)
+
+// PodSource is what the collector reads about pods; Kube implements it.
+type PodSource interface {
+	// CachedPods lists the pods bound to the node as the informer cache shows them.
+	CachedPods(ctx context.Context) ([]ipam.PodRef, error)
+	// GetPod reads the pod named n from the API server itself, never from a cache. Only a
+	// definite "no such pod" may come back as not found; anything else is an error.
+	GetPod(ctx context.Context, n gc.Name) gc.Lookup
+}
+
+// CollectorOptions configure NewCollector.
+type CollectorOptions struct {
+	// Grace: an attachment younger than this is never a full-check candidate (its pod may not be
+	// in the cache yet); see package gc.
+	Grace time.Duration
+	// FullCheckInterval is the period of the full check of the journal against the pods.
+	FullCheckInterval time.Duration
+	// Workers process pod names in parallel (default 2).
+	Workers int
+	// MaxRetries bounds the retries of one pod name (default 10); then the collector gives up
+	// with an IPAddressGarbageCollectionFailed event and the next full check tries again.
+	MaxRetries int
+	// RetryBase and RetryMax bound the exponential retry delay (default 500ms and 1m).
+	RetryBase, RetryMax time.Duration
+	Log                 logr.Logger
+}
+
+// gcItem is one unit of the collector's work: look at the attachments of one pod name.
+type gcItem struct {
+	name gc.Name
+	path string
+}
+
+// Collector is the agent's pod-deletion leak collector, the imperative shell around package gc:
+// the pod informer's delete events (tombstones included) put the pod's name into a rate-limited
+// work queue, the periodic full check puts in the names gc.Sweep finds, and a worker takes a
+// name, picks its candidates (gc.Select), reads that pod from the API server once, and frees what
+// gc.Judge allows through the DEL path (journal first, then the pool's reuse cooldown). A failed
+// read or journal write is retried with exponential backoff a bounded number of times, never
+// turned into a free.
+type Collector struct {
+	svc        *Service
+	pods       PodSource
+	grace      time.Duration
+	interval   time.Duration
+	workers    int
+	maxRetries int
+	log        logr.Logger
+	queue      workqueue.TypedRateLimitingInterface[gcItem]
+
+	mu        sync.Mutex
+	deletions gc.Deletions
+}
+
+// NewCollector returns a collector over svc; Run starts it. Register OnPodDelete with the pod
+// informer before the informer starts.
+func NewCollector(svc *Service, pods PodSource, opts CollectorOptions) *Collector {
+	if opts.Workers <= 0 {
+		opts.Workers = 2
+	}
+	if opts.MaxRetries <= 0 {
+		opts.MaxRetries = 10
+	}
+	if opts.RetryBase <= 0 {
+		opts.RetryBase = 500 * time.Millisecond
+	}
+	if opts.RetryMax <= 0 {
+		opts.RetryMax = time.Minute
+	}
+	if opts.FullCheckInterval <= 0 {
+		opts.FullCheckInterval = 5 * time.Minute
+	}
+	q := workqueue.NewTypedRateLimitingQueueWithConfig(
+		workqueue.NewTypedItemExponentialFailureRateLimiter[gcItem](opts.RetryBase, opts.RetryMax),
+		workqueue.TypedRateLimitingQueueConfig[gcItem]{Name: "ipwarden_agent_pod_gc"})
+	return &Collector{svc: svc, pods: pods, grace: opts.Grace, interval: opts.FullCheckInterval, workers: opts.Workers,
+		maxRetries: opts.MaxRetries, log: opts.Log, queue: q}
+}
+
+// OnPodDelete is the pod informer's delete handler: it remembers the deletion (by UID, with its
+// time) and queues the pod's name. It accepts a *corev1.Pod (or any object with metadata) and a
+// cache.DeletedFinalStateUnknown tombstone holding one.
+func (c *Collector) OnPodDelete(obj any) {
+	d, ok := deletionOf(obj, c.svc.now())
+	if !ok {
+		c.log.Error(nil, "pod informer delivered a deletion the collector cannot read; the full check covers it", "object", fmt.Sprintf("%T", obj))
+		return
+	}
+	c.mu.Lock()
+	added := c.deletions.Add(d)
+	c.mu.Unlock()
+	if !added {
+		return
+	}
+	n, _ := gc.NameOf(d.Pod)
+	c.log.V(1).Info("pod deleted", "pod", n.String(), "podUID", d.Pod.UID)
+	c.add(gcItem{name: n, path: PathEvent})
+}
+
+// deletionOf reads a deletion from an informer's delete notification. Its time is the pod's
+// deletionTimestamp, or seen when the pod had none or it lies in the future (the pod went before
+// its grace period ended).
+func deletionOf(obj any, seen time.Time) (gc.Deletion, bool) {
+	switch t := obj.(type) {
+	case toolscache.DeletedFinalStateUnknown:
+		obj = t.Obj
+	case *toolscache.DeletedFinalStateUnknown:
+		obj = t.Obj
+	}
+	m, ok := obj.(metav1.Object)
+	if !ok || m == nil {
+		return gc.Deletion{}, false
+	}
+	at := seen
+	if ts := m.GetDeletionTimestamp(); ts != nil && ts.Time.Before(seen) {
+		at = ts.Time
+	}
+	return gc.Deletion{Pod: ipam.PodRef{Namespace: m.GetNamespace(), Name: m.GetName(), UID: string(m.GetUID())}, At: at}, true
+}
+
+func (c *Collector) add(it gcItem) {
+	c.queue.Add(it)
+	c.svc.metrics.GCQueueDepth.Set(float64(c.queue.Len()))
+}
+
+// Run does a full check at once and then every FullCheckInterval, and runs the workers, until
+// ctx ends; it returns once the workers have finished the names in hand.
+func (c *Collector) Run(ctx context.Context) {
+	var wg sync.WaitGroup
+	for range c.workers {
+		wg.Go(func() {
+			for c.processNext(ctx) {
+			}
+		})
+	}
+	defer wg.Wait()
+	defer c.queue.ShutDown()
+	c.log.Info("leak collector running", "gcGrace", c.grace.String(), "fullCheckInterval", c.interval.String(), "dryRun", c.svc.gcDryRun)
+	tick := time.NewTicker(c.interval)
+	defer tick.Stop()
+	for {
+		c.FullCheck(ctx)
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+	}
+}
+
+// FullCheck compares the journal with the informer cache and queues the names of the pods whose
+// attachments are older than the grace period and not in the cache (gc.Sweep); the workers
+// re-check each against the API server.
+func (c *Collector) FullCheck(ctx context.Context) {
+	cached, err := c.pods.CachedPods(ctx)
+	if err != nil {
+		c.log.Error(err, "full check skipped: cannot list the node's pods from the informer cache")
+		return
+	}
+	names := gc.Sweep(c.svc.gcView(), gc.NewCache(cached), c.svc.now(), c.grace)
+	for _, n := range names {
+		c.add(gcItem{name: n, path: PathFullCheck})
+	}
+	c.svc.metrics.GCFullChecks.Inc()
+	if len(names) > 0 {
+		c.log.Info("full check: attachments whose pod the cache does not show; re-checking them against the API server", "pods", len(names))
+	}
+}
+
+func (c *Collector) processNext(ctx context.Context) bool {
+	it, shutdown := c.queue.Get()
+	if shutdown {
+		return false
+	}
+	defer c.queue.Done(it)
+	c.svc.metrics.GCQueueDepth.Set(float64(c.queue.Len()))
+	res := c.sync(ctx, it)
+	if res.err != nil {
+		if ctx.Err() != nil {
+			return true
+		}
+		if n := c.queue.NumRequeues(it); n < c.maxRetries {
+			c.log.Info("could not finish collecting; retrying", "pod", it.name.String(), "path", it.path, "attempt", n+1, "error", res.err.Error())
+			c.queue.AddRateLimited(it)
+			return true
+		}
+		c.queue.Forget(it)
+		c.forget(it.name, res.dels)
+		msg := fmt.Sprintf("gave up after %d attempts: %v; the full check tries again within %s", c.maxRetries+1, res.err, c.interval)
+		for _, cand := range res.failed {
+			c.svc.gcr.failed(it.path, cand, msg)
+		}
+		return true
+	}
+	c.queue.Forget(it)
+	if !res.recheckAt.IsZero() {
+		c.queue.AddAfter(it, max(0, res.recheckAt.Sub(c.svc.now())))
+		return true
+	}
+	c.forget(it.name, res.dels)
+	return true
+}
+
+func (c *Collector) forget(n gc.Name, dels []gc.Deletion) {
+	if len(dels) == 0 {
+		return
+	}
+	c.mu.Lock()
+	c.deletions.Forget(n, dels)
+	c.mu.Unlock()
+}
+
+// syncResult is what one pass over a pod name left to do.
+type syncResult struct {
+	dels      []gc.Deletion  // the deletions this pass handled
+	err       error          // retry the name
+	failed    []gc.Candidate // the candidates that could not be decided or freed
+	recheckAt time.Time      // look again then
+}
+
+// sync does one pass over the attachments of pod name it.name: select, read the API server once,
+// judge, free.
+func (c *Collector) sync(ctx context.Context, it gcItem) syncResult {
+	c.mu.Lock()
+	res := syncResult{dels: c.deletions.Of(it.name)}
+	c.mu.Unlock()
+	cached, err := c.pods.CachedPods(ctx)
+	if err != nil {
+		res.err = fmt.Errorf("list the node's pods from the informer cache: %w", err)
+		return res
+	}
+	sel := gc.Select(it.name, c.svc.gcView(), gc.NewCache(cached), res.dels, c.svc.now(), c.grace)
+	res.recheckAt = sel.RecheckAt
+	if len(sel.Candidates) == 0 {
+		return res
+	}
+	m := c.svc.metrics
+	m.GCCandidates.WithLabelValues(it.path).Add(float64(len(sel.Candidates)))
+	rctx, cancel := context.WithTimeout(ctx, 15*time.Second)
+	l := c.pods.GetPod(rctx, it.name)
+	cancel()
+	for _, cand := range sel.Candidates {
+		v := gc.Judge(cand.Pod, l)
+		switch {
+		case v.Free:
+			if _, err := c.svc.collect(it.path, cand, why(it.path, v, l, cand)); err != nil {
+				res.err = fmt.Errorf("free attachment %s: %w", cand.Key, err)
+				res.failed = append(res.failed, cand)
+			}
+		case v.Reason == gc.ReasonAPIError:
+			m.GCFailed.WithLabelValues(it.path).Inc()
+			res.err = l.Err
+			if res.err == nil {
+				res.err = fmt.Errorf("the API server returned pod %s without a UID", it.name)
+			}
+			res.failed = append(res.failed, cand)
+			c.log.V(1).Info("kept: the API server gave no definite answer", "pod", it.name.String(), "attachment", cand.Key.String(), "error", res.err.Error())
+		default:
+			m.GCKept.WithLabelValues(it.path).Inc()
+			c.log.V(1).Info("kept: the API server shows the attachment's pod", "pod", it.name.String(), "podUID", cand.Pod.UID,
+				"attachment", cand.Key.String(), "reason", v.Reason, "path", it.path)
+		}
+	}
+	return res
+}
+
+// why says, for events and logs, why an attachment was (or would be) freed.
+func why(path string, v gc.Verdict, l gc.Lookup, c gc.Candidate) string {
+	s := "the pod no longer exists"
+	if v.Reason == gc.ReasonNameReused {
+		s = fmt.Sprintf("the pod no longer exists; its name now belongs to pod UID %s", l.UID)
+	}
+	if path == PathFullCheck && c.Deletion == nil {
+		s += " (found by the full check)"
+	}
+	return s
+}
+
+// gcView returns what the collector needs of every attachment, in-flight ones marked.
+func (s *Service) gcView() []gc.Attachment {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	atts := s.st.Attachments()
+	out := make([]gc.Attachment, len(atts))
+	for i, a := range atts {
+		out[i] = gcAttachment(a, s.st.Pending(a.Key))
+	}
+	return out
+}
+
+func gcAttachment(a ipam.Attachment, pending bool) gc.Attachment {
+	return gc.Attachment{Key: a.Key, Pod: a.Pod, Created: a.Created, Pending: pending}
+}
+
+// collect frees the candidate's attachment for the leak collector through the DEL path, only if
+// it is still the attachment selected (same pod, same creation time, not in flight). With
+// --gc-dry-run it reports what it would free and frees nothing. It reports and counts the
+// outcome; an error is counted as a failure and left to the caller to retry.
+func (s *Service) collect(path string, c gc.Candidate, why string) (bool, error) {
+	if s.gcDryRun {
+		s.mu.Lock()
+		att, ok := s.st.Attachment(c.Key)
+		ok = ok && !s.st.Pending(c.Key) && gcAttachment(att, false).Same(c.Attachment)
+		s.mu.Unlock()
+		if ok {
+			s.gcr.wouldFree(path, att, c.Deletion, why)
+		}
+		return false, nil
+	}
+	att, freed, err := s.delKeyIf(c.Key, func(a ipam.Attachment) bool { return gcAttachment(a, false).Same(c.Attachment) })
+	if err != nil {
+		s.metrics.GCFailed.WithLabelValues(path).Inc()
+		if path == PathCNIGC {
+			s.gcr.failed(path, c, fmt.Sprintf("cannot record the release in the journal: %v; the runtime retries GC", err))
+		}
+		return false, err
+	}
+	if freed {
+		s.gcr.collected(path, att, c.Deletion, why, s.now())
+	}
+	return freed, nil
+}
+
+// SetEvents makes the leak collector record Kubernetes events with rec: on the pod when the agent
+// saw its deletion, else on the node's NodeIPAllocation, whose reference node returns.
+func (s *Service) SetEvents(rec record.EventRecorder, node func() *corev1.ObjectReference) {
+	s.gcr.setEvents(rec, node)
+}
+
+// gcReporter reports what the leak collector does: logs, metrics and Kubernetes events.
+type gcReporter struct {
+	log     logr.Logger
+	metrics *Metrics
+
+	mu     sync.Mutex
+	events record.EventRecorder // nil: no events
+	node   func() *corev1.ObjectReference
+}
+
+func newGCReporter(log logr.Logger, m *Metrics) *gcReporter { return &gcReporter{log: log, metrics: m} }
+
+func (r *gcReporter) setEvents(rec record.EventRecorder, node func() *corev1.ObjectReference) {
+	r.mu.Lock()
+	r.events, r.node = rec, node
+	r.mu.Unlock()
+}
+
+// event records an event on the deleted pod when the agent saw its deletion, else on the node's
+// NodeIPAllocation.
+func (r *gcReporter) event(d *gc.Deletion, typ, reason, msg string) {
+	r.mu.Lock()
+	rec, node := r.events, r.node
+	r.mu.Unlock()
+	if rec == nil {
+		return
+	}
+	var on *corev1.ObjectReference
+	switch {
+	case d != nil:
+		on = &corev1.ObjectReference{APIVersion: "v1", Kind: "Pod", Namespace: d.Pod.Namespace, Name: d.Pod.Name, UID: types.UID(d.Pod.UID)}
+	case node != nil:
+		on = node()
+	}
+	if on == nil {
+		return
+	}
+	rec.Event(on, typ, reason, msg)
+}
+
+func describe(att ipam.Attachment) string {
+	pod := att.Pod.String()
+	if pod == "" {
+		pod = "an unnamed pod"
+	}
+	if att.Pod.UID != "" {
+		pod += " (UID " + att.Pod.UID + ")"
+	}
+	what := "the addresses"
+	if len(att.Addresses) > 0 {
+		what = fmtAddresses(att.Addresses)
+	}
+	return fmt.Sprintf("%s of pod %s, attachment %s", what, pod, att.Key)
+}
+
+func (r *gcReporter) collected(path string, att ipam.Attachment, d *gc.Deletion, why string, now time.Time) {
+	r.metrics.GCCollected.WithLabelValues(path).Inc()
+	if d != nil {
+		r.metrics.GCDeleteToFree.WithLabelValues(path).Observe(max(0, now.Sub(d.At)).Seconds())
+	}
+	r.log.Info("freed the addresses of a pod that is gone", "path", path, "pod", att.Pod.String(), "podUID", att.Pod.UID,
+		"attachment", att.Key.String(), "addresses", fmtAddresses(att.Addresses), "why", why)
+	r.event(d, corev1.EventTypeNormal, ReasonCollected, fmt.Sprintf("freed %s: %s", describe(att), why))
+}
+
+func (r *gcReporter) wouldFree(path string, att ipam.Attachment, d *gc.Deletion, why string) {
+	r.metrics.GCDryRun.WithLabelValues(path).Inc()
+	r.log.Info("dry run (--gc-dry-run): would free the addresses of a pod that is gone; freeing nothing", "path", path,
+		"pod", att.Pod.String(), "podUID", att.Pod.UID, "attachment", att.Key.String(), "addresses", fmtAddresses(att.Addresses), "why", why)
+	r.event(d, corev1.EventTypeNormal, ReasonCollectedDryRun, fmt.Sprintf("dry run (--gc-dry-run): would free %s: %s; nothing was freed", describe(att), why))
+}
+
+func (r *gcReporter) failed(path string, c gc.Candidate, msg string) {
+	att := ipam.Attachment{Key: c.Key, Pod: c.Pod}
+	r.log.Error(nil, "could not free the addresses of a pod that may be gone", "path", path, "pod", c.Pod.String(), "podUID", c.Pod.UID,
+		"attachment", c.Key.String(), "error", msg)
+	r.event(c.Deletion, corev1.EventTypeWarning, ReasonCollectionFail, fmt.Sprintf("could not free the addresses of %s: %s", describe(att), msg))
+}
