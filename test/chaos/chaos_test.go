@@ -1,0 +1,574 @@
+// Package chaos runs many pod lifecycles on several real agents while faults are injected at
+// random: kill -9 of agents and the controller mid-operation, API server and etcd restarts,
+// watch connections cut by a loopback proxy, interleaved ADD and DEL for one container, repeated
+// DEL, pods deleted without DEL, and a node deleted mid-churn. After it quiesces, ipwarden's own
+// invariant checker (internal/check) must find nothing, and the run's own ledger must show no
+// address handed to two live pods and no running pod whose address changed.
+//
+//	go test ./test/chaos/                               short run (CI)
+//	go test ./test/chaos/ -chaos.duration=10m -timeout 30m -v   long run
+package chaos
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"math/rand/v2"
+	"net/url"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/tools/clientcmd"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
+	"github.com/ipwarden/ipwarden/internal/check"
+	"github.com/ipwarden/ipwarden/internal/cniproto"
+	"github.com/ipwarden/ipwarden/internal/controlplane"
+	"github.com/ipwarden/ipwarden/internal/localcluster"
+)
+
+var (
+	duration = flag.Duration("chaos.duration", 40*time.Second, "how long churn and faults run (the long run: 10m)")
+	seed     = flag.Uint64("chaos.seed", 0, "random seed (0: from the clock; printed either way)")
+	workers  = flag.Int("chaos.workers", 6, "concurrent pod lifecycles")
+)
+
+type chaos struct {
+	t        *testing.T
+	rng      *rand.Rand
+	rngMu    sync.Mutex
+	c        client.Client
+	cp       *controlplane.ControlPlane
+	proxy    *localcluster.Proxy
+	bins     localcluster.Binaries
+	dir      string
+	kc       string // kubeconfig through the proxy
+	ctrl     *localcluster.Process
+	nodes    []*chaosNode
+	nodesMu  sync.RWMutex
+	seq      atomic.Int64
+	live     map[string]string // address -> pod of running pods
+	liveMu   sync.Mutex
+	running  map[string]*podRun // pods left running at the end, by name
+	counts   sync.Map           // name -> *atomic.Int64
+	apiDown  atomic.Bool
+	problems []string
+	probMu   sync.Mutex
+}
+
+type chaosNode struct {
+	name    string
+	socket  string
+	agent   *localcluster.Process
+	net     *localcluster.Network
+	deleted atomic.Bool
+	mu      sync.RWMutex // held for reading by lifecycles, for writing while the agent restarts
+}
+
+type podRun struct {
+	node *chaosNode
+	pod  localcluster.Pod
+	ips  []string
+}
+
+func (x *chaos) inc(name string) {
+	v, _ := x.counts.LoadOrStore(name, new(atomic.Int64))
+	v.(*atomic.Int64).Add(1)
+}
+
+func (x *chaos) count(name string) int64 {
+	if v, ok := x.counts.Load(name); ok {
+		return v.(*atomic.Int64).Load()
+	}
+	return 0
+}
+
+func (x *chaos) problem(format string, a ...any) {
+	x.probMu.Lock()
+	defer x.probMu.Unlock()
+	x.problems = append(x.problems, fmt.Sprintf(format, a...))
+}
+
+func (x *chaos) intn(n int) int {
+	x.rngMu.Lock()
+	defer x.rngMu.Unlock()
+	return x.rng.IntN(n)
+}
+
+func (x *chaos) between(lo, hi time.Duration) time.Duration {
+	return lo + time.Duration(x.intn(int(hi-lo)/int(time.Millisecond)+1))*time.Millisecond
+}
+
+func TestChaos(t *testing.T) {
+	if os.Geteuid() != 0 {
+		// Not for namespaces (the pods are IPAM-only calls), but the agents' root-only sockets
+		// and state directories are checked as root in CI.
+		t.Log("running as non-root")
+	}
+	s := *seed
+	if s == 0 {
+		s = uint64(time.Now().UnixNano())
+	}
+	t.Logf("chaos seed %d (rerun with -chaos.seed=%d), duration %s", s, s, *duration)
+	x := &chaos{t: t, rng: rand.New(rand.NewPCG(s, s>>1|1)), live: map[string]string{}, running: map[string]*podRun{}}
+	x.setup()
+	ctx, cancel := context.WithTimeout(context.Background(), *duration)
+	defer cancel()
+
+	var wg sync.WaitGroup
+	for range *workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for ctx.Err() == nil {
+				x.lifecycle(ctx)
+			}
+		}()
+	}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		x.faults(ctx)
+	}()
+	wg.Wait()
+	x.quiesce()
+}
+
+func (x *chaos) setup() {
+	t := x.t
+	root, err := controlplane.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if x.bins, err = localcluster.Build(root, filepath.Join(controlplane.BinDir(root), "chaos"), os.Stderr); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	if x.cp, err = controlplane.Start(ctx, controlplane.Options{Log: os.Stderr}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = x.cp.Stop() })
+	x.dir = x.cp.Dir
+	u, _ := url.Parse(x.cp.URL)
+	if x.proxy, err = localcluster.NewProxy(u.Host); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(x.proxy.Close)
+	kc, err := clientcmd.LoadFromFile(x.cp.Kubeconfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range kc.Clusters {
+		c.Server = "https://" + x.proxy.Addr
+	}
+	x.kc = filepath.Join(x.dir, "kubeconfig-proxy")
+	if err := clientcmd.WriteToFile(*kc, x.kc); err != nil {
+		t.Fatal(err)
+	}
+	scheme := runtime.NewScheme()
+	_ = clientgoscheme.AddToScheme(scheme)
+	_ = ipwardenv1.AddToScheme(scheme)
+	if x.c, err = client.New(x.cp.Config, client.Options{Scheme: scheme}); err != nil {
+		t.Fatal(err)
+	}
+	if err := x.c.Create(ctx, &ipwardenv1.IPPool{ObjectMeta: metav1.ObjectMeta{Name: "chaos"}, Spec: ipwardenv1.IPPoolSpec{
+		CIDRs:         []ipwardenv1.CIDR{"10.96.0.0/22"},
+		Scaling:       ipwardenv1.Scaling{BatchSize: 8, BufferPercent: 50, MaxPerNode: 250},
+		ReuseCooldown: metav1.Duration{Duration: time.Second},
+	}}); err != nil {
+		t.Fatal(err)
+	}
+	x.ctrl, err = localcluster.Start("controller", x.bins.Ipwarden, filepath.Join(x.dir, "controller.log"),
+		"controller", "--kubeconfig", x.kc, "--leader-elect=false", "--metrics-bind-address=0", "--health-probe-bind-address=0",
+		"--min-sync-interval=20ms", "--resync-period=5s", "--audit-period=10s", "--backoff-base=50ms", "--backoff-max=2s")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { x.ctrl.Kill() })
+	localcluster.IPAMOnly()
+	for i := 1; i <= 3; i++ {
+		x.nodes = append(x.nodes, x.startNode(ctx, fmt.Sprintf("chaos-%d", i)))
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("controller log tail:\n%s", x.ctrl.LogTail(4000))
+			for _, n := range x.nodes {
+				t.Logf("agent %s log tail:\n%s", n.name, n.agent.LogTail(4000))
+			}
+		}
+	})
+}
+
+func (x *chaos) startNode(ctx context.Context, name string) *chaosNode {
+	t := x.t
+	if err := x.c.Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}}); err != nil {
+		t.Fatal(err)
+	}
+	dir := filepath.Join(x.dir, name)
+	if err := os.MkdirAll(filepath.Join(dir, "run"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	n := &chaosNode{name: name, socket: filepath.Join(dir, "run", "agent.sock")}
+	var err error
+	n.agent, err = localcluster.Start("agent "+name, x.bins.Ipwarden, filepath.Join(x.dir, name+".log"),
+		"agent", "--node-name", name, "--kubeconfig", x.kc, "--socket", n.socket, "--state-dir", filepath.Join(dir, "state"),
+		"--metrics-bind-address=0", "--health-probe-bind-address=0", "--resync=5s", "--address-wait=5s",
+		"--gc-grace=3s", "--gc-full-check-interval=5s")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { n.agent.Kill() })
+	if n.net, err = localcluster.NewNetwork(x.bins.CNIDir, filepath.Join(dir, "cni-cache"), "chaos", n.socket, "", ""); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(60 * time.Second)
+	for !x.agentServing(n) {
+		if time.Now().After(deadline) {
+			t.Fatalf("agent %s not serving: %s", name, n.agent.LogTail(3000))
+		}
+		time.Sleep(50 * time.Millisecond) // poll interval
+	}
+	return n
+}
+
+func (x *chaos) agentServing(n *chaosNode) bool {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	resp, err := cniproto.Call(ctx, n.socket, cniproto.Request{Op: cniproto.OpList})
+	return err == nil && resp.AsError() == nil
+}
+
+// retry runs f until it succeeds or d passes: what a kubelet or runtime does.
+func retry(d time.Duration, f func() error) error {
+	deadline := time.Now().Add(d)
+	var err error
+	for {
+		if err = f(); err == nil || time.Now().After(deadline) {
+			return err
+		}
+		time.Sleep(100 * time.Millisecond) // retry interval of the simulated kubelet
+	}
+}
+
+func (x *chaos) pickNode() *chaosNode {
+	x.nodesMu.RLock()
+	defer x.nodesMu.RUnlock()
+	var alive []*chaosNode
+	for _, n := range x.nodes {
+		if !n.deleted.Load() {
+			alive = append(alive, n)
+		}
+	}
+	return alive[x.intn(len(alive))]
+}
+
+// lifecycle is one pod: bound to a node, ADD, running a while, then an ending.
+func (x *chaos) lifecycle(ctx context.Context) {
+	n := x.pickNode()
+	id := x.seq.Add(1)
+	name := fmt.Sprintf("pod-%05d", id)
+	podObj := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: name},
+		Spec: corev1.PodSpec{NodeName: n.name, Containers: []corev1.Container{{Name: "c", Image: "chaos"}}}}
+	if err := retry(20*time.Second, func() error {
+		err := x.c.Create(context.Background(), podObj)
+		if apierrors.IsAlreadyExists(err) {
+			return nil
+		}
+		return err
+	}); err != nil {
+		x.inc("pod creates given up (API down)")
+		return
+	}
+	p := localcluster.Pod{Namespace: "default", Name: name, UID: string(podObj.UID), ContainerID: fmt.Sprintf("c%011d", id)}
+	var ips []string
+	err := retry(20*time.Second, func() error {
+		var err error
+		ips, err = n.net.Add(context.Background(), p)
+		return err
+	})
+	if err != nil {
+		// A runtime gives up: it tears the sandbox down (DEL) and the pod is deleted.
+		x.inc("ADDs given up")
+		_ = retry(20*time.Second, func() error { return n.net.Del(context.Background(), p) })
+		x.deletePod(name)
+		return
+	}
+	x.liveMu.Lock()
+	for _, ip := range ips {
+		if other, ok := x.live[ip]; ok {
+			x.inc("live address handed out again")
+			x.problem("address %s handed to %s while %s still runs", ip, name, other)
+		}
+		x.live[ip] = name
+	}
+	x.liveMu.Unlock()
+	_ = retry(20*time.Second, func() error { return x.setRunning(name, ips) })
+
+	if id%10 == 0 {
+		// Every tenth pod runs to the end, through every fault: its address must not change.
+		x.liveMu.Lock()
+		x.running[name] = &podRun{node: n, pod: p, ips: ips}
+		x.liveMu.Unlock()
+		x.inc("lifecycles")
+		return
+	}
+	time.Sleep(x.between(0, 300*time.Millisecond)) // the pod runs
+	x.liveMu.Lock()
+	for _, ip := range ips {
+		delete(x.live, ip)
+	}
+	x.liveMu.Unlock()
+	switch r := x.intn(100); {
+	case r < 5: // deleted without DEL: leak collection must free it
+		x.inc("pods deleted without DEL")
+		x.deletePod(name)
+	case r < 10: // DEL repeated
+		x.inc("repeated DELs")
+		_ = retry(20*time.Second, func() error { return n.net.Del(context.Background(), p) })
+		_ = retry(20*time.Second, func() error { return n.net.Del(context.Background(), p) })
+		x.deletePod(name)
+	case r < 15: // ADD and DEL for one container interleaved, then the final DEL
+		x.inc("interleaved ADD/DEL")
+		var wg sync.WaitGroup
+		wg.Add(2)
+		go func() { defer wg.Done(); _, _ = n.net.Add(context.Background(), p) }()
+		go func() { defer wg.Done(); _ = n.net.Del(context.Background(), p) }()
+		wg.Wait()
+		_ = retry(20*time.Second, func() error { return n.net.Del(context.Background(), p) })
+		x.deletePod(name)
+	default:
+		_ = retry(20*time.Second, func() error { return n.net.Del(context.Background(), p) })
+		x.deletePod(name)
+	}
+	x.inc("lifecycles")
+}
+
+func (x *chaos) setRunning(name string, ips []string) error {
+	p := &corev1.Pod{}
+	if err := x.c.Get(context.Background(), client.ObjectKey{Namespace: "default", Name: name}, p); err != nil {
+		return err
+	}
+	p.Status.Phase = corev1.PodRunning
+	p.Status.PodIP = ips[0]
+	p.Status.PodIPs = nil
+	for _, ip := range ips {
+		p.Status.PodIPs = append(p.Status.PodIPs, corev1.PodIP{IP: ip})
+	}
+	return x.c.Status().Update(context.Background(), p)
+}
+
+func (x *chaos) deletePod(name string) {
+	_ = retry(30*time.Second, func() error {
+		err := x.c.Delete(context.Background(), &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: name}}, client.GracePeriodSeconds(0))
+		if apierrors.IsNotFound(err) {
+			return nil
+		}
+		return err
+	})
+}
+
+// faults injects one fault every 1-3 s until ctx ends; halfway through, a node is deleted.
+func (x *chaos) faults(ctx context.Context) {
+	deletedNode := false
+	half := time.Now().Add(*duration / 2)
+	for {
+		if !deletedNode && time.Now().After(half) {
+			deletedNode = true
+			x.deleteNode()
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(x.between(time.Second, 3*time.Second)):
+		}
+		switch x.intn(6) {
+		case 0:
+			n := x.pickNode()
+			x.inc("kill -9 agent")
+			n.agent.Kill()
+			time.Sleep(x.between(100*time.Millisecond, 1500*time.Millisecond)) // the node is down a while
+			if err := n.agent.Restart(); err != nil {
+				x.problem("restart agent %s: %v", n.name, err)
+			}
+		case 1:
+			x.inc("kill -9 controller")
+			x.ctrl.Kill()
+			time.Sleep(x.between(100*time.Millisecond, 1500*time.Millisecond))
+			if err := x.ctrl.Restart(); err != nil {
+				x.problem("restart controller: %v", err)
+			}
+		case 2:
+			x.inc("API server restart")
+			_ = x.cp.StopAPIServer()
+			time.Sleep(x.between(200*time.Millisecond, 1500*time.Millisecond))
+			if err := x.cp.RestartAPIServer(context.Background()); err != nil {
+				x.problem("restart API server: %v", err)
+			}
+		case 3:
+			x.inc("etcd restart")
+			_ = x.cp.StopEtcd()
+			time.Sleep(x.between(200*time.Millisecond, 1500*time.Millisecond))
+			if err := x.cp.RestartEtcd(context.Background()); err != nil {
+				x.problem("restart etcd: %v", err)
+			}
+		case 4, 5:
+			x.inc("watch connections cut")
+			x.proxy.Cut()
+		}
+	}
+}
+
+// deleteNode deletes the last node mid-churn: its agent stops, its pods are evicted, the Node goes.
+func (x *chaos) deleteNode() {
+	x.nodesMu.Lock()
+	n := x.nodes[len(x.nodes)-1]
+	n.deleted.Store(true)
+	x.nodesMu.Unlock()
+	x.inc("node deleted mid-churn")
+	n.agent.Stop()
+	var pods corev1.PodList
+	_ = retry(30*time.Second, func() error {
+		return x.c.List(context.Background(), &pods, client.MatchingFields{"spec.nodeName": n.name})
+	})
+	for _, p := range pods.Items {
+		x.deletePod(p.Name)
+	}
+	x.liveMu.Lock()
+	for ip, pod := range x.live {
+		for _, p := range pods.Items {
+			if p.Name == pod {
+				delete(x.live, ip)
+			}
+		}
+	}
+	for name, pr := range x.running {
+		if pr.node == n {
+			delete(x.running, name)
+		}
+	}
+	x.liveMu.Unlock()
+	_ = retry(30*time.Second, func() error {
+		err := x.c.Delete(context.Background(), &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n.name}})
+		if apierrors.IsNotFound(err) {
+			return nil
+		}
+		return err
+	})
+}
+
+// quiesce waits for the system to settle, then checks the invariants and reports.
+func (x *chaos) quiesce() {
+	t := x.t
+	for _, n := range x.nodes {
+		if !n.deleted.Load() && !n.agent.Running() {
+			_ = n.agent.Restart()
+		}
+	}
+	if !x.ctrl.Running() {
+		_ = x.ctrl.Restart()
+	}
+	// Leak collection needs grace (3 s) + a full check (5 s); the controller a resync (5 s).
+	var r check.Report
+	var last error
+	deadline := time.Now().Add(90 * time.Second)
+	for time.Now().Before(deadline) {
+		r, last = x.snapshot()
+		if last == nil && r.OK() {
+			break
+		}
+		time.Sleep(500 * time.Millisecond) // poll interval
+	}
+	if last != nil {
+		t.Fatalf("cannot check the invariants: %v", last)
+	}
+
+	// Pods still running keep their addresses.
+	for name, pr := range x.running {
+		atts, err := check.AskAgent(context.Background(), pr.node.name, pr.node.socket)
+		if err != nil {
+			t.Fatal(err)
+		}
+		found := false
+		for _, a := range atts {
+			if a.ContainerID == pr.pod.ContainerID {
+				found = true
+				var got []string
+				for _, ip := range a.Addrs {
+					got = append(got, ip.String())
+				}
+				sort.Strings(got)
+				want := append([]string(nil), pr.ips...)
+				sort.Strings(want)
+				if strings.Join(got, ",") != strings.Join(want, ",") {
+					x.inc("running pod's address changed")
+					x.problem("running pod %s: address %v became %v", name, want, got)
+				}
+			}
+		}
+		if !found {
+			x.inc("live address freed")
+			x.problem("running pod %s (%v): its attachment is gone: a live address was freed", name, pr.ips)
+		}
+	}
+	faults := []string{"kill -9 agent", "kill -9 controller", "API server restart", "etcd restart", "watch connections cut", "node deleted mid-churn"}
+	var total int64
+	for _, f := range faults {
+		total += x.count(f)
+	}
+	t.Logf("chaos summary:")
+	t.Logf("  lifecycles               %d (pods deleted without DEL %d, repeated DELs %d, interleaved ADD/DEL %d, ADDs given up %d)",
+		x.count("lifecycles"), x.count("pods deleted without DEL"), x.count("repeated DELs"), x.count("interleaved ADD/DEL"), x.count("ADDs given up"))
+	t.Logf("  faults injected          %d", total)
+	for _, f := range faults {
+		t.Logf("    %-22s %d", f, x.count(f))
+	}
+	t.Logf("  addresses held twice     %d", r.CountsByKind[check.HeldTwice]+r.CountsByKind[check.AttachedTwice])
+	t.Logf("  leaked                   %d", r.CountsByKind[check.LeakedAttachment]+r.CountsByKind[check.OrphanAllocation])
+	t.Logf("  live addresses freed     %d (handed to a second live pod %d)", x.count("live address freed"), x.count("live address handed out again"))
+	t.Logf("  running pods whose address changed %d (of %d left running)", x.count("running pod's address changed"), len(x.running))
+	for _, f := range r.Findings {
+		t.Errorf("invariant checker: %s %s nodes=%v pod=%s: %s", f.Kind, f.Addresses, f.Nodes, f.Pod, f.Detail)
+	}
+	for _, p := range x.problems {
+		t.Error(p)
+	}
+	if x.count("lifecycles") < 20 {
+		t.Errorf("only %d lifecycles ran: the run proves little", x.count("lifecycles"))
+	}
+}
+
+// snapshot reads the API objects and every live agent's attachments and checks them.
+func (x *chaos) snapshot() (check.Report, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	in, err := check.Collect(ctx, x.c)
+	if err != nil {
+		return check.Report{}, err
+	}
+	in.Grace = 3 * time.Second
+	in.Attachments = map[string][]check.Attachment{}
+	for _, n := range x.nodes {
+		if n.deleted.Load() {
+			continue
+		}
+		atts, err := check.AskAgent(ctx, n.name, n.socket)
+		if err != nil {
+			return check.Report{}, fmt.Errorf("agent %s: %w", n.name, err)
+		}
+		in.Attachments[n.name] = atts
+	}
+	return check.Check(in), nil
+}
