@@ -26,7 +26,8 @@ func (e *exitError) Error() string { return e.msg }
 
 func newCheckCommand() *cobra.Command {
 	var kubeconfig, output string
-	var timeout time.Duration
+	var agents []string
+	var timeout, grace time.Duration
 	cmd := &cobra.Command{
 		Use:   "check",
 		Short: "Report inconsistencies: addresses held twice, outside their pools, not held, or leaked",
@@ -39,6 +40,13 @@ meanwhile cannot look inconsistent) and reports every violation of ipwarden's in
   UnknownPool        a node holds addresses of a pool that no longer exists
   PodAddressNotHeld  a running pod's address is not held by its node
   OrphanAllocation   a NodeIPAllocation whose Node is gone
+
+With --agent NODE=SOCKET (repeatable; on a node, or through a forwarded socket) it also reads
+those agents' attachment lists and reports:
+
+  AttachedTwice      an address on two attachments
+  PodAddressNotHeld  an attachment's address not held by its node
+  LeakedAttachment   an attachment (older than --grace) whose pod no longer exists
 
 It only lists objects: it takes no lock and blocks nothing. Exit status: 0 consistent,
 1 problems found, 2 could not check.`,
@@ -65,6 +73,21 @@ It only lists objects: it takes no lock and blocks nothing. Exit status: 0 consi
 			if err != nil {
 				return &exitError{2, fmt.Sprintf("cannot read the cluster: %v", err)}
 			}
+			in.Grace = grace
+			for _, a := range agents {
+				node, socket, ok := strings.Cut(a, "=")
+				if !ok || node == "" || socket == "" {
+					return &exitError{2, fmt.Sprintf("--agent %q: want NODE=SOCKET, e.g. node-1=/run/ipwarden/agent.sock", a)}
+				}
+				atts, err := check.AskAgent(ctx, node, socket)
+				if err != nil {
+					return &exitError{2, fmt.Sprintf("cannot read the attachments of node %s: %v", node, err)}
+				}
+				if in.Attachments == nil {
+					in.Attachments = map[string][]check.Attachment{}
+				}
+				in.Attachments[node] = atts
+			}
 			r := check.Check(in)
 			if err := writeReport(cmd.OutOrStdout(), r, output); err != nil {
 				return &exitError{2, err.Error()}
@@ -78,6 +101,8 @@ It only lists objects: it takes no lock and blocks nothing. Exit status: 0 consi
 	cmd.Flags().StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file; in-cluster configuration when empty")
 	cmd.Flags().StringVarP(&output, "output", "o", "text", "output format: text or json")
 	cmd.Flags().DurationVar(&timeout, "timeout", 2*time.Minute, "give up reading the cluster after this long")
+	cmd.Flags().StringArrayVar(&agents, "agent", nil, "also check this agent's attachments: NODE=SOCKET (repeatable)")
+	cmd.Flags().DurationVar(&grace, "grace", time.Minute, "an attachment younger than this is never reported as leaked (its pod may be too new)")
 	return cmd
 }
 

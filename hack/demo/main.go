@@ -1,144 +1,503 @@
-// Command demo is ipwarden's local demonstration: a real kube-apiserver and etcd on loopback,
-// ipwarden's CRDs, the example pools, and the API rejecting bad pools with clear messages.
+// Command demo is ipwarden's local demonstration (make demo): a real kube-apiserver and etcd on
+// loopback, a real controller, one real agent per demo node, and pods started through the real
+// CNI plugin binary: in network namespaces with the bridge plugin when run as root, as plain IPAM
+// calls otherwise. It plays a scripted scenario (burst, churn, a pod deleted without CNI DEL, a
+// node deleted, a pool driven to exhaustion and back), then reports and checks the invariants.
 //
-// The full demo (controller, node agents, pods through the real CNI plugin) arrives with the
-// controller and agent; this one shows what the foundation does today.
-//
-//	go run ./hack/demo [--keep]
+//	go run ./hack/demo [--keep] [--nodes 3]
 package main
 
 import (
-	"bytes"
 	"context"
-	"errors"
 	"flag"
 	"fmt"
-	"io"
 	"os"
 	"os/signal"
 	"path/filepath"
+	"sort"
+	"sync"
 	"syscall"
-	"text/tabwriter"
 	"time"
 
-	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
-	"k8s.io/apimachinery/pkg/runtime"
-	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
-	"sigs.k8s.io/controller-runtime/pkg/client"
-
-	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/controlplane"
+	"github.com/ipwarden/ipwarden/internal/localcluster"
 )
 
 func main() {
-	keep := flag.Bool("keep", false, "leave the control plane running until Ctrl-C, to look around with kubectl")
+	keep := flag.Bool("keep", false, "leave everything running at the end until Ctrl-C, to look around with kubectl")
+	nodes := flag.Int("nodes", 3, "demo nodes (one agent each)")
+	burst := flag.Int("burst", 40, "pods started at once on the first node")
 	flag.Parse()
-	if err := run(*keep); err != nil {
-		fmt.Fprintln(os.Stderr, "demo:", err)
+	if *nodes < 3 {
+		fmt.Fprintln(os.Stderr, "demo: --nodes must be at least 3 (the scenario deletes one and exhausts another)")
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	d := &demo{nodeCount: *nodes, burst: *burst}
+	err := d.run(ctx, *keep)
+	d.cleanup()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "\ndemo failed:", err)
 		os.Exit(1)
 	}
 }
 
-func run(keep bool) error {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	root, err := controlplane.RepoRoot()
+type demo struct {
+	nodeCount, burst int
+	root, dir        string
+	bins             localcluster.Binaries
+	cp               *controlplane.ControlPlane
+	kube             *kube
+	controller       *localcluster.Process
+	nodes            []*node
+	waits            []time.Duration
+	mu               sync.Mutex
+	started          int
+	ctrlMetrics      string
+}
+
+type node struct {
+	name    string
+	agent   *localcluster.Process
+	socket  string
+	metrics string
+	net     *localcluster.Network
+	pods    map[string]*pod // by pod name
+}
+
+type pod struct {
+	localcluster.Pod
+	ips []string
+}
+
+func say(format string, a ...any) { fmt.Printf(format+"\n", a...) }
+
+func step(title string) { say("\n== %s", title) }
+
+func (d *demo) run(ctx context.Context, keep bool) error {
+	var err error
+	if d.root, err = controlplane.RepoRoot(); err != nil {
+		return err
+	}
+	bridgeMode := localcluster.IsRoot()
+	step("ipwarden demo")
+	if bridgeMode {
+		say("running as root: every pod gets a network namespace, wired by the real bridge plugin")
+		say("which delegates IPAM to ipwarden-cni; pods ping each other to prove it")
+	} else {
+		say("not root: pods are plain CNI IPAM calls to ipwarden-cni (no network namespaces);")
+		say("run as root (sudo make demo) to see real namespaces on a bridge")
+	}
+	binDir := controlplane.BinDir(d.root)
+	if d.bins, err = localcluster.Build(d.root, filepath.Join(binDir, "demo"), os.Stdout); err != nil {
+		return err
+	}
+	d.cp, err = controlplane.Start(ctx, controlplane.Options{Root: d.root})
 	if err != nil {
 		return err
 	}
-	fmt.Println("== starting a local control plane (etcd + kube-apiserver on 127.0.0.1)")
-	start := time.Now()
-	cp, err := controlplane.Start(ctx, controlplane.Options{Root: root, Log: os.Stdout})
+	d.dir = d.cp.Dir
+	if d.kube, err = newKube(d.cp.Config); err != nil {
+		return err
+	}
+	say("control plane: kube-apiserver %s (kubeconfig %s)", d.cp.URL, d.cp.Kubeconfig)
+
+	step("a pool and the nodes")
+	if err := d.kube.createPool(ctx); err != nil {
+		return err
+	}
+	say("IPPool demo-v4: 10.244.0.0/24, gateway 10.244.0.1, batch 16, buffer 50%%, reuse cooldown 3s")
+	d.ctrlMetrics = freeAddr()
+	d.controller, err = localcluster.Start("controller", d.bins.Ipwarden, filepath.Join(d.dir, "controller.log"),
+		"controller", "--kubeconfig", d.cp.Kubeconfig, "--leader-elect=false",
+		"--metrics-bind-address", d.ctrlMetrics, "--health-probe-bind-address=0", "--resync-period=10s")
 	if err != nil {
 		return err
 	}
-	defer func() {
-		fmt.Println("== stopping the control plane")
-		_ = cp.Stop()
-	}()
-	fmt.Printf("   ready in %s; CRDs ippools.ipwarden.io and nodeipallocations.ipwarden.io installed\n", time.Since(start).Round(100*time.Millisecond))
-
-	scheme := runtime.NewScheme()
-	if err := ipwardenv1.AddToScheme(scheme); err != nil {
-		return err
-	}
-	c, err := client.New(cp.Config, client.Options{Scheme: scheme})
-	if err != nil {
-		return err
-	}
-
-	examples := filepath.Join(root, "deploy", "examples", "ippools.yaml")
-	fmt.Printf("\n== applying %s\n", examples)
-	if err := applyFile(ctx, c, examples); err != nil {
-		return err
-	}
-	if err := printPools(ctx, c); err != nil {
-		return err
-	}
-
-	fmt.Println("\n== the API server rejects bad pools before any controller sees them:")
-	for _, bad := range []struct{ what, spec string }{
-		{"a CIDR with host bits", `{"cidrs": ["10.0.0.1/24"]}`},
-		{"mixed families", `{"cidrs": ["10.0.0.0/24", "fd00::/64"]}`},
-		{"an exclusion outside the pool", `{"cidrs": ["10.0.0.0/24"], "exclude": ["192.168.0.1"]}`},
-		{"maxPerNode below batchSize", `{"cidrs": ["10.0.0.0/24"], "scaling": {"batchSize": 32, "maxPerNode": 16}}`},
-		{"a negative cooldown", `{"cidrs": ["10.0.0.0/24"], "reuseCooldown": "-5s"}`},
-	} {
-		obj := fmt.Sprintf(`{"apiVersion": "ipwarden.io/v1alpha1", "kind": "IPPool", "metadata": {"name": "bad"}, "spec": %s}`, bad.spec)
-		u := &unstructured.Unstructured{}
-		if err := u.UnmarshalJSON([]byte(obj)); err != nil {
+	for i := 1; i <= d.nodeCount; i++ {
+		n, err := d.startNode(ctx, fmt.Sprintf("demo-%d", i), bridgeMode)
+		if err != nil {
 			return err
 		}
-		err := c.Create(ctx, u)
-		if err == nil {
-			return fmt.Errorf("the API server accepted %s", bad.what)
-		}
-		fmt.Printf("   %-32s -> %v\n", bad.what, err)
+		d.nodes = append(d.nodes, n)
 	}
+	say("%d Nodes, a controller process and %d agent processes running; each node holds:", d.nodeCount, d.nodeCount)
+	d.printNodes(ctx)
 
-	fmt.Println("\nThe controller and node agents are not part of ipwarden yet, so nodes get no addresses")
-	fmt.Println("in this demo; it grows with them.")
+	step(fmt.Sprintf("burst: %d pods start at once on %s", d.burst, d.nodes[0].name))
+	t0 := time.Now()
+	writes0 := d.apiWrites()
+	if err := d.startPods(ctx, d.nodes[0], d.burst); err != nil {
+		return err
+	}
+	say("%d pods running after %s; IP wait p50 %s, p99 %s", d.burst, time.Since(t0).Round(time.Millisecond),
+		quantile(d.waits, 0.5), quantile(d.waits, 0.99))
+	if err := waitFor(ctx, 10*time.Second, func() (bool, error) {
+		p, err := d.kube.pool(ctx)
+		return err == nil && p.Allocated >= 48+32, err // the status write that shows the burst
+	}); err == nil {
+		w := d.apiWrites() - writes0
+		say("API writes for the burst: %.0f (%.2f per pod): the node asked for more once, not per pod", w, w/float64(d.burst))
+	}
+	if bridgeMode {
+		a, b := d.nodes[0].anyPod(), d.nodes[0].otherPod()
+		if err := d.nodes[0].net.Ping(a.Pod, b.ips[0]); err != nil {
+			return fmt.Errorf("pods on the bridge cannot reach each other: %w", err)
+		}
+		say("pod %s (%s) pings pod %s (%s) over the bridge", a.Name, a.ips[0], b.Name, b.ips[0])
+	}
+	d.printNodes(ctx)
+
+	step("churn: pods come and go on every node")
+	churnWrites, churnStarts := d.apiWrites(), d.started
+	for round := 0; round < 3; round++ {
+		for _, n := range d.nodes {
+			if err := d.startPods(ctx, n, 4); err != nil {
+				return err
+			}
+			if err := d.stopPods(ctx, n, 3); err != nil {
+				return err
+			}
+		}
+		fmt.Printf("  round %d: %d pods running\n", round+1, d.runningPods())
+	}
+	d.printNodes(ctx)
+	say("API writes during the churn: %.0f for %d pod starts", d.apiWrites()-churnWrites, d.started-churnStarts)
+
+	step("a pod is deleted but its runtime never calls CNI DEL")
+	victim := d.nodes[1].anyPod()
+	if err := d.kube.deletePod(ctx, victim.Name); err != nil {
+		return err
+	}
+	d.nodes[1].net.ForgetNamespace(victim.Pod)
+	delete(d.nodes[1].pods, victim.Name)
+	t0 = time.Now()
+	if err := waitFor(ctx, 90*time.Second, func() (bool, error) {
+		att, err := listAttachments(d.nodes[1].socket)
+		if err != nil {
+			return false, err
+		}
+		for _, a := range att {
+			if a.podName == victim.Name {
+				return false, nil
+			}
+		}
+		return true, nil
+	}); err != nil {
+		return fmt.Errorf("the agent did not collect the deleted pod's address %s: %w", victim.ips[0], err)
+	}
+	say("pod %s deleted without DEL: the agent saw the deletion, confirmed it with the API server", victim.Name)
+	say("and freed %s after %s (it rests for the pool's reuse cooldown before reuse)", victim.ips[0], time.Since(t0).Round(time.Millisecond))
+
+	step(fmt.Sprintf("node %s is deleted", d.nodes[2].name))
+	gone := d.nodes[2]
+	if err := d.stopPods(ctx, gone, len(gone.pods)); err != nil {
+		return err
+	}
+	goneHeld, err := poolStatus(gone.socket)
+	if err != nil {
+		return err
+	}
+	gone.agent.Stop()
+	before, _ := d.kube.pool(ctx)
+	if err := d.kube.deleteNode(ctx, gone.name); err != nil {
+		return err
+	}
+	if err := waitFor(ctx, 60*time.Second, func() (bool, error) {
+		ok, err := d.kube.allocationGone(ctx, gone.name)
+		return ok, err
+	}); err != nil {
+		return fmt.Errorf("the controller did not clean up after the deleted node: %w", err)
+	}
+	say("the controller deleted its NodeIPAllocation; the node's addresses cool down, then return:")
+	if err := waitFor(ctx, 60*time.Second, func() (bool, error) {
+		p, err := d.kube.pool(ctx)
+		return err == nil && p.Free >= before.Free+int64(goneHeld.Held), err
+	}); err != nil {
+		return fmt.Errorf("the deleted node's addresses did not return to the pool: %w", err)
+	}
+	after, _ := d.kube.pool(ctx)
+	say("pool free %d -> %d (the node held %d), no operator action", before.Free, after.Free, goneHeld.Held)
+	d.nodes = d.nodes[:2]
+
+	step(fmt.Sprintf("pool exhaustion: pods keep starting on %s until the pool runs dry", d.nodes[1].name))
+	exhaustWrites, exhaustStarts := d.apiWrites(), d.started
+	var failed error
+	for i := 0; i < 400 && failed == nil; i++ {
+		failed = d.startPods(ctx, d.nodes[1], 1)
+	}
+	if failed == nil {
+		return fmt.Errorf("the pool never ran out")
+	}
+	code, msg := localcluster.CNICode(unwrapCNI(failed))
+	say("pod %d on %s fails, as a runtime would see it: CNI error %d: %s", len(d.nodes[1].pods)+1, d.nodes[1].name, code, msg)
+	if err := waitFor(ctx, 30*time.Second, func() (bool, error) {
+		p, err := d.kube.pool(ctx)
+		return p.Exhausted, err
+	}); err != nil {
+		return fmt.Errorf("pool not marked exhausted: %w", err)
+	}
+	p, _ := d.kube.pool(ctx)
+	say("IPPool demo-v4: exhausted=%v, %d free of %d; nodes now grow one address at a time", p.Exhausted, p.Free, p.Capacity)
+	if err := d.stopPods(ctx, d.nodes[1], 60); err != nil {
+		return err
+	}
+	say("60 pods stop on %s; after the reuse cooldown their addresses serve new pods:", d.nodes[1].name)
+	if err := waitFor(ctx, 60*time.Second, func() (bool, error) {
+		err := d.startPods(ctx, d.nodes[0], 1)
+		return err == nil, nil
+	}); err != nil {
+		return fmt.Errorf("no pod could start after addresses came back: %w", err)
+	}
+	if err := waitFor(ctx, 60*time.Second, func() (bool, error) {
+		p, err := d.kube.pool(ctx)
+		return !p.Exhausted, err
+	}); err != nil {
+		return fmt.Errorf("exhaustion did not clear: %w", err)
+	}
+	p, _ = d.kube.pool(ctx)
+	say("a new pod on %s starts; the pool recovers: exhausted=%v, %d free", d.nodes[0].name, p.Exhausted, p.Free)
+	say("API writes during exhaustion and recovery: %.0f for %d pod starts (one address per request while exhausted)",
+		d.apiWrites()-exhaustWrites, d.started-exhaustStarts)
+
+	if err := d.report(ctx); err != nil {
+		return err
+	}
 	if keep {
-		fmt.Printf("\n== left running. In another shell:\n   export KUBECONFIG=%s\n   kubectl get ippools,nodeipallocations\nCtrl-C stops everything.\n", cp.Kubeconfig)
+		kubectl := filepath.Join(binDir, "kubectl")
+		if _, err := os.Stat(kubectl); err != nil {
+			kubectl = "kubectl"
+		}
+		step("left running (--keep); in another shell:")
+		say("  export KUBECONFIG=%s", d.cp.Kubeconfig)
+		say("  %s get ippools,nodeipallocations,pods -o wide", kubectl)
+		say("  %s agent list --socket %s", d.bins.Ipwarden, d.nodes[0].socket)
+		say("  %s check", d.bins.Ipwarden)
+		say("  curl -s http://%s/metrics | grep ipwarden_", d.ctrlMetrics)
+		say("Ctrl-C stops everything and removes it.")
 		<-ctx.Done()
+	} else {
+		say("\nTo look around while it runs, use `make demo DEMO_FLAGS=--keep`: it prints a kubeconfig for kubectl.")
 	}
 	return nil
 }
 
-func applyFile(ctx context.Context, c client.Client, path string) error {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return err
+func (d *demo) startNode(ctx context.Context, name string, bridgeMode bool) (*node, error) {
+	if err := d.kube.createNode(ctx, name); err != nil {
+		return nil, err
 	}
-	dec := utilyaml.NewYAMLOrJSONDecoder(bytes.NewReader(b), 4096)
-	for {
-		u := &unstructured.Unstructured{}
-		if err := dec.Decode(&u.Object); err != nil {
-			if errors.Is(err, io.EOF) {
-				return nil
-			}
-			return fmt.Errorf("%s: %w", path, err)
+	dir := filepath.Join(d.dir, name)
+	if err := os.MkdirAll(filepath.Join(dir, "run"), 0o700); err != nil {
+		return nil, err
+	}
+	n := &node{name: name, socket: filepath.Join(dir, "run", "agent.sock"), metrics: freeAddr(), pods: map[string]*pod{}}
+	var err error
+	n.agent, err = localcluster.Start("agent "+name, d.bins.Ipwarden, filepath.Join(d.dir, name+".log"),
+		"agent", "--node-name", name, "--kubeconfig", d.cp.Kubeconfig, "--socket", n.socket,
+		"--state-dir", filepath.Join(dir, "state"), "--metrics-bind-address", n.metrics,
+		"--health-probe-bind-address=0", "--gc-grace=2s", "--address-wait=3s")
+	if err != nil {
+		return nil, err
+	}
+	bridge := ""
+	if bridgeMode {
+		bridge = localcluster.RandomName("ipwd", 4)
+	}
+	n.net, err = localcluster.NewNetwork(d.bins.CNIDir, filepath.Join(dir, "cni-cache"), "demo", n.socket, bridge, "ipwd-"+name+"-")
+	if err != nil {
+		return nil, err
+	}
+	if err := waitFor(ctx, 60*time.Second, func() (bool, error) {
+		_, err := listAttachments(n.socket)
+		return err == nil, nil
+	}); err != nil {
+		return nil, fmt.Errorf("agent %s did not start serving; its log ends:\n%s", name, n.agent.LogTail(2000))
+	}
+	return n, nil
+}
+
+// startPods creates count Pod objects bound to n and starts them through the plugin at once.
+func (d *demo) startPods(ctx context.Context, n *node, count int) error {
+	var wg sync.WaitGroup
+	errs := make(chan error, count)
+	for i := 0; i < count; i++ {
+		d.mu.Lock()
+		d.started++
+		name := fmt.Sprintf("pod-%04d", d.started)
+		d.mu.Unlock()
+		uid, err := d.kube.createPod(ctx, name, n.name)
+		if err != nil {
+			return err
 		}
-		if len(u.Object) == 0 {
+		p := &pod{Pod: localcluster.Pod{Namespace: "default", Name: name, UID: uid, ContainerID: localcluster.RandomName("", 8)}}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			t0 := time.Now()
+			ips, err := n.net.Add(ctx, p.Pod)
+			if err != nil {
+				_ = d.kube.deletePod(ctx, name)
+				errs <- fmt.Errorf("ADD %s: %w", name, err)
+				return
+			}
+			wait := time.Since(t0)
+			p.ips = ips
+			if err := d.kube.setPodRunning(ctx, name, ips); err != nil {
+				errs <- err
+				return
+			}
+			d.mu.Lock()
+			d.waits = append(d.waits, wait)
+			n.pods[name] = p
+			d.mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	return <-errs
+}
+
+// stopPods stops up to count pods of n: CNI DEL, then the Pod object goes.
+func (d *demo) stopPods(ctx context.Context, n *node, count int) error {
+	names := n.podNames()
+	for i := 0; i < count && i < len(names); i++ {
+		p := n.pods[names[i]]
+		if err := n.net.Del(ctx, p.Pod); err != nil {
+			return fmt.Errorf("DEL %s: %w", p.Name, err)
+		}
+		if err := d.kube.deletePod(ctx, p.Name); err != nil {
+			return err
+		}
+		delete(n.pods, p.Name)
+	}
+	return nil
+}
+
+func (n *node) podNames() []string {
+	names := make([]string, 0, len(n.pods))
+	for k := range n.pods {
+		names = append(names, k)
+	}
+	sort.Strings(names)
+	return names
+}
+
+func (n *node) anyPod() *pod   { return n.pods[n.podNames()[0]] }
+func (n *node) otherPod() *pod { names := n.podNames(); return n.pods[names[len(names)-1]] }
+
+func (d *demo) runningPods() int {
+	total := 0
+	for _, n := range d.nodes {
+		total += len(n.pods)
+	}
+	return total
+}
+
+func (d *demo) printNodes(ctx context.Context) {
+	for _, n := range d.nodes {
+		ps, err := poolStatus(n.socket)
+		if err != nil {
+			say("  %-8s agent not answering: %v", n.name, err)
 			continue
 		}
-		if err := c.Create(ctx, u); err != nil {
-			return fmt.Errorf("create %s %s: %w", u.GetKind(), u.GetName(), err)
-		}
-		fmt.Printf("   created %s %s\n", u.GetKind(), u.GetName())
+		say("  %-8s %3d pods, holds %3d addresses (%d in use, %d free, %d requested)", n.name, len(n.pods), ps.Held, ps.InUse, ps.Free, ps.Requested)
 	}
 }
 
-func printPools(ctx context.Context, c client.Client) error {
-	var pools ipwardenv1.IPPoolList
-	if err := c.List(ctx, &pools); err != nil {
+func (d *demo) report(ctx context.Context) error {
+	step("report")
+	fmt.Printf("  %-8s %6s %6s %8s\n", "NODE", "PODS", "HELD", "IN USE")
+	for _, n := range d.nodes {
+		ps, err := poolStatus(n.socket)
+		if err != nil {
+			return err
+		}
+		fmt.Printf("  %-8s %6d %6d %8d\n", n.name, len(n.pods), ps.Held, ps.InUse)
+	}
+	writes := localcluster.ScrapeSum("http://"+d.ctrlMetrics+"/metrics", "ipwarden_controller_api_writes_total")
+	var specWrites, collected float64
+	for _, n := range d.nodes {
+		specWrites += localcluster.ScrapeSum("http://"+n.metrics+"/metrics", "ipwarden_agent_spec_writes_total")
+		collected += localcluster.ScrapeSum("http://"+n.metrics+"/metrics", "ipwarden_agent_gc_collected_total")
+	}
+	say("  pods started: %d; API writes: %.0f by the controller (node and pool status), %.0f by agents", d.started, writes, specWrites)
+	say("  (the deleted node's agent not counted): %.2f per pod start over the whole scenario; see each phase above", (writes+specWrites)/float64(d.started))
+	say("  for where they go (Whereabouts and Calico write at least once per pod)")
+	say("  IP wait over %d ADDs: p50 %s, p99 %s", len(d.waits), quantile(d.waits, 0.5), quantile(d.waits, 0.99))
+	say("  leaked addresses collected by the agents: %.0f", collected)
+	r, err := d.check(ctx)
+	if err != nil {
 		return err
 	}
-	tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "   NAME\tCIDRS\tBATCH\tBUFFER\tMAX/NODE\tCOOLDOWN")
-	for _, p := range pools.Items {
-		s := p.Spec.Scaling
-		fmt.Fprintf(tw, "   %s\t%v\t%d\t%d%%\t%d\t%s\n", p.Name, p.Spec.CIDRs, s.BatchSize, s.BufferPercent, s.MaxPerNode, p.Spec.ReuseCooldown.Duration)
+	if !r.OK() {
+		for _, f := range r.Findings {
+			say("  PROBLEM %s %s %v %s", f.Kind, f.Addresses, f.Nodes, f.Detail)
+		}
+		return fmt.Errorf("the invariant check found %d problems", len(r.Findings))
 	}
-	return tw.Flush()
+	say("  invariants checked (ipwarden check with the agents' attachments): %d addresses held by %d nodes,", r.Held, r.Nodes)
+	say("  %d running pods, %d attachments: none held twice, none outside its pool, none leaked", r.RunningPods, r.Attachments)
+	return nil
 }
+
+// apiWrites is what the controller and the live agents have written to the API server so far.
+func (d *demo) apiWrites() float64 {
+	w := localcluster.ScrapeSum("http://"+d.ctrlMetrics+"/metrics", "ipwarden_controller_api_writes_total")
+	for _, n := range d.nodes {
+		w += localcluster.ScrapeSum("http://"+n.metrics+"/metrics", "ipwarden_agent_spec_writes_total")
+	}
+	return w
+}
+
+func (d *demo) cleanup() {
+	for _, n := range d.nodes {
+		for _, name := range n.podNames() {
+			_ = n.net.Del(context.Background(), n.pods[name].Pod)
+		}
+		if n.agent != nil {
+			n.agent.Stop()
+		}
+		n.net.Close()
+	}
+	if d.controller != nil {
+		d.controller.Stop()
+	}
+	if d.cp != nil {
+		_ = d.cp.Stop()
+		say("\nstopped: agents, controller, kube-apiserver and etcd; namespaces and bridges removed")
+	}
+}
+
+func quantile(ds []time.Duration, q float64) time.Duration {
+	if len(ds) == 0 {
+		return 0
+	}
+	s := append([]time.Duration(nil), ds...)
+	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
+	i := int(q * float64(len(s)-1))
+	return s[i].Round(100 * time.Microsecond)
+}
+
+func waitFor(ctx context.Context, timeout time.Duration, cond func() (bool, error)) error {
+	deadline := time.Now().Add(timeout)
+	var last error
+	for time.Now().Before(deadline) {
+		ok, err := cond()
+		if ok {
+			return nil
+		}
+		last = err
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(100 * time.Millisecond): // poll interval
+		}
+	}
+	if last != nil {
+		return fmt.Errorf("timed out after %s: %w", timeout, last)
+	}
+	return fmt.Errorf("timed out after %s", timeout)
+}
+
+func cniCode(err error) (uint, string) { return localcluster.CNICode(err) }

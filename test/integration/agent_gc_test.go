@@ -7,7 +7,9 @@ package integration
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"os/exec"
 	"slices"
 	"strings"
 	"testing"
@@ -18,6 +20,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
+	"github.com/ipwarden/ipwarden/internal/check"
 )
 
 // gcSetup makes a pool (batch 16, no reuse cooldown, so a freed address is free at once) that
@@ -374,5 +377,39 @@ func TestAgentCNIGCFreesExactlyTheUnlisted(t *testing.T) {
 	}
 	if got := ag.attachmentIDs(t); !slices.Equal(got, []string{"g1", "g3", "young"}) {
 		t.Fatalf("after GC of othernet: %v", got)
+	}
+}
+
+// ipwarden check reads an agent's attachments with --agent and reports a leaked one.
+func TestCheckCommandWithAgent(t *testing.T) {
+	startController(t)
+	createPool(t, "chk-agent", ipwardenv1.IPPoolSpec{CIDRs: []ipwardenv1.CIDR{"10.112.0.0/24"}})
+	createNode(t, "chk-agent-node", nil)
+	a := startAgent(t, "chk-agent-node", t.TempDir(), "--gc-full-check-interval=1h")
+	a.waitServing(t)
+	conf := pluginConf("1.1.0", a.socket, "chk-agent")
+	// An ADD for a pod that never existed: a leak once past the grace.
+	mustAdd(t, conf, "ghost-container")
+	run := func(args ...string) (check.Report, int) {
+		cmd := exec.Command(ipwardenBinary(t), append([]string{"check", "--kubeconfig", kubeconfigPath, "-o", "json"}, args...)...)
+		out, err := cmd.Output()
+		code := 0
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
+			code = ee.ExitCode()
+		}
+		var r check.Report
+		_ = json.Unmarshal(out, &r)
+		return r, code
+	}
+	r, code := run("--agent", "chk-agent-node="+a.socket, "--grace=0s")
+	if code != 1 || r.CountsByKind[check.LeakedAttachment] != 1 || r.AgentsAsked != 1 {
+		t.Fatalf("exit %d, report %+v", code, r)
+	}
+	if r, code := run("--agent", "chk-agent-node="+a.socket, "--grace=1h"); code != 0 || r.Attachments != 1 {
+		t.Fatalf("within the grace: exit %d, report %+v", code, r)
+	}
+	if _, code := run("--agent", "bogus"); code != 2 {
+		t.Fatalf("bad --agent: exit %d, want 2", code)
 	}
 }
