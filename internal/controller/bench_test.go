@@ -88,3 +88,25 @@ func toBlocks(s addr.Set) []ipwardenv1.AddressBlock {
 	}
 	return out
 }
+
+// BenchmarkAuditFullPass is the controller's leak-collection backstop at 5,000 nodes: compare
+// every NodeIPAllocation status with the record. Event-driven work touches one node
+// (BenchmarkSyncDirtyNode); this slow pass runs every --audit-period.
+func BenchmarkAuditFullPass(b *testing.B) {
+	s, specs := fleet(b, 5000, 30)
+	allocs := make([]ipwardenv1.NodeIPAllocation, 0, len(specs))
+	for name := range specs {
+		a := ipwardenv1.NodeIPAllocation{}
+		a.Name = name
+		for pool, set := range s.HeldBy(name) {
+			a.Status.Pools = append(a.Status.Pools, ipwardenv1.NodePoolStatus{Pool: pool, Addresses: set.Strings()})
+		}
+		allocs = append(allocs, a)
+	}
+	b.ResetTimer()
+	for b.Loop() {
+		if r := s.Audit(allocs); r.Candidates() != 0 {
+			b.Fatalf("clean fleet audit found %d candidates", r.Candidates())
+		}
+	}
+}
