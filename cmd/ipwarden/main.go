@@ -31,6 +31,7 @@ Subcommands:
   controller  run the cluster controller
   agent       run the node agent (agent list: the node's attachments)
   check       report inconsistencies (read-only)
+  simulate    capacity planner: choose batch and buffer for your cluster
   version     print the build version`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
@@ -39,5 +40,6 @@ Subcommands:
 	root.AddCommand(newControllerCommand())
 	root.AddCommand(newAgentCommand())
 	root.AddCommand(newCheckCommand())
+	root.AddCommand(newSimulateCommand())
 	return root
 }
