@@ -59,22 +59,33 @@ func (r AuditResult) Candidates() int {
 func (s *State) Audit(allocs []ipwardenv1.NodeIPAllocation) AuditResult {
 	r := AuditResult{Unpublished: map[string]addr.Set{}, Adopted: map[string]addr.Set{}}
 	listed := map[string]map[string]addr.Set{} // node -> pool -> status addresses
-	var seen addr.Set
 	sort.Slice(allocs, func(i, j int) bool { return allocs[i].Name < allocs[j].Name })
+	var all []addr.Range
+	var total uint64
 	for _, a := range allocs {
 		for _, ps := range a.Status.Pools {
 			set, err := addr.ParseSet(ps.Addresses)
 			if err != nil {
 				continue
 			}
-			if dup := seen.Intersect(set); !dup.IsEmpty() {
-				r.Twice = r.Twice.Union(dup)
-			}
-			seen = seen.Union(set)
+			all = append(all, set.Ranges()...)
+			n, _ := set.Size().Uint64()
+			total += n
 			if listed[a.Name] == nil {
 				listed[a.Name] = map[string]addr.Set{}
 			}
 			listed[a.Name][ps.Pool] = set
+		}
+	}
+	// One merge of every listed range; only if the sizes disagree is anything held twice, and
+	// then a pass in name order finds which addresses.
+	if n, _ := addr.NewSet(all...).Size().Uint64(); n != total {
+		var seen addr.Set
+		for _, a := range allocs {
+			for _, set := range listed[a.Name] {
+				r.Twice = r.Twice.Union(seen.Intersect(set))
+				seen = seen.Union(set)
+			}
 		}
 	}
 	// The record against the statuses.
@@ -109,12 +120,17 @@ func (s *State) Audit(allocs []ipwardenv1.NodeIPAllocation) AuditResult {
 		}
 	}
 	// Allocations nobody holds or awaits.
-	for name, p := range s.pools {
-		var owned addr.Set
-		for _, n := range s.nodes {
-			owned = owned.Union(n.held[name]).Union(n.pending[name])
+	owned := map[string][]addr.Range{}
+	for _, n := range s.nodes {
+		for pool, h := range n.held {
+			owned[pool] = append(owned[pool], h.Ranges()...)
 		}
-		if leak := p.alloc.Allocated().Subtract(owned); !leak.IsEmpty() {
+		for pool, h := range n.pending {
+			owned[pool] = append(owned[pool], h.Ranges()...)
+		}
+	}
+	for name, p := range s.pools {
+		if leak := p.alloc.Allocated().Subtract(addr.NewSet(owned[name]...)); !leak.IsEmpty() {
 			r.Leaked = r.Leaked.Union(leak)
 			_ = p.alloc.Unreserve(leak)
 			p.dirty = true
