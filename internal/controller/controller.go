@@ -641,7 +641,7 @@ func (c *Controller) afterFill(alloc *ipwardenv1.NodeIPAllocation, f *Fill) {
 		}
 	}
 	for _, pool := range f.Starved {
-		c.events.Eventf(alloc, corev1.EventTypeWarning, "PoolExhausted", "cannot fill this node's request: %s", f.Pools[pool].Reason)
+		c.events.Eventf(alloc, corev1.EventTypeWarning, "PoolExhausted", "cannot fill this node's request: %s: %s", f.Pools[pool].Reason, f.Pools[pool].Detail)
 	}
 	if woke || len(f.Starved) > 0 {
 		c.wakePools()

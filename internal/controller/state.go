@@ -270,7 +270,10 @@ type PoolFill struct {
 	Added   addr.Set // reserved for the node
 	Removed addr.Set // released addresses leaving the node
 	Held    addr.Set // the node's holding after the write
-	Reason  string   // why a deficit remains, empty when none
+	Reason  string   // why a deficit remains, empty when none; stable while the cause lasts
+	// Detail adds the numbers of the moment (for events); the status shows only Reason so a
+	// starved node's status is not rewritten every time the pool's free count moves.
+	Detail string
 }
 
 // Changed says whether the fill changes any holding.
@@ -339,7 +342,8 @@ func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now 
 			}
 			if avail, ok := p.alloc.Available(now).Uint64(); ok && uint64(want) > avail {
 				want = int(avail)
-				pf.Reason = fmt.Sprintf("pool %s is exhausted: %d free addresses for a deficit of %d", pool, avail, plan.Add)
+				pf.Reason = fmt.Sprintf("pool %s is exhausted", pool)
+				pf.Detail = fmt.Sprintf("%d free addresses for a deficit of %d", avail, plan.Add)
 				p.starved = true
 				p.dirty = true
 				f.Starved = append(f.Starved, pool)

@@ -157,3 +157,21 @@ func TestNodeStatus(t *testing.T) {
 		t.Fatalf("summary %q generation %d", st.Summary, st.ObservedGeneration)
 	}
 }
+
+// A starved node's status does not change while only the pool's free count moves, so syncing
+// starved nodes costs no writes until something they hold changes.
+func TestStarvedStatusIsStable(t *testing.T) {
+	s := NewState(DefaultExhaustionMarks)
+	s.Rebuild([]ipwardenv1.IPPool{testPool("p", "10.0.0.0/28", time.Minute)}, []ipwardenv1.NodeIPAllocation{allocWith("a", "p", "10.0.0.1-10.0.0.10")}, t0)
+	f1 := s.PlanFill("b", spec("p", 8), t0) // 4 free for a deficit of 8
+	st1 := NodeStatus(ipwardenv1.NodeIPAllocationStatus{}, spec("p", 8), 1, f1)
+	s.Commit(f1, t0)
+	if f1.Pools["p"].Detail != "4 free addresses for a deficit of 8" {
+		t.Fatalf("detail %q", f1.Pools["p"].Detail)
+	}
+	f2 := s.PlanFill("b", spec("p", 8), t0) // 0 free for a deficit of 4
+	st2 := NodeStatus(st1, spec("p", 8), 1, f2)
+	if f2.Changed() || st1.Conditions[0].Message != st2.Conditions[0].Message || st2.Conditions[0].Message != "pool p is exhausted" {
+		t.Fatalf("status moved with the free count: %q -> %q", st1.Conditions[0].Message, st2.Conditions[0].Message)
+	}
+}
