@@ -192,8 +192,8 @@ func (c *Controller) Start(ctx context.Context) error {
 	}
 	c.workersWG.Add(3)
 	go c.poolLoop(ctx)
-	go c.resyncLoop(ctx)
-	go c.auditLoop(ctx)
+	go c.every(ctx, c.opts.ResyncPeriod, func() { c.resync(ctx) })
+	go c.every(ctx, c.opts.AuditPeriod, func() { c.runAudit(ctx) })
 	c.enqueueAll(ctx)
 	c.readyOnce.Do(func() { close(c.ready) })
 	c.log.Info("controller serving", "workers", c.opts.Workers, "resync", c.opts.ResyncPeriod)
@@ -304,40 +304,36 @@ func (c *Controller) enqueueAll(ctx context.Context) {
 	}
 }
 
-func (c *Controller) resyncLoop(ctx context.Context) {
+// every runs f each period until ctx ends.
+func (c *Controller) every(ctx context.Context, period time.Duration, f func()) {
 	defer c.workersWG.Done()
-	t := time.NewTicker(c.opts.ResyncPeriod)
+	t := time.NewTicker(period)
 	defer t.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
-			c.enqueueAll(ctx)
-			c.mu.Lock()
-			for _, p := range c.state.PoolNames() {
-				c.state.MarkPoolDirty(p)
-			}
-			c.mu.Unlock()
-			c.wakePools()
+			f()
 		}
 	}
 }
 
-func (c *Controller) auditLoop(ctx context.Context) {
-	defer c.workersWG.Done()
-	t := time.NewTicker(c.opts.AuditPeriod)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			if err := c.audit(ctx); err != nil && ctx.Err() == nil {
-				c.metrics.GCFailed.Inc()
-				c.log.Error(err, "audit failed; the next one retries")
-			}
-		}
+// resync is the full pass: every node queued, every pool status recomputed (written if changed).
+func (c *Controller) resync(ctx context.Context) {
+	c.enqueueAll(ctx)
+	c.mu.Lock()
+	for _, p := range c.state.PoolNames() {
+		c.state.MarkPoolDirty(p)
+	}
+	c.mu.Unlock()
+	c.wakePools()
+}
+
+func (c *Controller) runAudit(ctx context.Context) {
+	if err := c.audit(ctx); err != nil && ctx.Err() == nil {
+		c.metrics.GCFailed.Inc()
+		c.log.Error(err, "audit failed; the next one retries")
 	}
 }
 
