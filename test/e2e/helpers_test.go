@@ -11,7 +11,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -24,6 +23,7 @@ import (
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/addr"
 	"github.com/ipwarden/ipwarden/internal/cniproto"
+	"github.com/ipwarden/ipwarden/internal/localcluster"
 )
 
 const (
@@ -31,63 +31,31 @@ const (
 	bridgePrefix = "ipwe2e"
 )
 
-// process is a child process of the test, killed (with its group) at the end of the test.
-type process struct {
-	name string
-	cmd  *exec.Cmd
-	log  string
-	done chan struct{}
-}
-
-func startProcess(t *testing.T, name string, args ...string) *process {
+// startProcess runs ipwarden with args as a child of the test (internal/localcluster), killed at
+// the end of the test; its log is printed when the test failed or IPWARDEN_TEST_LOGS is set.
+func startProcess(t *testing.T, name string, args ...string) *localcluster.Process {
 	t.Helper()
-	logf, err := os.CreateTemp(t.TempDir(), name+"-*.log")
+	p, err := localcluster.Start(name, ipwardenBin, filepath.Join(t.TempDir(), "process.log"), args...)
 	if err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command(ipwardenBin, args...)
-	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	p := &process{name: name, cmd: cmd, log: logf.Name(), done: make(chan struct{})}
-	go func() {
-		_ = cmd.Wait()
-		logf.Close()
-		close(p.done)
-	}()
 	t.Cleanup(func() {
-		p.kill()
+		p.Kill()
 		if t.Failed() || os.Getenv("IPWARDEN_TEST_LOGS") != "" {
-			b, _ := os.ReadFile(p.log)
-			if len(b) > 12000 {
-				b = b[len(b)-12000:]
-			}
-			t.Logf("%s log (tail):\n%s", name, b)
+			t.Logf("%s log (tail):\n%s", name, p.LogTail(12000))
 		}
 	})
 	return p
 }
 
-func (p *process) kill() {
-	select {
-	case <-p.done:
-		return
-	default:
-	}
-	_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL)
-	<-p.done
-}
-
-func startController(t *testing.T) *process {
+func startController(t *testing.T) *localcluster.Process {
 	return startProcess(t, "controller", "controller", "--kubeconfig", controlPlane.Kubeconfig, "--leader-elect=false",
 		"--metrics-bind-address=0", "--health-probe-bind-address=0", "--min-sync-interval=20ms", "--pool-status-interval=200ms")
 }
 
 // agent is a running `ipwarden agent`.
 type agent struct {
-	*process
+	*localcluster.Process
 	node    string
 	socket  string
 	metrics string
@@ -103,12 +71,10 @@ func startAgent(t *testing.T, node string, args ...string) *agent {
 	a := &agent{node: node, socket: filepath.Join(runDir, "s", "agent.sock"), metrics: freePort(t)}
 	base := []string{"agent", "--kubeconfig", controlPlane.Kubeconfig, "--node-name", node, "--socket", a.socket,
 		"--state-dir", t.TempDir(), "--metrics-bind-address", a.metrics, "--health-probe-bind-address=0"}
-	a.process = startProcess(t, "agent "+node, append(base, args...)...)
+	a.Process = startProcess(t, "agent "+node, append(base, args...)...)
 	eventually(t, 60*time.Second, "agent "+node+" to serve", func() error {
-		select {
-		case <-a.done:
+		if !a.Running() {
 			t.Fatalf("agent %s exited", node)
-		default:
 		}
 		_, err := a.list()
 		return err
