@@ -88,15 +88,16 @@ type Controller struct {
 	log     logr.Logger
 	sched   *Scheduler
 
-	mu         sync.Mutex // guards state and nodeFlags
-	state      *State
-	nodeFlags  map[string][2]bool // deficit, at capacity: for the fleet gauges
-	poolLocks  sync.Map           // pool name -> *sync.Mutex, serializes a pool's status writes
-	poolWake   chan struct{}
-	ready      chan struct{}
-	readyOnce  sync.Once
-	workersWG  sync.WaitGroup
-	registered bool
+	mu          sync.Mutex // guards state and nodeFlags
+	state       *State
+	nodeFlags   map[string][2]bool // deficit, at capacity: for the fleet gauges
+	poolLocks   sync.Map           // pool name -> *sync.Mutex, serializes a pool's status writes
+	poolWritten sync.Map           // pool name -> time.Time of its last status write
+	poolWake    chan struct{}
+	ready       chan struct{}
+	readyOnce   sync.Once
+	workersWG   sync.WaitGroup
+	registered  bool
 }
 
 // New returns a controller reading through c (an informer cache), reader (the API server,
@@ -712,10 +713,11 @@ func (c *Controller) wakePools() {
 	}
 }
 
-// poolLoop writes dirty pool statuses, at most once per PoolStatusInterval.
+// poolLoop writes dirty pool statuses, each pool at most once per PoolStatusInterval (writes the
+// fill path makes to record cooling addresses count too): a burst of changes is one write.
 func (c *Controller) poolLoop(ctx context.Context) {
 	defer c.workersWG.Done()
-	t := time.NewTicker(c.opts.PoolStatusInterval)
+	t := time.NewTicker(max(c.opts.PoolStatusInterval/4, time.Millisecond))
 	defer t.Stop()
 	for {
 		select {
@@ -723,21 +725,19 @@ func (c *Controller) poolLoop(ctx context.Context) {
 			return
 		case <-t.C:
 		case <-c.poolWake:
-			// Coalesce a burst of changes into one write per pool.
-			select {
-			case <-ctx.Done():
-				return
-			case <-time.After(c.opts.PoolStatusInterval / 4):
-			}
 		}
+		now := c.opts.Now()
 		c.mu.Lock()
-		refill := c.state.MarkExpiredCooling(c.opts.Now())
+		refill := c.state.MarkExpiredCooling(now)
 		dirty := c.state.DirtyPools()
 		c.mu.Unlock()
 		for _, n := range refill {
 			c.enqueue(n)
 		}
 		for _, p := range dirty {
+			if last, ok := c.poolWritten.Load(p); ok && now.Sub(last.(time.Time)) < c.opts.PoolStatusInterval {
+				continue // still dirty: a later round writes it
+			}
 			start := time.Now()
 			if err := c.flushPool(ctx, p); err != nil && ctx.Err() == nil {
 				c.metrics.SyncErrors.WithLabelValues("pool").Inc()
@@ -784,6 +784,7 @@ func (c *Controller) flushPool(ctx context.Context, name string) error {
 		err := c.writer.Status().Update(ctx, upd)
 		c.countWrite("ippools/status", "update", err)
 		if err == nil {
+			c.poolWritten.Store(name, c.opts.Now())
 			if st.Exhausted != wasExhausted {
 				if st.Exhausted {
 					c.events.Eventf(obj, corev1.EventTypeWarning, "PoolExhausted", "only %d of %d addresses free: nodes now grow one address at a time", st.Free, st.Capacity)
