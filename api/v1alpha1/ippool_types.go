@@ -94,6 +94,8 @@ type IPPoolSpec struct {
 	Routes []Route `json:"routes,omitempty"`
 
 	// NodeSelector picks the nodes that draw from this pool. Empty selects every node.
+	// +kubebuilder:validation:XValidation:rule="!has(self.matchExpressions) || self.matchExpressions.all(e, e.operator in ['In', 'NotIn', 'Exists', 'DoesNotExist'])",message="nodeSelector.matchExpressions operator must be In, NotIn, Exists or DoesNotExist"
+	// +kubebuilder:validation:XValidation:rule="!has(self.matchExpressions) || self.matchExpressions.all(e, (e.operator in ['In', 'NotIn']) == (has(e.values) && size(e.values) > 0))",message="nodeSelector.matchExpressions: In and NotIn need values, Exists and DoesNotExist take none"
 	// +optional
 	NodeSelector *metav1.LabelSelector `json:"nodeSelector,omitempty"`
 

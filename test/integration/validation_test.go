@@ -125,6 +125,29 @@ spec:
   cidrs: [10.0.0.0/24]
   routes: [{dst: 0.0.0.0/-1}]`, wantErr: []string{`"0.0.0.0/-1" is not a CIDR`}},
 		{name: "missing spec", spec: "", wantErr: []string{"spec: Required value"}},
+		{name: "valid node selector", spec: `
+spec:
+  cidrs: [10.2.0.0/24]
+  nodeSelector:
+    matchLabels: {pool: a}
+    matchExpressions: [{key: zone, operator: In, values: [z1]}, {key: gpu, operator: DoesNotExist}]`},
+		{name: "node selector with an unknown operator", spec: `
+spec:
+  cidrs: [10.0.0.0/24]
+  nodeSelector:
+    matchExpressions: [{key: zone, operator: Equals, values: [z1]}]`, wantErr: []string{"operator must be In, NotIn, Exists or DoesNotExist"}},
+		{name: "node selector In without values", spec: `
+spec:
+  cidrs: [10.0.0.0/24]
+  nodeSelector:
+    matchExpressions: [{key: zone, operator: In}]`, wantErr: []string{"In and NotIn need values"}},
+		{name: "route via a bad next hop", spec: `
+spec:
+  cidrs: [10.0.0.0/24]
+  routes: [{dst: 0.0.0.0/0, gw: gateway}]`, wantErr: []string{`"gateway" is not an IP address`}},
+		{name: "too many cidrs", spec: `
+spec:
+  cidrs: [` + manyCIDRs(33) + `]`, wantErr: []string{"spec.cidrs", "must have at most 32 items"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := createYAML(ctx, t, "IPPool", tc.spec)
@@ -194,6 +217,9 @@ spec:
 		{name: "pool name missing", body: `
 spec:
   pools: [{requested: 1}]`, wantErr: []string{"spec.pools[0].pool: Required value"}},
+		{name: "request above the maximum", body: `
+spec:
+  pools: [{pool: a, requested: 70000}]`, wantErr: []string{"spec.pools[0].requested", "less than or equal to 65536"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := createYAML(ctx, t, "NodeIPAllocation", tc.body)
@@ -301,4 +327,30 @@ func getTable(ctx context.Context, t *testing.T, resource, name string) map[stri
 		}
 	}
 	return out
+}
+
+func manyCIDRs(n int) string {
+	var parts []string
+	for i := range n {
+		parts = append(parts, fmt.Sprintf("10.%d.0.0/24", i))
+	}
+	return strings.Join(parts, ", ")
+}
+
+// The status is the controller's: the API still rejects addresses that are not address text.
+func TestNodeIPAllocationStatusShape(t *testing.T) {
+	ctx := context.Background()
+	u, err := createYAML(ctx, t, "NodeIPAllocation", "spec: {}\n")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var n ipwardenv1.NodeIPAllocation
+	if err := k8s.Get(ctx, client.ObjectKey{Name: u.GetName()}, &n); err != nil {
+		t.Fatal(err)
+	}
+	n.Status.Pools = []ipwardenv1.NodePoolStatus{{Pool: "a", Addresses: []string{"10.0.0.0/28; rm -rf"}, Held: 16}}
+	err = k8s.Status().Update(ctx, &n)
+	if err == nil || !strings.Contains(err.Error(), "status.pools[0].addresses[0]") {
+		t.Fatalf("malformed status address accepted or unclear: %v", err)
+	}
 }
