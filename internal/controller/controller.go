@@ -556,6 +556,19 @@ func (c *Controller) confirmGone(ctx context.Context, name string, allocExists b
 func (c *Controller) fill(ctx context.Context, alloc *ipwardenv1.NodeIPAllocation) error {
 	name := alloc.Name
 	fresh := false
+	// Addresses left pending by a write whose outcome was unknown are settled against a fresh
+	// read first: planning from the record alone would write a status without them even if the
+	// earlier write landed and the node already hands them out.
+	c.mu.Lock()
+	pending := c.state.HasPending(name)
+	c.mu.Unlock()
+	if pending {
+		alloc = &ipwardenv1.NodeIPAllocation{}
+		if err := c.reader.Get(ctx, client.ObjectKey{Name: name}, alloc); err != nil {
+			return fmt.Errorf("re-read NodeIPAllocation to settle an unknown write: %w", err)
+		}
+		fresh = true
+	}
 	for attempt := 0; ; attempt++ {
 		now := c.opts.Now()
 		c.mu.Lock()

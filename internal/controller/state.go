@@ -286,6 +286,20 @@ func (f *Fill) Changed() bool {
 	return false
 }
 
+// HasPending says whether a node has addresses reserved for a write whose outcome is unknown.
+func (s *State) HasPending(name string) bool {
+	n, ok := s.nodes[name]
+	if !ok {
+		return false
+	}
+	for _, p := range n.pending {
+		if !p.IsEmpty() {
+			return true
+		}
+	}
+	return false
+}
+
 // ResolvePending settles addresses reserved for a write whose outcome was unknown, given the
 // node's status freshly read from the API server: those in it are held; the others were never
 // published and go straight back to the pool.

@@ -89,6 +89,9 @@ func TestCommitAbortResolve(t *testing.T) {
 	f = s.PlanFill("n", spec("p", 8), t0)
 	added := f.Pools["p"].Added
 	s.Abort(f, false)
+	if !s.HasPending("n") || s.HasPending("m") {
+		t.Fatal("HasPending does not report the unknown write")
+	}
 	if f2 := s.PlanFill("m", spec("p", 14), t0); count(f2.Pools["p"].Added) != 6 {
 		t.Fatalf("pending addresses were handed out again: %v", f2.Pools["p"].Added)
 	} else {
@@ -99,6 +102,9 @@ func TestCommitAbortResolve(t *testing.T) {
 	s.ResolvePending("n", ipwardenv1.NodeIPAllocationStatus{Pools: []ipwardenv1.NodePoolStatus{{Pool: "p", Addresses: landed.Strings()}}})
 	if got := s.HeldBy("n")["p"]; !got.Equal(landed) {
 		t.Fatalf("after resolve the node holds %v, want %v", got, landed)
+	}
+	if s.HasPending("n") {
+		t.Fatal("still pending after resolve")
 	}
 	if f2 := s.PlanFill("m", spec("p", 10), t0); count(f2.Pools["p"].Added) != 10 {
 		t.Fatalf("unpublished pending addresses not returned: got %v", f2.Pools["p"].Added)

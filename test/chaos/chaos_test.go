@@ -43,6 +43,7 @@ var (
 	duration = flag.Duration("chaos.duration", 40*time.Second, "how long churn and faults run (the long run: 10m)")
 	seed     = flag.Uint64("chaos.seed", 0, "random seed (0: from the clock; printed either way)")
 	workers  = flag.Int("chaos.workers", 6, "concurrent pod lifecycles")
+	keep     = flag.Bool("chaos.keep", false, "keep the run's directory (component logs) after a failure")
 )
 
 type chaos struct {
@@ -157,10 +158,18 @@ func (x *chaos) setup() {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
-	if x.cp, err = controlplane.Start(ctx, controlplane.Options{Log: os.Stderr}); err != nil {
+	if x.cp, err = controlplane.Start(ctx, controlplane.Options{Log: os.Stderr, Keep: *keep}); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = x.cp.Stop() })
+	t.Cleanup(func() {
+		if t.Failed() {
+			x.traceProblems()
+		}
+		_ = x.cp.Stop()
+		if *keep {
+			t.Logf("component logs kept in %s", x.dir)
+		}
+	})
 	x.dir = x.cp.Dir
 	u, _ := url.Parse(x.cp.URL)
 	if x.proxy, err = localcluster.NewProxy(u.Host); err != nil {
@@ -571,4 +580,39 @@ func (x *chaos) snapshot() (check.Report, error) {
 		in.Attachments[n.name] = atts
 	}
 	return check.Check(in), nil
+}
+
+// traceProblems prints every component log line that mentions an address of a problem, so a
+// failed run explains itself.
+func (x *chaos) traceProblems() {
+	addrs := map[string]bool{}
+	for _, p := range x.problems {
+		for _, f := range strings.Fields(p) {
+			if strings.Count(f, ".") == 3 && strings.HasPrefix(f, "10.") {
+				addrs[f] = true
+			}
+		}
+	}
+	if len(addrs) == 0 {
+		return
+	}
+	logs, _ := filepath.Glob(filepath.Join(x.dir, "*.log"))
+	for _, l := range logs {
+		b, err := os.ReadFile(l)
+		if err != nil {
+			continue
+		}
+		shown := 0
+		for _, line := range strings.Split(string(b), "\n") {
+			for a := range addrs {
+				if strings.Contains(line, a+"\"") || strings.Contains(line, a+",") || strings.Contains(line, a+"/") || strings.Contains(line, a+"-") || strings.Contains(line, "-"+a) {
+					if shown < 60 {
+						x.t.Logf("%s: %s", filepath.Base(l), line)
+					}
+					shown++
+					break
+				}
+			}
+		}
+	}
 }
