@@ -349,6 +349,13 @@ func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now 
 		plans[pool] = plan
 		pf := &PoolFill{Plan: plan, Removed: plan.Remove, Held: v.Held.Subtract(plan.Remove)}
 		if plan.Add > 0 {
+			// Never hand a node an address its spec still lists as releasing. The node may
+			// already have seen it leave and forgotten it; a re-add it reconciles before it
+			// republishes its list would be taken away again while a pod uses it.
+			withheld := p.alloc.Usable(now).Intersect(v.Releasing)
+			if !withheld.IsEmpty() {
+				_ = p.alloc.Reserve(withheld)
+			}
 			want := plan.Add
 			if room := p.cfg.Scaling.MaxPerNode - count(pf.Held); p.cfg.Scaling.MaxPerNode > 0 && want > room {
 				want = max(room, 0)
@@ -368,6 +375,9 @@ func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now 
 					pf.Added = got
 					pf.Held = pf.Held.Union(got)
 				}
+			}
+			if !withheld.IsEmpty() {
+				_ = p.alloc.Unreserve(withheld)
 			}
 		} else if v.Requested > count(v.Held.Subtract(plan.Remove)) && !v.Serving {
 			pf.Reason = notServingReason(p, pool)

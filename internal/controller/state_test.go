@@ -181,3 +181,23 @@ func TestStarvedStatusIsStable(t *testing.T) {
 		t.Fatalf("status moved with the free count: %q -> %q", st1.Conditions[0].Message, st2.Conditions[0].Message)
 	}
 }
+
+// A node is never handed an address its spec still lists as releasing: it may already have
+// forgotten it, and the stale list would make the controller take it away again from a pod.
+func TestFillSkipsAddressesTheNodeStillReleases(t *testing.T) {
+	s := NewState(DefaultExhaustionMarks)
+	s.Rebuild([]ipwardenv1.IPPool{testPool("p", "10.0.0.0/28", 0)}, []ipwardenv1.NodeIPAllocation{allocWith("n", "p", "10.0.0.1-10.0.0.4")}, t0)
+	// n releases .3 and .4 (cooldown 0: free again at once) and asks for 4 more.
+	f := s.PlanFill("n", spec("p", 2, "10.0.0.3-10.0.0.4"), t0)
+	s.Commit(f, t0)
+	f = s.PlanFill("n", spec("p", 6, "10.0.0.3-10.0.0.4"), t0)
+	if added := f.Pools["p"].Added; count(added) != 4 || added.Overlaps(set(t, "10.0.0.3-10.0.0.4")) {
+		t.Fatalf("the node got %v back while it still lists 10.0.0.3-10.0.0.4 as releasing", added)
+	}
+	s.Commit(f, t0)
+	// Once its list no longer names them, they are ordinary free addresses again.
+	f = s.PlanFill("n", spec("p", 8), t0)
+	if added := f.Pools["p"].Added; count(added) != 2 {
+		t.Fatalf("added %v, want 2 addresses", added)
+	}
+}
