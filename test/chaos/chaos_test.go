@@ -46,6 +46,9 @@ var (
 	keep     = flag.Bool("chaos.keep", false, "keep the run's directory (component logs) after a failure")
 )
 
+// maxLongRunning bounds the pods per node that run to the end of the run.
+const maxLongRunning = 100
+
 type chaos struct {
 	t        *testing.T
 	rng      *rand.Rand
@@ -328,11 +331,21 @@ func (x *chaos) lifecycle(ctx context.Context) {
 
 	if id%10 == 0 {
 		// Every tenth pod runs to the end, through every fault: its address must not change.
+		// At most maxLongRunning per node, so a long run does not fill nodes to maxPerNode.
 		x.liveMu.Lock()
-		x.running[name] = &podRun{node: n, pod: p, ips: ips}
+		onNode := 0
+		for _, pr := range x.running {
+			if pr.node == n {
+				onNode++
+			}
+		}
+		if onNode < maxLongRunning {
+			x.running[name] = &podRun{node: n, pod: p, ips: ips}
+			x.liveMu.Unlock()
+			x.inc("lifecycles")
+			return
+		}
 		x.liveMu.Unlock()
-		x.inc("lifecycles")
-		return
 	}
 	time.Sleep(x.between(0, 300*time.Millisecond)) // the pod runs
 	x.liveMu.Lock()
