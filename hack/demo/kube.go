@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net"
 	"time"
@@ -161,14 +160,4 @@ func freeAddr() string {
 	}
 	defer l.Close()
 	return l.Addr().String()
-}
-
-// unwrapCNI finds the CNI error inside libcni's wrapping.
-func unwrapCNI(err error) error {
-	for e := err; e != nil; e = errors.Unwrap(e) {
-		if code, _ := cniCode(e); code != 0 {
-			return e
-		}
-	}
-	return err
 }

@@ -230,7 +230,7 @@ func (d *demo) run(ctx context.Context, keep bool) error {
 	if failed == nil {
 		return fmt.Errorf("the pool never ran out")
 	}
-	code, msg := localcluster.CNICode(unwrapCNI(failed))
+	code, msg := localcluster.CNICode(failed)
 	say("pod %d on %s fails, as a runtime would see it: CNI error %d: %s", len(d.nodes[1].pods)+1, d.nodes[1].name, code, msg)
 	if err := waitFor(ctx, 30*time.Second, func() (bool, error) {
 		p, err := d.kube.pool(ctx)
@@ -499,5 +499,3 @@ func waitFor(ctx context.Context, timeout time.Duration, cond func() (bool, erro
 	}
 	return fmt.Errorf("timed out after %s", timeout)
 }
-
-func cniCode(err error) (uint, string) { return localcluster.CNICode(err) }

@@ -94,8 +94,6 @@ type Controller struct {
 	poolLocks   sync.Map           // pool name -> *sync.Mutex, serializes a pool's status writes
 	poolWritten sync.Map           // pool name -> time.Time of its last status write
 	poolWake    chan struct{}
-	ready       chan struct{}
-	readyOnce   sync.Once
 	workersWG   sync.WaitGroup
 	registered  bool
 }
@@ -110,15 +108,12 @@ func New(c cache.Cache, reader client.Reader, writer client.Client, events recor
 	return &Controller{
 		opts: opts, cache: c, reader: reader, writer: writer, events: events, metrics: m, log: log,
 		sched: s, state: NewState(opts.Exhaustion), nodeFlags: map[string][2]bool{},
-		poolWake: make(chan struct{}, 1), ready: make(chan struct{}),
+		poolWake: make(chan struct{}, 1),
 	}
 }
 
 // NeedLeaderElection makes the manager run the controller only on the elected replica.
 func (c *Controller) NeedLeaderElection() bool { return true }
-
-// Ready is closed once the controller has rebuilt its state and serves.
-func (c *Controller) Ready() <-chan struct{} { return c.ready }
 
 func nodeMeta() *metav1.PartialObjectMetadata {
 	m := &metav1.PartialObjectMetadata{}
@@ -196,7 +191,6 @@ func (c *Controller) Start(ctx context.Context) error {
 	go c.every(ctx, c.opts.ResyncPeriod, func() { c.resync(ctx) })
 	go c.every(ctx, c.opts.AuditPeriod, func() { c.runAudit(ctx) })
 	c.enqueueAll(ctx)
-	c.readyOnce.Do(func() { close(c.ready) })
 	c.log.Info("controller serving", "workers", c.opts.Workers, "resync", c.opts.ResyncPeriod)
 	<-ctx.Done()
 	c.sched.ShutDown()

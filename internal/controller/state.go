@@ -662,12 +662,6 @@ func (s *State) PoolNames() []string {
 	return out
 }
 
-// PoolExhausted reports a pool's exhausted flag.
-func (s *State) PoolExhausted(name string) bool {
-	p, ok := s.pools[name]
-	return ok && p.exhausted
-}
-
 // PoolMaxPerNode is a pool's maxPerNode (0 if unknown).
 func (s *State) PoolMaxPerNode(name string) int {
 	if p, ok := s.pools[name]; ok {

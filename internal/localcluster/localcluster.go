@@ -108,13 +108,6 @@ func (p *Process) start() error {
 	return nil
 }
 
-// Pid is the current process id.
-func (p *Process) Pid() int {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.cmd.Process.Pid
-}
-
 // Running says whether the process has not exited.
 func (p *Process) Running() bool {
 	p.mu.Lock()
@@ -161,12 +154,6 @@ func (p *Process) Restart() error {
 		p.Stop()
 	}
 	return p.start()
-}
-
-// LogContains says whether the process's log holds s.
-func (p *Process) LogContains(s string) bool {
-	b, _ := os.ReadFile(p.Log)
-	return strings.Contains(string(b), s)
 }
 
 // LogTail is the end of the log, for error messages.

@@ -16,7 +16,6 @@ type Proxy struct {
 
 	mu    sync.Mutex
 	conns map[net.Conn]struct{}
-	cuts  int
 }
 
 // NewProxy listens on a free loopback port and forwards to upstream (host:port).
@@ -69,7 +68,6 @@ func (p *Proxy) Cut() int {
 	for c := range p.conns {
 		c.Close()
 	}
-	p.cuts++
 	return n
 }
 
