@@ -104,7 +104,7 @@ func burstBench(ctx context.Context, env *benchEnv, pods int) ([]figure, error) 
 		{name: "burst: IP wait p50 / p99", value: fmt.Sprintf("%s / %s", quantile(ok, 0.5).Round(100*time.Microsecond), quantile(ok, 0.99).Round(100*time.Microsecond)),
 			goal: "p99 < 1s", ok: failed == 0 && quantile(ok, 0.99) < time.Second},
 		{name: "burst: API writes per pod (controller + agent)", value: fmt.Sprintf("%.3f (%.0f writes)", writes/float64(pods), writes),
-			goal: "<= 1/batch amortized (0.0625); Whereabouts/Calico >= 1", ok: writes/float64(pods) <= 0.0625*2},
+			goal: "<= 1/batch amortized (0.0625); Whereabouts/Calico >= 1", ok: writes/float64(pods) <= 1.0/16},
 	}, nil
 }
 
