@@ -4,14 +4,12 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"sort"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -21,6 +19,7 @@ import (
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/controlplane"
+	"github.com/ipwarden/ipwarden/internal/localcluster"
 )
 
 // controllerBench measures the controller at scale against a real API server: hollow agents
@@ -185,52 +184,36 @@ func (b *controllerBench) waitAllocated(ctx context.Context, want int64, timeout
 	return fmt.Errorf("pool not filled to %d within %s", want, timeout)
 }
 
+// benchProc is a controller process of the bench and when it started.
 type benchProc struct {
-	cmd     *exec.Cmd
-	log     string
+	*localcluster.Process
 	started time.Time
-	done    chan struct{}
 }
 
 func (b *controllerBench) startController(ctx context.Context, extra ...string) (*benchProc, error) {
 	logPath := filepath.Join(b.cp.Dir, fmt.Sprintf("controller-%d.log", time.Now().UnixNano()))
-	f, err := os.Create(logPath)
+	args := append([]string{"controller", "--kubeconfig", b.cp.Kubeconfig, "--leader-elect=false",
+		"--metrics-bind-address=0", "--health-probe-bind-address=0"}, extra...)
+	started := time.Now()
+	p, err := localcluster.Start("controller", b.bin, logPath, args...)
 	if err != nil {
 		return nil, err
 	}
-	args := append([]string{"controller", "--kubeconfig", b.cp.Kubeconfig, "--leader-elect=false",
-		"--metrics-bind-address=0", "--health-probe-bind-address=0"}, extra...)
-	cmd := exec.CommandContext(ctx, b.bin, args...)
-	cmd.Stdout, cmd.Stderr = f, f
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	p := &benchProc{cmd: cmd, log: logPath, started: time.Now(), done: make(chan struct{})}
-	if err := cmd.Start(); err != nil {
-		return nil, err
-	}
-	go func() { _ = cmd.Wait(); f.Close(); close(p.done) }()
-	return p, nil
+	return &benchProc{Process: p, started: started}, nil
 }
 
-func (p *benchProc) stop() {
-	_ = p.cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-p.done:
-	case <-time.After(10 * time.Second):
-		_ = p.cmd.Process.Kill()
-		<-p.done
-	}
-}
+func (p *benchProc) stop() { p.Stop() }
 
 func (p *benchProc) waitLog(ctx context.Context, s string, timeout time.Duration) error {
 	deadline := time.Now().Add(timeout)
 	for time.Now().Before(deadline) {
-		b, _ := os.ReadFile(p.log)
-		if strings.Contains(string(b), s) {
+		if strings.Contains(p.LogTail(1<<20), s) {
 			return nil
 		}
+		if !p.Running() {
+			return fmt.Errorf("controller exited; log %s", p.Log)
+		}
 		select {
-		case <-p.done:
-			return fmt.Errorf("controller exited; log %s", p.log)
 		case <-ctx.Done():
 			return ctx.Err()
 		case <-time.After(5 * time.Millisecond): // poll interval
@@ -241,7 +224,7 @@ func (p *benchProc) waitLog(ctx context.Context, s string, timeout time.Duration
 
 // cpu is the process's user+system CPU time so far.
 func (p *benchProc) cpu() time.Duration {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", p.cmd.Process.Pid))
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", p.Pid()))
 	if err != nil {
 		return 0
 	}
@@ -254,7 +237,7 @@ func (p *benchProc) cpu() time.Duration {
 
 // rss is the process's resident set size in bytes.
 func (p *benchProc) rss() int64 {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", p.cmd.Process.Pid))
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", p.Pid()))
 	if err != nil {
 		return 0
 	}

@@ -108,6 +108,13 @@ func (p *Process) start() error {
 	return nil
 }
 
+// Pid is the current process id (for reading its /proc entries).
+func (p *Process) Pid() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.cmd.Process.Pid
+}
+
 // Running says whether the process has not exited.
 func (p *Process) Running() bool {
 	p.mu.Lock()
