@@ -9,6 +9,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"os"
@@ -480,22 +481,14 @@ func quantile(ds []time.Duration, q float64) time.Duration {
 }
 
 func waitFor(ctx context.Context, timeout time.Duration, cond func() (bool, error)) error {
-	deadline := time.Now().Add(timeout)
-	var last error
-	for time.Now().Before(deadline) {
+	return localcluster.WaitFor(ctx, timeout, 100*time.Millisecond, func() error {
 		ok, err := cond()
 		if ok {
 			return nil
 		}
-		last = err
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(100 * time.Millisecond): // poll interval
+		if err == nil {
+			err = errors.New("not yet")
 		}
-	}
-	if last != nil {
-		return fmt.Errorf("timed out after %s: %w", timeout, last)
-	}
-	return fmt.Errorf("timed out after %s", timeout)
+		return err
+	})
 }

@@ -7,6 +7,7 @@ package localcluster
 
 import (
 	"bufio"
+	"context"
 	"fmt"
 	"io"
 	"net/http"
@@ -195,4 +196,25 @@ func ScrapeSum(url, metric string) float64 {
 		}
 	}
 	return sum
+}
+
+// WaitFor polls cond every interval until it returns nil, ctx ends or timeout passes; the error
+// then carries cond's last answer. Tests, the demo and the bench wait on conditions with it,
+// never on sleeps.
+func WaitFor(ctx context.Context, timeout, interval time.Duration, cond func() error) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		last := cond()
+		if last == nil {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("timed out after %s: %w", timeout, last)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(interval):
+		}
+	}
 }

@@ -105,15 +105,9 @@ func freePort(t *testing.T) string {
 // eventually polls cond until it returns nil or the deadline passes.
 func eventually(t *testing.T, timeout time.Duration, what string, cond func() error) {
 	t.Helper()
-	deadline := time.Now().Add(timeout)
-	var last error
-	for time.Now().Before(deadline) {
-		if last = cond(); last == nil {
-			return
-		}
-		time.Sleep(50 * time.Millisecond) // polling interval, not synchronization
+	if err := localcluster.WaitFor(context.Background(), timeout, 50*time.Millisecond, cond); err != nil {
+		t.Fatalf("waiting for %s: %v", what, err)
 	}
-	t.Fatalf("timed out after %s waiting for %s: %v", timeout, what, last)
 }
 
 func createPool(t *testing.T, name, label string, spec ipwardenv1.IPPoolSpec) {

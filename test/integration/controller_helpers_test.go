@@ -21,6 +21,7 @@ import (
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/addr"
 	"github.com/ipwarden/ipwarden/internal/controlplane"
+	"github.com/ipwarden/ipwarden/internal/localcluster"
 )
 
 var (
@@ -113,15 +114,9 @@ func (p *controllerProcess) kill() {
 // eventually polls cond until it returns nil or the deadline passes.
 func eventually(t *testing.T, timeout time.Duration, what string, cond func() error) {
 	t.Helper()
-	deadline := time.Now().Add(timeout)
-	var last error
-	for time.Now().Before(deadline) {
-		if last = cond(); last == nil {
-			return
-		}
-		time.Sleep(50 * time.Millisecond) // polling interval, not synchronization
+	if err := localcluster.WaitFor(context.Background(), timeout, 50*time.Millisecond, cond); err != nil {
+		t.Fatalf("waiting for %s: %v", what, err)
 	}
-	t.Fatalf("timed out after %s waiting for %s: %v", timeout, what, last)
 }
 
 func createNode(t *testing.T, name string, labels map[string]string) *corev1.Node {
