@@ -93,6 +93,12 @@ func Open(dir string, opts Options) (*Journal, error) {
 		if errors.Is(err, bolt.ErrTimeout) {
 			return nil, fmt.Errorf("open journal %s: another process holds its lock (is another ipwarden agent running on this node?)", path)
 		}
+		if errors.Is(err, bolt.ErrInvalid) || errors.Is(err, bolt.ErrChecksum) {
+			return nil, &DamageError{Reason: ReasonCorrupt, Err: fmt.Errorf("open journal %s: %w", path, err)}
+		}
+		if errors.Is(err, bolt.ErrVersionMismatch) {
+			return nil, &DamageError{Reason: ReasonIncompatibleVersion, Err: fmt.Errorf("open journal %s: %w", path, err)}
+		}
 		return nil, fmt.Errorf("open journal %s: %w", path, err)
 	}
 	j := &Journal{
@@ -137,7 +143,7 @@ func (j *Journal) init(tx *bolt.Tx, node string) error {
 			return err
 		}
 	} else if string(f) != formatVersion {
-		return fmt.Errorf("format %q, this agent reads format %q: move the file away to start from the API's view", f, formatVersion)
+		return damaged(ReasonIncompatibleVersion, "journal format %q, this agent reads format %q", f, formatVersion)
 	}
 	if n := meta.Get(keyNode); node != "" && len(n) > 0 && string(n) != node {
 		return fmt.Errorf("it belongs to node %q, not %q: remove it or point --state-dir at this node's own directory", n, node)
