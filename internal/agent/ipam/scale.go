@@ -35,7 +35,7 @@ func (s *State) Demand(pool string) int {
 	p, ok := s.pools[pool]
 	inUse := 0
 	if ok {
-		inUse = len(p.inUse)
+		inUse = len(p.inUse) + count(p.unattributed) // held out of use, as if in use
 		for _, freed := range p.cooling {
 			if !p.cooled(freed, s.clock) {
 				inUse++
@@ -112,7 +112,7 @@ func (s *State) Release(now time.Time) ReleasePlan {
 		if excess <= 0 {
 			continue
 		}
-		free := holding.Subtract(p.inUseSet())
+		free := holding.Subtract(p.inUseSet()).Subtract(p.unattributed)
 		rel := scaling.ChooseRelease(holding, free, excess)
 		if rel.IsEmpty() {
 			continue
@@ -199,6 +199,8 @@ type PoolStats struct {
 	// Conflicts counts addresses in use that the node does not hold.
 	Conflicts int
 	Exhausted bool
+	// Unattributed counts held addresses kept out of use by the hold after a rebuild.
+	Unattributed int
 }
 
 // Stats returns per-pool counts at now, sorted by pool.
@@ -208,14 +210,15 @@ func (s *State) Stats(now time.Time) []PoolStats {
 	for _, name := range s.poolNames() {
 		p := s.pools[name]
 		st := PoolStats{
-			Pool:      name,
-			Served:    s.isServed(name),
-			Held:      count(p.held),
-			InUse:     len(p.inUse),
-			Releasing: len(p.releasing),
-			Requested: s.Target(name),
-			Demand:    s.Demand(name),
-			Exhausted: p.cfg.Exhausted,
+			Pool:         name,
+			Served:       s.isServed(name),
+			Held:         count(p.held),
+			InUse:        len(p.inUse),
+			Releasing:    len(p.releasing),
+			Requested:    s.Target(name),
+			Demand:       s.Demand(name),
+			Exhausted:    p.cfg.Exhausted,
+			Unattributed: count(p.unattributed),
 		}
 		if p.heldKnown {
 			st.Free = count(p.fresh)

@@ -25,6 +25,8 @@ type State struct {
 	// clock is the latest time any call passed in: Demand counts the addresses still cooling
 	// then, without a time argument of its own.
 	clock time.Time
+	// holdUntil is the deadline of the unattributed hold (see hold.go); zero: no hold.
+	holdUntil time.Time
 }
 
 // observe advances the state's clock to now.
@@ -46,7 +48,9 @@ type poolState struct {
 	inUse     map[netip.Addr]Key
 	cooling   map[netip.Addr]time.Time // freed-at, mirrors coolq
 	coolq     []Cooling                // oldest freed first
-	fresh     addr.Set                 // held - releasing - inUse - cooling
+	fresh     addr.Set                 // held - releasing - inUse - cooling - unattributed
+	// unattributed: held addresses kept out of use by the hold after a rebuild (hold.go).
+	unattributed addr.Set
 }
 
 // waiter is an ADD waiting for addresses; it counts as demand.
@@ -152,7 +156,8 @@ func (p *poolState) recompute() {
 		rel = append(rel, a)
 	}
 	p.relSet = addr.SetOfAddrs(rel...)
-	p.fresh = p.held.Subtract(p.relSet).Subtract(p.inUseSet()).Subtract(p.coolingSet())
+	p.unattributed = p.unattributed.Intersect(p.held).Subtract(p.relSet).Subtract(p.inUseSet())
+	p.fresh = p.held.Subtract(p.relSet).Subtract(p.inUseSet()).Subtract(p.coolingSet()).Subtract(p.unattributed)
 }
 
 func (p *poolState) inUseSet() addr.Set {
@@ -385,6 +390,7 @@ func (p *poolState) take(a netip.Addr, k Key) (fromCooling *Cooling) {
 		return &Cooling{Pool: p.name, Addr: a, FreedAt: t}
 	}
 	p.fresh = p.fresh.Subtract(addr.SetOfAddrs(a))
+	p.unattributed = p.unattributed.Subtract(addr.SetOfAddrs(a))
 	return nil
 }
 
