@@ -18,10 +18,19 @@ import (
 	"github.com/ipwarden/ipwarden/internal/cniproto"
 )
 
-// Time limits of one call to the agent. ADD may wait for the controller (the agent's
-// --address-wait), so it gets the most.
+// Time limits of one call to the agent. They sit below the runtimes' own limits, so that a
+// runtime sees a CNI error (code 11, try again later) from the plugin and not a killed plugin:
+//   - containerd runs ADD (setupPodNetwork in internal/cri/server/sandbox_run.go) under the
+//     RunPodSandbox request's context, whose deadline is the kubelet's --runtime-request-timeout
+//     (default 2m); a DEL on a failed sandbox start gets util.DeferContext, 1m
+//     (deferCleanupTimeout in internal/cri/util/util.go);
+//   - CRI-O gives ADD 5m plus the request's deadline and DEL 1m (server/sandbox_network.go:
+//     startTimeout, stopCtx).
+//
+// So ADD gets 90s (the agent's --address-wait, default 10s, fits well inside) and the other verbs
+// 30s. When the plugin gives up, it closes its connection and the agent rolls the ADD back.
 const (
-	addTimeout   = 2 * time.Minute
+	addTimeout   = 90 * time.Second
 	otherTimeout = 30 * time.Second
 )
 
@@ -30,6 +39,11 @@ type config struct {
 	types.PluginConf
 	Pools  []string
 	Socket string
+	// AllowNonKubernetes accepts ADDs whose CNI_ARGS carry no pod identity (containers that are
+	// not Kubernetes pods); their attachments are freed only by DEL and CNI GC.
+	AllowNonKubernetes bool
+	// HasValidAttachments: the GC request carries a valid-attachments list (possibly empty).
+	HasValidAttachments bool
 }
 
 // badConfig is a CNI "invalid network configuration" error naming the field.
@@ -47,9 +61,12 @@ func parseConfig(stdin []byte) (*config, error) {
 		return nil, types.NewError(types.ErrDecodingFailure, "ipwarden-cni: cannot decode the network configuration: "+err.Error(), "")
 	}
 	var raw struct {
-		Pools  json.RawMessage            `json:"pools"`
-		Socket json.RawMessage            `json:"socket"`
-		IPAM   map[string]json.RawMessage `json:"ipam"`
+		Pools       json.RawMessage            `json:"pools"`
+		Socket      json.RawMessage            `json:"socket"`
+		IPAM        map[string]json.RawMessage `json:"ipam"`
+		Valid       json.RawMessage            `json:"cni.dev/valid-attachments"`
+		ValidLegacy json.RawMessage            `json:"cni.dev/attachments"` // libcni before v1.2.3 sent this key
+		AllowNonK8s json.RawMessage            `json:"allowNonKubernetes"`
 	}
 	if err := json.Unmarshal(stdin, &raw); err != nil {
 		return nil, badConfig("ipam", "must be an object: %v", err)
@@ -75,6 +92,22 @@ func parseConfig(stdin []byte) (*config, error) {
 				return nil, badConfig(poolsField, "names pool %q twice", p)
 			}
 			seen[p] = true
+		}
+	}
+	allow, allowField := raw.AllowNonK8s, "allowNonKubernetes"
+	if a, ok := raw.IPAM["allowNonKubernetes"]; ok {
+		allow, allowField = a, "ipam.allowNonKubernetes"
+	}
+	if len(allow) > 0 && string(allow) != "null" {
+		if err := json.Unmarshal(allow, &c.AllowNonKubernetes); err != nil {
+			return nil, badConfig(allowField, "must be true or false, not %s", allow)
+		}
+	}
+	present := func(m json.RawMessage) bool { return len(m) > 0 && string(m) != "null" }
+	c.HasValidAttachments = present(raw.Valid) || present(raw.ValidLegacy)
+	if len(c.ValidAttachments) == 0 && present(raw.ValidLegacy) && !present(raw.Valid) {
+		if err := json.Unmarshal(raw.ValidLegacy, &c.ValidAttachments); err != nil {
+			return nil, badConfig("cni.dev/attachments", "must be a list of {containerID, ifname}: %v", err)
 		}
 	}
 	c.Socket = cniproto.DefaultSocket
@@ -139,6 +172,8 @@ func request(op cniproto.Op, args *skel.CmdArgs, c *config) cniproto.Request {
 		Network:     c.Name,
 		Pools:       c.Pools,
 		Pod:         podFromArgs(args.Args),
+		// The agent refuses an ADD without pod identity unless the configuration allows it.
+		NonKubernetes: c.AllowNonKubernetes,
 	}
 }
 
@@ -222,7 +257,7 @@ func cmdGC(args *skel.CmdArgs) error {
 	if err != nil {
 		return err
 	}
-	req := cniproto.Request{Op: cniproto.OpGC, Network: c.Name, Pools: c.Pools}
+	req := cniproto.Request{Op: cniproto.OpGC, Network: c.Name, Pools: c.Pools, HasValidAttachments: c.HasValidAttachments}
 	for _, a := range c.ValidAttachments {
 		req.ValidAttachments = append(req.ValidAttachments, cniproto.AttachmentID{ContainerID: a.ContainerID, IfName: a.IfName})
 	}

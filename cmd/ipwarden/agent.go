@@ -74,6 +74,8 @@ pod, or on the node's NodeIPAllocation when the pod object is gone from the agen
 		"how often the leak collector compares the whole journal with the node's pods (the backstop for missed pod deletions, e.g. while the agent was down)")
 	fs.BoolVar(&f.cfg.GCDryRun, "gc-dry-run", false,
 		"leak collection and CNI GC only report what they would free (log, IPAddressGarbageCollectionDryRun events, ipwarden_agent_gc_dry_run_total) and free nothing")
+	fs.DurationVar(&f.cfg.RebuildHold, "rebuild-hold", 5*time.Minute,
+		"after the journal was lost or damaged and rebuilt from the pods, held addresses no attachment accounts for stay out of use until every pod on the node has reported its addresses or is gone, at most this long")
 	gofs := goflag.NewFlagSet("zap", goflag.ContinueOnError)
 	f.zap.BindFlags(gofs)
 	fs.AddGoFlagSet(gofs)
@@ -93,6 +95,9 @@ func runAgent(ctx context.Context, f *agentFlags) error {
 	}
 	if f.cfg.GCGrace < 0 {
 		return fmt.Errorf("--gc-grace %s: must not be negative", f.cfg.GCGrace)
+	}
+	if f.cfg.RebuildHold <= 0 {
+		return fmt.Errorf("--rebuild-hold %s: must be positive", f.cfg.RebuildHold)
 	}
 	if f.cfg.GCFullCheckInterval <= 0 {
 		return fmt.Errorf("--gc-full-check-interval %s: must be positive", f.cfg.GCFullCheckInterval)
@@ -164,12 +169,24 @@ func newAgentListCommand() *cobra.Command {
 func printList(w io.Writer, resp *cniproto.Response) error {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintf(tw, "NODE %s\n\n", resp.Node)
-	fmt.Fprintln(tw, "POOL\tSERVED\tHELD\tIN USE\tFREE\tCOOLING\tRELEASING\tREQUESTED\tCONFLICTS\tEXHAUSTED")
+	fmt.Fprintln(tw, "POOL\tSERVED\tHELD\tIN USE\tFREE\tCOOLING\tRELEASING\tREQUESTED\tCONFLICTS\tUNATTRIBUTED\tEXHAUSTED")
 	for _, p := range resp.Pools {
-		fmt.Fprintf(tw, "%s\t%v\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%v\n", p.Pool, p.Served, p.Held, p.InUse, p.Free, p.Cooling,
-			p.Releasing, p.Requested, p.Conflicts, p.Exhausted)
+		fmt.Fprintf(tw, "%s\t%v\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%v\n", p.Pool, p.Served, p.Held, p.InUse, p.Free, p.Cooling,
+			p.Releasing, p.Requested, p.Conflicts, p.Unattributed, p.Exhausted)
 	}
 	fmt.Fprintln(tw)
+	if h := resp.Hold; h != nil {
+		fmt.Fprintf(tw, "HOLD %d addresses of unknown owner are out of use until every pod on the node has reported its addresses (at most until %s)\n",
+			h.Addresses, h.Until.UTC().Format(time.RFC3339))
+		if len(h.WaitingFor) > 0 {
+			more := ""
+			if h.MoreWaiting > 0 {
+				more = fmt.Sprintf(" and %d more", h.MoreWaiting)
+			}
+			fmt.Fprintf(tw, "     waiting for %s%s\n", strings.Join(h.WaitingFor, ", "), more)
+		}
+		fmt.Fprintln(tw)
+	}
 	fmt.Fprintln(tw, "CONTAINER\tIFNAME\tNETWORK\tPOD\tADDRESSES\tAGE\tNOTE")
 	for _, a := range resp.Attachments {
 		var ips []string

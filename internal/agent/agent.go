@@ -68,7 +68,12 @@ import (
 
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
 	"github.com/ipwarden/ipwarden/internal/agent/journal"
+	"github.com/ipwarden/ipwarden/internal/cniproto"
 )
+
+// ReasonJournalRecovered is the event on the node's NodeIPAllocation when a damaged journal was
+// moved aside.
+const ReasonJournalRecovered = "JournalRecovered"
 
 // Config configures Run.
 type Config struct {
@@ -88,7 +93,9 @@ type Config struct {
 	GCFullCheckInterval time.Duration
 	// GCDryRun: the leak collector and CNI GC report what they would free and free nothing.
 	GCDryRun bool
-	Log      logr.Logger
+	// RebuildHold bounds the unattributed hold after the journal was rebuilt from the pods.
+	RebuildHold time.Duration
+	Log         logr.Logger
 }
 
 // Run runs the agent until ctx ends.
@@ -101,9 +108,9 @@ func Run(ctx context.Context, cfg Config) error {
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	metrics := NewMetrics(reg)
 
-	j, err := journal.Open(cfg.StateDir, journal.Options{Node: cfg.Node, ObserveWrite: func(d time.Duration) {
+	j, snap, recovered, err := journal.OpenOrRecover(cfg.StateDir, journal.Options{Node: cfg.Node, ObserveWrite: func(d time.Duration) {
 		metrics.JournalWrite.Observe(d.Seconds())
-	}})
+	}}, time.Now())
 	if err != nil {
 		return err
 	}
@@ -112,9 +119,13 @@ func Run(ctx context.Context, cfg Config) error {
 			log.Error(err, "close journal")
 		}
 	}()
-	snap, err := j.Load()
-	if err != nil {
-		return fmt.Errorf("%w (move the file away to rebuild it from the pods' status)", err)
+	for _, r := range []string{journal.ReasonTruncated, journal.ReasonCorrupt, journal.ReasonIncompatibleVersion} {
+		metrics.JournalRecovered.WithLabelValues(r)
+	}
+	if recovered != nil {
+		metrics.JournalRecovered.WithLabelValues(recovered.Reason).Inc()
+		log.Error(nil, "the journal is damaged: moved it aside and started an empty one; attachments are rebuilt from the pods' status.podIPs",
+			"reason", recovered.Reason, "problem", recovered.Problem, "movedTo", recovered.MovedTo, "journal", j.Path())
 	}
 	st := ipam.New(cfg.Node)
 	for _, p := range st.Restore(snap) {
@@ -128,7 +139,7 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 
 	svc := NewService(st, j, ServiceOptions{Node: cfg.Node, AddressWait: cfg.AddressWait, GCGrace: cfg.GCGrace, GCDryRun: cfg.GCDryRun,
-		Log: log.WithName("service"), Metrics: metrics})
+		RebuildHold: cfg.RebuildHold, Log: log.WithName("service"), Metrics: metrics})
 	if err := ServeHTTP(ctx, cfg.MetricsAddr, MetricsHandler(reg), log); err != nil {
 		return fmt.Errorf("metrics endpoint: %w", err)
 	}
@@ -145,7 +156,9 @@ func Run(ctx context.Context, cfg Config) error {
 		return err
 	}
 	defer events.Shutdown()
-	svc.SetEvents(events.NewRecorder(eventScheme(cfg.Scheme), corev1.EventSource{Component: "ipwarden-agent", Host: cfg.Node}), kube.NodeRef)
+	recorder := events.NewRecorder(eventScheme(cfg.Scheme), corev1.EventSource{Component: "ipwarden-agent", Host: cfg.Node})
+	svc.SetEvents(recorder, kube.NodeRef)
+	svc.SetPodLookup(kube.GetPod)
 	collector := NewCollector(svc, kube, CollectorOptions{Grace: cfg.GCGrace, FullCheckInterval: cfg.GCFullCheckInterval, Log: log.WithName("gc")})
 	kube.OnPodDelete(collector.OnPodDelete)
 	if err := kube.Start(ctx); err != nil {
@@ -154,6 +167,11 @@ func Run(ctx context.Context, cfg Config) error {
 	if err := kube.WaitForAllocation(ctx); err != nil {
 		return err
 	}
+	if recovered != nil {
+		recorder.Eventf(kube.NodeRef(), corev1.EventTypeWarning, ReasonJournalRecovered,
+			"the agent's journal was damaged (%s: %s); it was moved to %s and the node's attachments are rebuilt from the pods' status.podIPs",
+			recovered.Reason, cniproto.Truncate(recovered.Problem, 300), recovered.MovedTo)
+	}
 	pods, err := kube.Push(ctx)
 	if err != nil {
 		return fmt.Errorf("start-up reconciliation: %w", err)
@@ -161,6 +179,9 @@ func Run(ctx context.Context, cfg Config) error {
 	n, err := svc.Rebuild(pods)
 	if err != nil {
 		return err
+	}
+	if snap.IsEmpty() {
+		svc.StartHold() // the journal was lost, damaged or is new: owners of held addresses are unknown
 	}
 	svc.With(func(st *ipam.State) {
 		log.Info("reconciled with the API server", "pools", st.Served(), "attachments", st.NumAttachments(), "rebuiltFromPods", n)

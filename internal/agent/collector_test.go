@@ -124,6 +124,7 @@ func newGCHarness(t *testing.T, dryRun bool, opts CollectorOptions) *gcHarness {
 	}
 	opts.Log = logr.Discard()
 	h.col = NewCollector(h.svc, h.pods, opts)
+	h.svc.SetPodLookup(h.pods.GetPod)
 	return h
 }
 
@@ -137,7 +138,7 @@ func (h *gcHarness) advance(d time.Duration) {
 func (h *gcHarness) addPod(cid, name, uid string) string {
 	h.t.Helper()
 	resp := h.do(cniproto.Request{Op: cniproto.OpAdd, ContainerID: cid, IfName: "eth0", Network: "net",
-		Pod: cniproto.Pod{Namespace: "ns", Name: name, UID: uid}})
+		Pod: cniproto.Pod{Namespace: "ns", Name: name, UID: uid}, NonKubernetes: name == ""})
 	if resp.Error != nil {
 		h.t.Fatalf("ADD %s: %v", cid, resp.Error)
 	}
@@ -401,7 +402,7 @@ func TestCollectorDryRun(t *testing.T) {
 	h.advance(2 * time.Minute)
 	h.col.OnPodDelete(pod("web", "u-web", nil))
 	h.drain()
-	resp := h.do(cniproto.Request{Op: cniproto.OpGC, Network: "net"})
+	resp := h.do(cniproto.Request{Op: cniproto.OpGC, Network: "net", HasValidAttachments: true})
 	if resp.Error != nil || resp.Freed != 0 {
 		t.Fatalf("GC in dry run: %+v", resp)
 	}
@@ -428,7 +429,7 @@ func TestCNIGCReportsOnTheNode(t *testing.T) {
 	h.addPod("keep", "keep", "u1")
 	h.addPod("gone", "gone", "u2")
 	h.advance(2 * time.Minute)
-	resp := h.do(cniproto.Request{Op: cniproto.OpGC, Network: "net", ValidAttachments: []cniproto.AttachmentID{{ContainerID: "keep", IfName: "eth0"}}})
+	resp := h.do(cniproto.Request{Op: cniproto.OpGC, Network: "net", HasValidAttachments: true, ValidAttachments: []cniproto.AttachmentID{{ContainerID: "keep", IfName: "eth0"}}})
 	if resp.Error != nil || resp.Freed != 1 || h.attachments() != "keep" {
 		t.Fatalf("GC %+v, attachments %s", resp, h.attachments())
 	}
@@ -442,7 +443,7 @@ func TestCNIGCReportsOnTheNode(t *testing.T) {
 	h.addPod("gone2", "gone2", "u3")
 	h.advance(2 * time.Minute)
 	h.j.setFail(errors.New("disk full"))
-	resp = h.do(cniproto.Request{Op: cniproto.OpGC, Network: "net", ValidAttachments: []cniproto.AttachmentID{{ContainerID: "keep", IfName: "eth0"}}})
+	resp = h.do(cniproto.Request{Op: cniproto.OpGC, Network: "net", HasValidAttachments: true, ValidAttachments: []cniproto.AttachmentID{{ContainerID: "keep", IfName: "eth0"}}})
 	h.j.setFail(nil)
 	if resp.Error == nil || h.attachments() != "gone2,keep" {
 		t.Fatalf("GC with a failing journal: %+v, %s", resp, h.attachments())

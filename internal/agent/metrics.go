@@ -16,6 +16,8 @@ type Metrics struct {
 	Releasing *prometheus.GaugeVec
 	Requested *prometheus.GaugeVec
 	Conflict  *prometheus.GaugeVec
+	// Unattributed: held addresses kept out of use by the hold after a rebuild.
+	Unattributed *prometheus.GaugeVec
 
 	Attachments  prometheus.Gauge
 	OpDuration   *prometheus.HistogramVec
@@ -34,6 +36,14 @@ type Metrics struct {
 	GCDeleteToFree *prometheus.HistogramVec
 	GCFullChecks   prometheus.Counter
 	GCQueueDepth   prometheus.Gauge
+
+	// The agent's IO edges: journal recovery, the hold, the socket.
+	JournalRecovered *prometheus.CounterVec
+	HoldActive       prometheus.Gauge
+	Conns            prometheus.Gauge
+	Busy             prometheus.Counter
+	BadRequests      prometheus.Counter
+	AbandonedAdds    prometheus.Counter
 
 	pools map[string]bool // pool labels set by setPools
 }
@@ -57,6 +67,21 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		Releasing: gauge("pool_releasing_addresses", "Addresses of the pool the node is giving back."),
 		Requested: gauge("pool_requested_addresses", "Addresses the node requests from the pool (scaling target)."),
 		Conflict:  gauge("pool_conflict_addresses", "Addresses in use that the node no longer holds (kept for the running pod)."),
+		Unattributed: gauge("pool_unattributed_addresses",
+			"Held addresses no attachment accounts for after the journal was rebuilt from the pods; kept out of use until every pod on the node has reported its addresses or the hold (--rebuild-hold) ends."),
+
+		JournalRecovered: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "journal_recovered_total",
+			Help: "Damaged journals moved aside at start (the attachments were rebuilt from the pods), by reason: truncated, corrupt, incompatible_version."}, []string{"reason"}),
+		HoldActive: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "unattributed_hold_active",
+			Help: "1 while held addresses of unknown owner are kept out of use after a rebuild of the journal, else 0."}),
+		Conns: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "socket_connections",
+			Help: "Plugin connections being served."}),
+		Busy: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "socket_busy_total",
+			Help: "Plugin connections answered \"busy\" (CNI error 11) because the agent served its maximum of connections."}),
+		BadRequests: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "socket_bad_requests_total",
+			Help: "Requests refused before handling: too large, undecodable, a field too long, or not sent in time."}),
+		AbandonedAdds: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "abandoned_adds_total",
+			Help: "ADDs rolled back because the plugin went away before the agent answered."}),
 
 		Attachments: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "attachments", Help: "CNI attachments the node's journal records."}),
 		OpDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: ns, Name: "cni_request_duration_seconds",
@@ -96,7 +121,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	if reg != nil {
 		reg.MustRegister(m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict,
 			m.Attachments, m.OpDuration, m.IPWait, m.JournalWrite, m.Errors, m.SpecWrites, m.Conflicts,
-			m.GCCandidates, m.GCCollected, m.GCKept, m.GCFailed, m.GCDryRun, m.GCDeleteToFree, m.GCFullChecks, m.GCQueueDepth)
+			m.GCCandidates, m.GCCollected, m.GCKept, m.GCFailed, m.GCDryRun, m.GCDeleteToFree, m.GCFullChecks, m.GCQueueDepth,
+			m.Unattributed, m.JournalRecovered, m.HoldActive, m.Conns, m.Busy, m.BadRequests, m.AbandonedAdds)
 	}
 	return m
 }
@@ -114,10 +140,11 @@ func (m *Metrics) setPools(stats []ipam.PoolStats, attachments int) {
 		m.Releasing.WithLabelValues(s.Pool).Set(float64(s.Releasing))
 		m.Requested.WithLabelValues(s.Pool).Set(float64(s.Requested))
 		m.Conflict.WithLabelValues(s.Pool).Set(float64(s.Conflicts))
+		m.Unattributed.WithLabelValues(s.Pool).Set(float64(s.Unattributed))
 	}
 	for p := range m.pools {
 		if !seen[p] {
-			for _, g := range []*prometheus.GaugeVec{m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict} {
+			for _, g := range []*prometheus.GaugeVec{m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict, m.Unattributed} {
 				g.DeleteLabelValues(p)
 			}
 		}

@@ -71,12 +71,36 @@ func ownDirectory(dir string) error {
 	return nil
 }
 
-// Serve answers plugin connections on l until ctx ends, then waits for requests in flight.
+// Bounds of the agent socket. A plugin connects, writes one request of at most
+// cniproto.MaxRequest bytes at once and half-closes, so a connection that has not sent its
+// request within requestReadTimeout is idle and is closed.
+var (
+	// maxConns bounds the connections served at once; each holds at most one request.
+	maxConns = 128
+	// busyWait is how long the accept loop waits for a free slot before answering "busy".
+	busyWait           = 2 * time.Second
+	requestReadTimeout = 3 * time.Second
+)
+
+const (
+	responseTimeout = 10 * time.Second
+	// logIDBytes bounds a container ID in a log line.
+	logIDBytes = 80
+)
+
+// errPluginGone cancels a request whose plugin closed its connection before the answer.
+var errPluginGone = errors.New("the plugin closed its connection before the agent answered (the runtime gave up on the request)")
+
+// Serve answers plugin connections on l until ctx ends, then waits for requests in flight. At most
+// maxConns connections are served at once; a connection beyond that waits in the accept loop up to
+// busyWait for a slot (the rest wait in the kernel's listen backlog), then is answered with CNI
+// error 11 "busy".
 func Serve(ctx context.Context, l net.Listener, svc *Service, requestTimeout time.Duration, log logr.Logger) error {
 	var wg sync.WaitGroup
 	stop := context.AfterFunc(ctx, func() { l.Close() })
 	defer stop()
 	defer wg.Wait()
+	slots := make(chan struct{}, maxConns)
 	for {
 		conn, err := l.Accept()
 		if err != nil {
@@ -87,31 +111,82 @@ func Serve(ctx context.Context, l net.Listener, svc *Service, requestTimeout tim
 			time.Sleep(50 * time.Millisecond)
 			continue
 		}
-		wg.Go(func() { serveConn(ctx, conn, svc, requestTimeout, log) })
+		if !acquire(ctx, slots, busyWait) {
+			svc.metrics.Busy.Inc()
+			busy(conn)
+			continue
+		}
+		svc.metrics.Conns.Inc()
+		wg.Go(func() {
+			defer func() { <-slots; svc.metrics.Conns.Dec() }()
+			serveConn(ctx, conn, svc, requestTimeout, log)
+		})
 	}
+}
+
+func acquire(ctx context.Context, slots chan struct{}, wait time.Duration) bool {
+	select {
+	case slots <- struct{}{}:
+		return true
+	default:
+	}
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	select {
+	case slots <- struct{}{}:
+		return true
+	case <-t.C:
+	case <-ctx.Done():
+	}
+	return false
+}
+
+// busy answers a connection beyond maxConns without reading its request.
+func busy(conn net.Conn) {
+	defer conn.Close()
+	_ = conn.SetWriteDeadline(time.Now().Add(time.Second))
+	_ = cniproto.WriteResponse(conn, errResp(cniproto.CodeTryAgainLater,
+		fmt.Sprintf("the ipwarden agent is busy: %d requests in progress", maxConns), "the runtime retries"))
 }
 
 func serveConn(ctx context.Context, conn net.Conn, svc *Service, timeout time.Duration, log logr.Logger) {
 	defer conn.Close()
-	_ = conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+	_ = conn.SetReadDeadline(time.Now().Add(requestReadTimeout))
 	req, err := cniproto.ReadRequest(conn)
 	var resp *cniproto.Response
+	var undo func()
 	if err != nil {
 		var pe *cniproto.Error
-		if errors.As(err, &pe) {
-			resp = &cniproto.Response{Error: pe}
-		} else {
-			resp = errResp(cniproto.CodeInternal, "ipwarden agent: "+err.Error(), "")
+		if !errors.As(err, &pe) {
+			pe = &cniproto.Error{Code: cniproto.CodeIOFailure, Msg: "ipwarden agent: cannot read the request: " + cniproto.Truncate(err.Error(), 200)}
 		}
+		resp = &cniproto.Response{Error: pe}
+		svc.metrics.BadRequests.Inc()
+		log.V(1).Info("bad request", "op", cniproto.Truncate(string(req.Op), 16), "error", pe.Msg)
 	} else {
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
-		resp = svc.Handle(rctx, req)
+		rctx, cancelCause := context.WithCancelCause(rctx)
+		stopWatch := watchHangup(conn, func() { cancelCause(errPluginGone) })
+		resp, undo = svc.HandleRequest(rctx, req)
+		stopWatch()
+		if undo != nil && context.Cause(rctx) == errPluginGone {
+			undo() // the plugin is gone: nobody will configure these addresses
+			undo = nil
+			resp = nil
+		}
+		cancelCause(nil)
 		cancel()
 	}
-	_ = conn.SetWriteDeadline(time.Now().Add(10 * time.Second))
+	if resp == nil {
+		return
+	}
+	_ = conn.SetWriteDeadline(time.Now().Add(responseTimeout))
 	if err := cniproto.WriteResponse(conn, resp); err != nil {
 		log.Error(err, "cannot answer the plugin; it will see a broken connection and the runtime retries", "op", req.Op,
-			"containerID", req.ContainerID)
+			"containerID", cniproto.Truncate(req.ContainerID, logIDBytes))
+		if undo != nil {
+			undo()
+		}
 	}
 }
 

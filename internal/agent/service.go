@@ -34,6 +34,7 @@ type Service struct {
 	addressWait time.Duration
 	gcGrace     time.Duration
 	gcDryRun    bool
+	rebuildHold time.Duration
 	gcr         *gcReporter
 	log         logr.Logger
 	metrics     *Metrics
@@ -42,6 +43,8 @@ type Service struct {
 	st      *ipam.State
 	changed chan struct{} // closed and replaced whenever an address may have become usable
 	kickFn  func()
+	// lookup reads a pod from the API server (Kube.GetPod); CNI GC re-checks candidates with it.
+	lookup func(context.Context, gc.Name) gc.Lookup
 
 	keys  keyLocks
 	ready atomic.Bool
@@ -59,6 +62,8 @@ type ServiceOptions struct {
 	GCGrace time.Duration
 	// GCDryRun makes the leak collector and CNI GC report what they would free and free nothing.
 	GCDryRun bool
+	// RebuildHold bounds the unattributed hold after a rebuild of the journal (default 5m).
+	RebuildHold time.Duration
 	// Now is the clock (time.Now when nil).
 	Now     func() time.Time
 	Log     logr.Logger
@@ -73,6 +78,9 @@ func NewService(st *ipam.State, journal Committer, opts ServiceOptions) *Service
 	if opts.Metrics == nil {
 		opts.Metrics = NewMetrics(nil)
 	}
+	if opts.RebuildHold <= 0 {
+		opts.RebuildHold = 5 * time.Minute
+	}
 	return &Service{
 		node:        opts.Node,
 		journal:     journal,
@@ -80,6 +88,7 @@ func NewService(st *ipam.State, journal Committer, opts ServiceOptions) *Service
 		addressWait: opts.AddressWait,
 		gcGrace:     opts.GCGrace,
 		gcDryRun:    opts.GCDryRun,
+		rebuildHold: opts.RebuildHold,
 		gcr:         newGCReporter(opts.Log.WithName("gc"), opts.Metrics),
 		log:         opts.Log,
 		metrics:     opts.Metrics,
@@ -190,12 +199,88 @@ func (s *Service) reportConflictsLocked() {
 	s.conflicts = now
 }
 
-// SetPods hands the service the pods bound to the node.
+// SetPods hands the service the pods bound to the node. During the unattributed hold, the
+// addresses pods report are recorded (as at start-up) before the hold is evaluated.
 func (s *Service) SetPods(pods []ipam.Pod) {
 	s.mu.Lock()
 	s.st.SetPods(pods)
+	on, _ := s.st.Hold()
 	s.mu.Unlock()
+	if on {
+		if _, err := s.Rebuild(pods); err != nil {
+			s.log.Error(err, "cannot journal attachments rebuilt during the unattributed hold; the hold stays on")
+		} else {
+			s.evaluateHold()
+		}
+	}
 	s.kick()
+}
+
+// SetPodLookup sets how CNI GC reads a pod from the API server before it frees an attachment.
+func (s *Service) SetPodLookup(f func(context.Context, gc.Name) gc.Lookup) {
+	s.mu.Lock()
+	s.lookup = f
+	s.mu.Unlock()
+}
+
+// StartHold begins the unattributed hold after a rebuild of a lost or damaged journal (see
+// ipam.StartHold): held addresses no attachment accounts for stay out of use until every pod on
+// the node has reported its addresses or is gone, at most --rebuild-hold.
+func (s *Service) StartHold() {
+	s.mu.Lock()
+	now := s.now()
+	n := s.st.StartHold(now.Add(s.rebuildHold))
+	s.mu.Unlock()
+	if n == 0 {
+		s.log.Info("rebuilt journal: every held address is accounted for; no hold")
+		return
+	}
+	s.metrics.HoldActive.Set(1)
+	s.log.Info("rebuilt journal: holding addresses of unknown owner out of use until every pod on the node has reported its addresses or is gone",
+		"addresses", n, "maxHold", s.rebuildHold.String())
+	time.AfterFunc(s.rebuildHold, s.evaluateHold)
+	s.evaluateHold()
+}
+
+// evaluateHold ends the unattributed hold when its condition holds, and reports it.
+func (s *Service) evaluateHold() {
+	s.mu.Lock()
+	d := s.st.EvaluateHold(s.now())
+	if d.Release {
+		s.notifyLocked()
+	}
+	s.mu.Unlock()
+	if !d.Release {
+		return
+	}
+	s.metrics.HoldActive.Set(0)
+	kv := []any{"reason", d.Reason}
+	if len(d.Waiting) > 0 {
+		kv = append(kv, "unreported", len(d.Waiting), "firstUnreported", d.Waiting[0].String())
+	}
+	s.log.Info("unattributed hold ended: the held addresses are free", kv...)
+	s.kick()
+}
+
+// holdStatus reports the hold for LIST, or nil.
+func (s *Service) holdStatusLocked() *cniproto.Hold {
+	on, until := s.st.Hold()
+	if !on {
+		return nil
+	}
+	h := &cniproto.Hold{Until: until}
+	for _, st := range s.st.Stats(s.now()) {
+		h.Addresses += st.Unattributed
+	}
+	waiting := s.st.HoldWaiting()
+	for i, p := range waiting {
+		if i == 20 {
+			h.MoreWaiting = len(waiting) - 20
+			break
+		}
+		h.WaitingFor = append(h.WaitingFor, p.String())
+	}
+	return h
 }
 
 // Rebuild records attachments for running pods whose addresses no attachment accounts for (see
@@ -227,39 +312,88 @@ func fmtAddresses(as []ipam.Address) string {
 
 // Handle answers one plugin request.
 func (s *Service) Handle(ctx context.Context, req cniproto.Request) *cniproto.Response {
+	resp, _ := s.HandleRequest(ctx, req)
+	return resp
+}
+
+// HandleRequest answers one plugin request. For an ADD that created an attachment it also
+// returns undo, which rolls the attachment back (journal and state) when the answer cannot reach
+// the plugin.
+func (s *Service) HandleRequest(ctx context.Context, req cniproto.Request) (resp *cniproto.Response, undo func()) {
 	start := s.now()
-	resp := s.handle(ctx, req)
+	if req.Op == cniproto.OpAdd {
+		resp, undo = s.addRequest(ctx, req)
+	} else {
+		resp = s.handle(ctx, req)
+	}
 	if req.Op == cniproto.OpAdd || req.Op == cniproto.OpDel || req.Op == cniproto.OpCheck || req.Op == cniproto.OpGC {
 		s.metrics.OpDuration.WithLabelValues(string(req.Op)).Observe(s.now().Sub(start).Seconds())
 	}
 	if resp.Error != nil {
 		s.metrics.Errors.WithLabelValues(string(req.Op), fmt.Sprint(resp.Error.Code)).Inc()
-		s.log.Info("request failed", "op", req.Op, "containerID", req.ContainerID, "ifname", req.IfName,
+		s.log.Info("request failed", "op", req.Op, "containerID", cniproto.Truncate(req.ContainerID, logIDBytes), "ifname", req.IfName,
 			"pod", req.Pod.Namespace+"/"+req.Pod.Name, "code", resp.Error.Code, "error", resp.Error.Msg)
 	}
-	return resp
+	return resp, undo
 }
 
-func (s *Service) handle(ctx context.Context, req cniproto.Request) *cniproto.Response {
+// addRequest runs an ADD and, when it created an attachment, returns how to roll it back.
+func (s *Service) addRequest(ctx context.Context, req cniproto.Request) (*cniproto.Response, func()) {
+	if bad := s.notReady(req); bad != nil {
+		return bad, nil
+	}
+	resp, created := s.add(ctx, req)
+	if created == nil {
+		return resp, nil
+	}
+	key, at := created.Key, created.Created
+	return resp, func() { s.rollbackAdd(key, at) }
+}
+
+// rollbackAdd frees the attachment key created at at by an ADD whose plugin went away before it
+// got the answer: the runtime treats the ADD as failed, so nothing will ever use these addresses.
+func (s *Service) rollbackAdd(key ipam.Key, at time.Time) {
+	att, freed, err := s.delKeyIf(key, func(a ipam.Attachment) bool { return a.Created.Equal(at) })
+	if err != nil {
+		s.log.Error(err, "cannot roll back an ADD whose plugin went away; the runtime's DEL or the leak collector frees it",
+			"attachment", cniproto.Truncate(key.String(), logIDBytes))
+		return
+	}
+	if freed {
+		s.metrics.AbandonedAdds.Inc()
+		s.log.Info("rolled back an ADD: the plugin went away before the agent answered", "attachment", cniproto.Truncate(key.String(), logIDBytes),
+			"pod", att.Pod.String(), "addresses", fmtAddresses(att.Addresses))
+	}
+}
+
+func (s *Service) notReady(req cniproto.Request) *cniproto.Response {
 	if req.Op != cniproto.OpList && req.Op != cniproto.OpStatus && !s.Ready() {
 		return errResp(cniproto.CodeTryAgainLater, "the ipwarden agent on node "+s.node+" is starting and not serving yet",
 			"it serves once it has reconciled its journal with the API server")
 	}
+	return nil
+}
+
+func (s *Service) handle(ctx context.Context, req cniproto.Request) *cniproto.Response {
+	if bad := s.notReady(req); bad != nil {
+		return bad
+	}
 	switch req.Op {
 	case cniproto.OpAdd:
-		return s.add(ctx, req)
+		resp, _ := s.addRequest(ctx, req)
+		return resp
 	case cniproto.OpDel:
 		return s.del(req)
 	case cniproto.OpCheck:
 		return s.check(req)
 	case cniproto.OpGC:
-		return s.gc(req)
+		return s.gc(ctx, req)
 	case cniproto.OpStatus:
 		return s.status()
 	case cniproto.OpList:
 		return s.list()
 	}
-	return errResp(cniproto.CodeInternal, fmt.Sprintf("unknown operation %q", req.Op), "")
+	return errResp(cniproto.CodeInternal, fmt.Sprintf("unknown operation %q", cniproto.Truncate(string(req.Op), 16)), "")
 }
 
 func errResp(code uint, msg, details string) *cniproto.Response {
@@ -273,11 +407,32 @@ func validKey(req cniproto.Request) (ipam.Key, *cniproto.Response) {
 	return ipam.Key{ContainerID: req.ContainerID, IfName: req.IfName}, nil
 }
 
-// add hands out addresses, waiting up to addressWait for the controller if a pool is short.
-func (s *Service) add(ctx context.Context, req cniproto.Request) *cniproto.Response {
+// missingIdentity says which pod identity an ADD lacks, or "". Namespace and name are required:
+// without them the leak collector can never find the attachment's pod, so it could never free
+// it. K8S_POD_UID is optional: runtimes before containerd 1.x's CRI plugin and dockershim did not
+// pass it; without it the collector matches the pod by name.
+func missingIdentity(p cniproto.Pod) string {
+	var miss []string
+	if p.Namespace == "" {
+		miss = append(miss, "K8S_POD_NAMESPACE")
+	}
+	if p.Name == "" {
+		miss = append(miss, "K8S_POD_NAME")
+	}
+	return strings.Join(miss, " and ")
+}
+
+// add hands out addresses, waiting up to addressWait for the controller if a pool is short. It
+// returns the attachment it created, if it created one.
+func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Response, *ipam.Attachment) {
 	key, bad := validKey(req)
 	if bad != nil {
-		return bad
+		return bad, nil
+	}
+	if miss := missingIdentity(req.Pod); miss != "" && !req.NonKubernetes {
+		return errResp(cniproto.CodeInvalidConfig, "ipwarden: the ADD carries no pod identity: CNI_ARGS lacks "+miss,
+			"ipwarden needs the pod's namespace and name to free its address when the pod is gone; for containers that are not "+
+				"Kubernetes pods set \"allowNonKubernetes\": true in the plugin's configuration"), nil
 	}
 	unlock := s.keys.lock(key)
 	defer unlock()
@@ -306,11 +461,16 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) *cniproto.Respo
 				s.mu.Unlock()
 				s.metrics.IPWait.Observe(s.now().Sub(start).Seconds())
 				return errResp(cniproto.CodeTryAgainLater, msg,
-					fmt.Sprintf("the ipwarden agent on node %s waited %s for the controller (--address-wait); the runtime retries", s.node, s.addressWait))
+					fmt.Sprintf("the ipwarden agent on node %s waited %s for the controller (--address-wait); the runtime retries", s.node, s.addressWait)), nil
 			}
 			if !waiting {
 				s.st.AddWaiter(key, areq.Pod.UID, req.Pools)
 				waiting = true
+				if on, _ := s.st.Hold(); on {
+					s.mu.Unlock()
+					s.evaluateHold() // a pod with an ADD here settles the hold
+					s.mu.Lock()
+				}
 			}
 			changed := s.changed
 			wake := deadline
@@ -339,7 +499,7 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) *cniproto.Respo
 		}
 		s.mu.Unlock()
 		if err != nil {
-			return addError(err)
+			return addError(err), nil
 		}
 		s.metrics.IPWait.Observe(s.now().Sub(start).Seconds())
 		if !ch.IsEmpty() {
@@ -348,16 +508,21 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) *cniproto.Respo
 				s.st.AbortAdd(key)
 				s.notifyLocked()
 				s.mu.Unlock()
-				return errResp(cniproto.CodeTryAgainLater, "ipwarden: cannot record the attachment in the journal: "+err.Error(),
-					"nothing was handed out; check the agent's --state-dir disk")
+				return errResp(cniproto.CodeTryAgainLater, "ipwarden: cannot record the attachment in the journal: "+cniproto.Truncate(err.Error(), 300),
+					"nothing was handed out; check the agent's --state-dir disk"), nil
 			}
 			s.mu.Lock()
 			s.st.ConfirmAdd(key)
+			on, _ := s.st.Hold()
 			s.mu.Unlock()
-			s.log.V(1).Info("ADD", "attachment", key.String(), "pod", att.Pod.String(), "addresses", fmtAddresses(att.Addresses))
+			s.log.V(1).Info("ADD", "attachment", cniproto.Truncate(key.String(), logIDBytes), "pod", att.Pod.String(), "addresses", fmtAddresses(att.Addresses))
+			if on {
+				s.evaluateHold()
+			}
 			s.kick()
+			return result(att, cfgs), &att
 		}
-		return result(att, cfgs)
+		return result(att, cfgs), nil
 	}
 }
 
@@ -498,9 +663,17 @@ func (s *Service) check(req cniproto.Request) *cniproto.Response {
 }
 
 // gc frees the network's attachments the runtime no longer lists, older than the grace period
-// (CNI GC). The runtime's list is the truth here, not the pod objects: a live pod's old sandbox
-// is exactly what it collects. With --gc-dry-run it reports and frees nothing.
-func (s *Service) gc(req cniproto.Request) *cniproto.Response {
+// (CNI GC). A GC without a valid-attachments list carries no information and frees nothing (an
+// error says so). Each candidate is re-read from the API server first: an attachment whose pod
+// still exists (by UID; by name when the ADD carried no UID) is kept, as is one whose pod cannot
+// be read; only attachments of pods that are gone, or that carry no pod identity at all
+// ("allowNonKubernetes"), are freed. With --gc-dry-run it reports and frees nothing.
+func (s *Service) gc(ctx context.Context, req cniproto.Request) *cniproto.Response {
+	if !req.HasValidAttachments {
+		s.log.Info("CNI GC without cni.dev/valid-attachments: freeing nothing", "network", cniproto.Truncate(req.Network, 64))
+		return errResp(cniproto.CodeInvalidConfig, "ipwarden: GC without cni.dev/valid-attachments frees nothing",
+			"the runtime must list the attachments that are still valid; without the list every attachment would look stale")
+	}
 	valid := make([]ipam.Key, len(req.ValidAttachments))
 	for i, a := range req.ValidAttachments {
 		valid[i] = ipam.Key{ContainerID: a.ContainerID, IfName: a.IfName}
@@ -513,13 +686,37 @@ func (s *Service) gc(req cniproto.Request) *cniproto.Response {
 			cands = append(cands, gc.Candidate{Attachment: gcAttachment(att, false)})
 		}
 	}
+	lookup := s.lookup
 	s.mu.Unlock()
 	freed := 0
 	var errs []string
-	why := "the container runtime no longer lists the attachment (CNI GC, network " + req.Network + ")"
+	why := "the container runtime no longer lists the attachment (CNI GC, network " + req.Network + ") and "
 	for _, c := range cands {
 		s.metrics.GCCandidates.WithLabelValues(PathCNIGC).Inc()
-		ok, err := s.collect(PathCNIGC, c, why)
+		reason := why + "it names no pod (allowNonKubernetes)"
+		if c.Pod.Name != "" {
+			if lookup == nil {
+				errs = append(errs, fmt.Sprintf("%s: the agent cannot read pods", c.Key))
+				continue
+			}
+			rctx, cancel := context.WithTimeout(ctx, 15*time.Second)
+			l := lookup(rctx, gc.Name{Namespace: c.Pod.Namespace, Name: c.Pod.Name})
+			cancel()
+			v := gc.Judge(c.Pod, l)
+			if !v.Free {
+				if v.Reason == gc.ReasonAPIError {
+					s.metrics.GCFailed.WithLabelValues(PathCNIGC).Inc()
+					errs = append(errs, fmt.Sprintf("%s: %v", c.Key, l.Err))
+				} else {
+					s.metrics.GCKept.WithLabelValues(PathCNIGC).Inc()
+					s.log.Info("CNI GC: kept an attachment the runtime no longer lists: the API server shows its pod",
+						"attachment", cniproto.Truncate(c.Key.String(), logIDBytes), "pod", c.Pod.String(), "podUID", c.Pod.UID)
+				}
+				continue
+			}
+			reason = why + "its pod no longer exists"
+		}
+		ok, err := s.collect(PathCNIGC, c, reason)
 		if err != nil {
 			errs = append(errs, fmt.Sprintf("%s: %v", c.Key, err))
 			continue
@@ -529,7 +726,7 @@ func (s *Service) gc(req cniproto.Request) *cniproto.Response {
 		}
 	}
 	if len(errs) > 0 {
-		return errResp(cniproto.CodeTryAgainLater, "ipwarden: GC could not free "+strings.Join(errs, "; "), "")
+		return errResp(cniproto.CodeTryAgainLater, "ipwarden: GC could not free "+cniproto.Truncate(strings.Join(errs, "; "), 1000), "")
 	}
 	return &cniproto.Response{Freed: freed}
 }
@@ -557,7 +754,8 @@ func (s *Service) poolStatus() []cniproto.PoolStatus {
 	out := make([]cniproto.PoolStatus, len(stats))
 	for i, st := range stats {
 		out[i] = cniproto.PoolStatus{Pool: st.Pool, Served: st.Served, Held: st.Held, InUse: st.InUse, Free: st.Free,
-			Cooling: st.Cooling, Releasing: st.Releasing, Requested: st.Requested, Conflicts: st.Conflicts, Exhausted: st.Exhausted}
+			Cooling: st.Cooling, Releasing: st.Releasing, Requested: st.Requested, Conflicts: st.Conflicts, Exhausted: st.Exhausted,
+			Unattributed: st.Unattributed}
 	}
 	return out
 }
@@ -583,6 +781,7 @@ func (s *Service) list() *cniproto.Response {
 			IPs: r.IPs, Created: a.Created, Rebuilt: a.Rebuilt, Conflicts: conflicts,
 		})
 	}
+	resp.Hold = s.holdStatusLocked()
 	return resp
 }
 

@@ -15,6 +15,7 @@ import (
 	"github.com/go-logr/logr"
 
 	"github.com/ipwarden/ipwarden/internal/addr"
+	"github.com/ipwarden/ipwarden/internal/agent/gc"
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
 	"github.com/ipwarden/ipwarden/internal/cniproto"
 	"github.com/ipwarden/ipwarden/internal/scaling"
@@ -319,7 +320,8 @@ func TestServiceGC(t *testing.T) {
 	now = now.Add(2 * time.Minute)
 	mu.Unlock()
 	h.do(addReq("young"))
-	resp := h.do(cniproto.Request{Op: cniproto.OpGC, Network: "net", ValidAttachments: []cniproto.AttachmentID{{ContainerID: "keep", IfName: "eth0"}}})
+	h.svc.SetPodLookup(func(_ context.Context, n gc.Name) gc.Lookup { return gc.Lookup{Name: n} }) // every pod is gone
+	resp := h.do(cniproto.Request{Op: cniproto.OpGC, Network: "net", HasValidAttachments: true, ValidAttachments: []cniproto.AttachmentID{{ContainerID: "keep", IfName: "eth0"}}})
 	if resp.Error != nil || resp.Freed != 2 {
 		t.Fatalf("GC = %+v, want 2 freed", resp)
 	}

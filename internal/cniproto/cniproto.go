@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"time"
 )
 
@@ -22,8 +23,23 @@ const Version = 1
 // DefaultSocket is where the agent listens unless told otherwise.
 const DefaultSocket = "/run/ipwarden/agent.sock"
 
-// MaxMessage bounds a request or response (a GC's valid-attachments list dominates).
-const MaxMessage = 16 << 20
+// MaxRequest bounds a request the agent reads. A request is a few hundred bytes; a GC's
+// valid-attachments list dominates (64 KiB holds about 500 attachments with 64-character
+// container IDs, beyond what a node runs: kubelet's default maximum is 110 pods).
+const MaxRequest = 64 << 10
+
+// MaxResponse bounds a response the plugin or `ipwarden agent list` reads (LIST reports every
+// attachment of the node).
+const MaxResponse = 16 << 20
+
+// Bounds of a request's fields, checked by Validate. A container ID is 64 hex characters for
+// containerd and CRI-O; an interface name at most 15 bytes (IFNAMSIZ-1).
+const (
+	MaxContainerID = 256
+	MaxIfName      = 15
+	MaxName        = 253 // namespace, pod name, UID, network, pool name, netns path
+	MaxPools       = 16
+)
 
 // Op is a request's operation.
 type Op string
@@ -42,6 +58,9 @@ const (
 const (
 	CodeIncompatibleVersion uint = 1
 	CodeUnknownContainer    uint = 3
+	CodeInvalidEnv          uint = 4
+	CodeIOFailure           uint = 5
+	CodeDecodingFailure     uint = 6
 	CodeInvalidConfig       uint = 7
 	CodeTryAgainLater       uint = 11
 	CodeNotAvailable        uint = 50
@@ -75,6 +94,12 @@ type Request struct {
 	Pod   Pod      `json:"pod,omitzero"`
 	// ValidAttachments is GC's cni.dev/valid-attachments.
 	ValidAttachments []AttachmentID `json:"validAttachments,omitempty"`
+	// HasValidAttachments says the runtime sent a valid-attachments list (possibly empty). A GC
+	// without one carries no information and frees nothing.
+	HasValidAttachments bool `json:"hasValidAttachments,omitempty"`
+	// NonKubernetes is the plugin configuration's "allowNonKubernetes": an ADD without pod
+	// identity (K8S_POD_NAMESPACE, K8S_POD_NAME) is accepted.
+	NonKubernetes bool `json:"nonKubernetes,omitempty"`
 	// PrevAddresses are the addresses of CHECK's prevResult (CIDR notation).
 	PrevAddresses []string `json:"prevAddresses,omitempty"`
 }
@@ -133,6 +158,21 @@ type PoolStatus struct {
 	Requested int    `json:"requested"`
 	Conflicts int    `json:"conflicts"`
 	Exhausted bool   `json:"exhausted,omitempty"`
+	// Unattributed counts held addresses kept out of use after a rebuild (see Hold).
+	Unattributed int `json:"unattributed,omitempty"`
+}
+
+// Hold is the unattributed hold after the agent rebuilt its journal from the pods: held
+// addresses no attachment accounts for stay out of use until every pod on the node has reported
+// its addresses or is gone, or until Until.
+type Hold struct {
+	Until time.Time `json:"until"`
+	// Addresses counts the addresses held out of use.
+	Addresses int `json:"addresses"`
+	// WaitingFor names (namespace/name) pods that have not reported their addresses yet, at most 20.
+	WaitingFor []string `json:"waitingFor,omitempty"`
+	// MoreWaiting counts waiting pods beyond WaitingFor.
+	MoreWaiting int `json:"moreWaiting,omitempty"`
 }
 
 // Response is the agent's answer.
@@ -144,6 +184,8 @@ type Response struct {
 	Node        string       `json:"node,omitempty"`
 	Attachments []Attachment `json:"attachments,omitempty"`
 	Pools       []PoolStatus `json:"pools,omitempty"`
+	// Hold is set while the unattributed hold is on (LIST).
+	Hold *Hold `json:"hold,omitempty"`
 }
 
 // UnreachableError says the agent's socket could not be reached.
@@ -181,7 +223,7 @@ func Call(ctx context.Context, socket string, req Request) (*Response, error) {
 		_ = uc.CloseWrite()
 	}
 	var resp Response
-	if err := json.NewDecoder(io.LimitReader(conn, MaxMessage)).Decode(&resp); err != nil {
+	if err := json.NewDecoder(io.LimitReader(conn, MaxResponse)).Decode(&resp); err != nil {
 		if ctx.Err() != nil {
 			err = ctx.Err()
 		}
@@ -190,17 +232,77 @@ func Call(ctx context.Context, socket string, req Request) (*Response, error) {
 	return &resp, nil
 }
 
-// ReadRequest reads one request from conn.
+// ReadRequest reads one request of at most MaxRequest bytes from conn and validates it. A bad
+// request gives an *Error saying what was wrong.
 func ReadRequest(conn io.Reader) (Request, error) {
 	var req Request
-	if err := json.NewDecoder(io.LimitReader(conn, MaxMessage)).Decode(&req); err != nil {
-		return Request{}, fmt.Errorf("decode request: %w", err)
+	lr := &io.LimitedReader{R: conn, N: MaxRequest + 1}
+	if err := json.NewDecoder(lr).Decode(&req); err != nil {
+		if lr.N <= 0 {
+			return Request{}, &Error{Code: CodeDecodingFailure,
+				Msg: fmt.Sprintf("ipwarden agent: request larger than %d bytes", MaxRequest)}
+		}
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			return Request{}, &Error{Code: CodeIOFailure, Msg: "ipwarden agent: no complete request received in time; closing the connection"}
+		}
+		return Request{}, &Error{Code: CodeDecodingFailure, Msg: "ipwarden agent: cannot decode the request: " + Truncate(err.Error(), 200)}
 	}
 	if req.Version != Version {
 		return req, &Error{Code: CodeIncompatibleVersion,
 			Msg: fmt.Sprintf("ipwarden-cni speaks agent protocol %d, the agent speaks %d: install the ipwarden-cni binary of the agent's release", req.Version, Version)}
 	}
+	if err := req.Validate(); err != nil {
+		return req, err
+	}
 	return req, nil
+}
+
+// Validate checks the lengths of the request's fields; the error names the field, its length and
+// the bound.
+func (r *Request) Validate() *Error {
+	tooLong := func(what string, n, most int) *Error {
+		return &Error{Code: CodeInvalidEnv, Msg: fmt.Sprintf("ipwarden: %s too long (%d bytes, at most %d)", what, n, most)}
+	}
+	if n := len(r.ContainerID); n > MaxContainerID {
+		return tooLong("container ID (CNI_CONTAINERID)", n, MaxContainerID)
+	}
+	if n := len(r.IfName); n > MaxIfName {
+		return tooLong("interface name (CNI_IFNAME)", n, MaxIfName)
+	}
+	for _, f := range []struct {
+		what string
+		v    string
+	}{{"network namespace path (CNI_NETNS)", r.Netns}, {"network name", r.Network}, {"K8S_POD_NAMESPACE", r.Pod.Namespace},
+		{"K8S_POD_NAME", r.Pod.Name}, {"K8S_POD_UID", r.Pod.UID}} {
+		if n := len(f.v); n > MaxName {
+			return tooLong(f.what, n, MaxName)
+		}
+	}
+	if len(r.Pools) > MaxPools {
+		return &Error{Code: CodeInvalidConfig, Msg: fmt.Sprintf("ipwarden: %d pools requested, at most %d", len(r.Pools), MaxPools)}
+	}
+	for _, p := range r.Pools {
+		if n := len(p); n > MaxName {
+			return &Error{Code: CodeInvalidConfig, Msg: fmt.Sprintf("ipwarden: pool name too long (%d bytes, at most %d)", n, MaxName)}
+		}
+	}
+	for _, a := range r.ValidAttachments {
+		if n := len(a.ContainerID); n > MaxContainerID {
+			return tooLong("container ID in cni.dev/valid-attachments", n, MaxContainerID)
+		}
+		if n := len(a.IfName); n > MaxIfName {
+			return tooLong("interface name in cni.dev/valid-attachments", n, MaxIfName)
+		}
+	}
+	return nil
+}
+
+// Truncate shortens s to at most n bytes for logs and messages, marking the cut.
+func Truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return fmt.Sprintf("%s...(%d bytes)", s[:n], len(s))
 }
 
 // WriteResponse writes resp to conn.

@@ -150,3 +150,11 @@ func (s *State) endHold() {
 		}
 	}
 }
+
+// HoldWaiting lists the pods the hold waits for (none without a hold).
+func (s *State) HoldWaiting() []PodRef {
+	if s.holdUntil.IsZero() {
+		return nil
+	}
+	return DecideHold(s.pods, s.hasADD, s.clock, s.holdUntil).Waiting
+}
