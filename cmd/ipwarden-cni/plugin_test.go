@@ -11,6 +11,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/containernetworking/cni/pkg/types"
 
@@ -206,8 +207,75 @@ func TestVerbsReachAgent(t *testing.T) {
 	if strings.Join(got[1].PrevAddresses, ",") != "10.1.0.7/16" {
 		t.Fatalf("CHECK prevAddresses %v", got[1].PrevAddresses)
 	}
-	if len(got[2].ValidAttachments) != 1 || got[2].ValidAttachments[0] != (cniproto.AttachmentID{ContainerID: "k1", IfName: "eth0"}) || got[2].Network != "podnet" {
+	if len(got[2].ValidAttachments) != 1 || got[2].ValidAttachments[0] != (cniproto.AttachmentID{ContainerID: "k1", IfName: "eth0"}) ||
+		got[2].Network != "podnet" || !got[2].HasValidAttachments {
 		t.Fatalf("GC request %+v", got[2])
+	}
+}
+
+// GC tells the agent whether the runtime sent a valid-attachments list at all (an empty list is
+// a list; no list is no information), under either key libcni has used.
+func TestGCListPresence(t *testing.T) {
+	for _, tc := range []struct {
+		name, extra string
+		has         bool
+		n           int
+	}{
+		{"no list (cnitool gc)", "", false, 0},
+		{"null", `,"cni.dev/valid-attachments":null`, false, 0},
+		{"empty list", `,"cni.dev/valid-attachments":[]`, true, 0},
+		{"libcni before v1.2.3", `,"cni.dev/attachments":[{"containerID":"k","ifname":"eth0"}]`, true, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c, err := parseConfig([]byte(`{"cniVersion":"1.1.0","name":"n"` + tc.extra + `}`))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if c.HasValidAttachments != tc.has || len(c.ValidAttachments) != tc.n {
+				t.Fatalf("has %v, %d attachments", c.HasValidAttachments, len(c.ValidAttachments))
+			}
+		})
+	}
+}
+
+func TestAllowNonKubernetes(t *testing.T) {
+	for _, tc := range []struct {
+		conf string
+		want bool
+		bad  bool
+	}{
+		{`{"name":"n"}`, false, false},
+		{`{"name":"n","allowNonKubernetes":true}`, true, false},
+		{`{"name":"n","ipam":{"type":"ipwarden","allowNonKubernetes":true}}`, true, false},
+		{`{"name":"n","allowNonKubernetes":"yes"}`, false, true},
+	} {
+		c, err := parseConfig([]byte(tc.conf))
+		if tc.bad {
+			var te *types.Error
+			if !errors.As(err, &te) || te.Code != types.ErrInvalidNetworkConfig || !strings.Contains(te.Msg, "allowNonKubernetes") {
+				t.Fatalf("%s: %v", tc.conf, err)
+			}
+			continue
+		}
+		if err != nil || c.AllowNonKubernetes != tc.want {
+			t.Fatalf("%s: %v %+v", tc.conf, err, c)
+		}
+	}
+	sock, reqs := fakeAgent(t, cniproto.Response{})
+	if _, e := run(t, "ADD", `{"cniVersion":"1.1.0","name":"podnet","ipam":{"type":"ipwarden","allowNonKubernetes":true,"socket":"`+sock+`"}}`); e != nil {
+		t.Fatal(e)
+	}
+	if got := *reqs; len(got) != 1 || !got[0].NonKubernetes {
+		t.Fatalf("requests %+v", got)
+	}
+}
+
+// The plugin's own time limits sit below containerd's (the kubelet's 2m runtime request timeout
+// for ADD, 1m deferred cleanup for DEL) and CRI-O's (5m ADD, 1m DEL), so the runtime gets a CNI
+// error, not a killed plugin.
+func TestTimeoutsBelowRuntimes(t *testing.T) {
+	if addTimeout >= 2*time.Minute || otherTimeout >= time.Minute {
+		t.Fatalf("ADD %s, other verbs %s", addTimeout, otherTimeout)
 	}
 }
 
