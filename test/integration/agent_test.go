@@ -475,7 +475,7 @@ func TestAgentNoFreeAddress(t *testing.T) {
 	mustAdd(t, conf, "a")
 	mustAdd(t, conf, "b")
 	start := time.Now()
-	_, e := cni(t, "ADD", conf, "c", "")
+	_, e := cni(t, "ADD", conf, "c", podArgs("default", "pod-c", "uid-c"))
 	if e == nil || e.Code != 11 || !strings.Contains(e.Msg, "pool agent-short") || !strings.Contains(e.Msg, "maxPerNode") {
 		t.Fatalf("ADD beyond maxPerNode: %+v", e)
 	}
@@ -491,7 +491,7 @@ func TestAgentNoFreeAddress(t *testing.T) {
 		t.Fatal(err)
 	}
 	eventually(t, 10*time.Second, "the agent to see the new limit", func() error {
-		_, e := cni(t, "ADD", conf, "d", "")
+		_, e := cni(t, "ADD", conf, "d", podArgs("default", "pod-d", "uid-d"))
 		if e == nil {
 			return fmt.Errorf("ADD succeeded without a controller")
 		}
