@@ -49,8 +49,9 @@ Leak collection: addresses of pods that are gone come back without a CNI DEL.
     (a new pod under the same name, as a StatefulSet makes, keeps its own).
   - Every --gc-full-check-interval the journal is compared with the node's pods; attachments
     older than --gc-grace whose pod is missing are freed.
-  - The CNI GC verb frees attachments older than --gc-grace that the runtime no longer lists.
-Before freeing, the first two read the pod from the API server (not the informer cache) and keep
+  - The CNI GC verb frees attachments older than --gc-grace that the runtime no longer lists
+    (a GC without cni.dev/valid-attachments frees nothing).
+Before freeing, all three read the pod from the API server (not the informer cache) and keep
 the attachment if that pod still exists (by UID; by name when the runtime passed no
 K8S_POD_UID) or if the read fails. A free is a DEL: journal first, then the pool's
 reuseCooldown. Events IPAddressGarbageCollected / IPAddressGarbageCollectionFailed go on the

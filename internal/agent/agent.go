@@ -20,13 +20,13 @@
 // decisions and the safety argument): the deletion of a pod bound to the node frees the
 // attachments recorded for its UID (event path); a full check every --gc-full-check-interval
 // frees attachments older than --gc-grace whose pod the informer cache does not show; and the
-// CNI GC verb frees attachments the runtime no longer lists. The first two re-read the pod from
-// the API server (not the cache) just before freeing and keep the attachment when that pod still
-// exists or the read fails. A free goes through the DEL path: journal first, then the pool's
-// reuse cooldown. --gc-dry-run reports (log, IPAddressGarbageCollectionDryRun events, metrics)
-// what would be freed and frees nothing. Events IPAddressGarbageCollected and
-// IPAddressGarbageCollectionFailed go on the pod when the agent saw its deletion, else on the
-// node's NodeIPAllocation.
+// CNI GC verb frees attachments the runtime no longer lists (a GC without a valid-attachments
+// list frees nothing). All three re-read the pod from the API server (not the cache) just before
+// freeing and keep the attachment when that pod still exists or the read fails. A free goes
+// through the DEL path: journal first, then the pool's reuse cooldown. --gc-dry-run reports (log,
+// IPAddressGarbageCollectionDryRun events, metrics) what would be freed and frees nothing. Events
+// IPAddressGarbageCollected and IPAddressGarbageCollectionFailed go on the pod when the agent saw
+// its deletion, else on the node's NodeIPAllocation.
 //
 // # A lost journal
 //
