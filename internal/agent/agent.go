@@ -104,6 +104,9 @@ func Run(ctx context.Context, cfg Config) error {
 	if cfg.Node == "" {
 		return errors.New("the node name is empty: pass --node-name or set NODE_NAME")
 	}
+	if cfg.RebuildHold <= 0 {
+		cfg.RebuildHold = 5 * time.Minute
+	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	metrics := NewMetrics(reg)
@@ -139,7 +142,7 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 
 	svc := NewService(st, j, ServiceOptions{Node: cfg.Node, AddressWait: cfg.AddressWait, GCGrace: cfg.GCGrace, GCDryRun: cfg.GCDryRun,
-		RebuildHold: cfg.RebuildHold, Log: log.WithName("service"), Metrics: metrics})
+		RebuildHold: cfg.RebuildHold, HoldDir: cfg.StateDir, Log: log.WithName("service"), Metrics: metrics})
 	if err := ServeHTTP(ctx, cfg.MetricsAddr, MetricsHandler(reg), log); err != nil {
 		return fmt.Errorf("metrics endpoint: %w", err)
 	}
@@ -180,8 +183,18 @@ func Run(ctx context.Context, cfg Config) error {
 	if err != nil {
 		return err
 	}
-	if snap.IsEmpty() {
-		svc.StartHold() // the journal was lost, damaged or is new: owners of held addresses are unknown
+	// The journal was lost, damaged or is new, or a restart interrupted a hold: the owners of
+	// some held addresses are unknown.
+	heldUntil, interrupted, err := journal.HeldUntil(cfg.StateDir)
+	if err != nil {
+		log.Error(err, "unreadable hold marker: holding for the full --rebuild-hold")
+	}
+	if snap.IsEmpty() || interrupted {
+		until := time.Now().Add(cfg.RebuildHold)
+		if interrupted && !heldUntil.IsZero() {
+			until = heldUntil
+		}
+		svc.StartHold(until)
 	}
 	svc.With(func(st *ipam.State) {
 		log.Info("reconciled with the API server", "pools", st.Served(), "attachments", st.NumAttachments(), "rebuiltFromPods", n)

@@ -16,6 +16,7 @@ import (
 	"github.com/ipwarden/ipwarden/internal/addr"
 	"github.com/ipwarden/ipwarden/internal/agent/gc"
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
+	"github.com/ipwarden/ipwarden/internal/agent/journal"
 	"github.com/ipwarden/ipwarden/internal/cniproto"
 )
 
@@ -35,6 +36,7 @@ type Service struct {
 	gcGrace     time.Duration
 	gcDryRun    bool
 	rebuildHold time.Duration
+	holdDir     string
 	gcr         *gcReporter
 	log         logr.Logger
 	metrics     *Metrics
@@ -64,6 +66,9 @@ type ServiceOptions struct {
 	GCDryRun bool
 	// RebuildHold bounds the unattributed hold after a rebuild of the journal (default 5m).
 	RebuildHold time.Duration
+	// HoldDir is where the hold's marker lives (the state directory; "" keeps no marker), so an
+	// agent restarted during the hold holds again.
+	HoldDir string
 	// Now is the clock (time.Now when nil).
 	Now     func() time.Time
 	Log     logr.Logger
@@ -89,6 +94,7 @@ func NewService(st *ipam.State, journal Committer, opts ServiceOptions) *Service
 		gcGrace:     opts.GCGrace,
 		gcDryRun:    opts.GCDryRun,
 		rebuildHold: opts.RebuildHold,
+		holdDir:     opts.HoldDir,
 		gcr:         newGCReporter(opts.Log.WithName("gc"), opts.Metrics),
 		log:         opts.Log,
 		metrics:     opts.Metrics,
@@ -207,7 +213,7 @@ func (s *Service) SetPods(pods []ipam.Pod) {
 	on, _ := s.st.Hold()
 	s.mu.Unlock()
 	if on {
-		if _, err := s.Rebuild(pods); err != nil {
+		if _, err := s.rebuild(pods, 1); err != nil {
 			s.log.Error(err, "cannot journal attachments rebuilt during the unattributed hold; the hold stays on")
 		} else {
 			s.evaluateHold()
@@ -224,22 +230,39 @@ func (s *Service) SetPodLookup(f func(context.Context, gc.Name) gc.Lookup) {
 }
 
 // StartHold begins the unattributed hold after a rebuild of a lost or damaged journal (see
-// ipam.StartHold): held addresses no attachment accounts for stay out of use until every pod on
-// the node has reported its addresses or is gone, at most --rebuild-hold.
-func (s *Service) StartHold() {
+// ipam.StartHold), or resumes one a restart interrupted: held addresses no attachment accounts
+// for stay out of use until every pod on the node has reported its addresses or is gone, at the
+// latest until until (now + --rebuild-hold for a new hold). A marker in HoldDir records the hold
+// until it ends.
+func (s *Service) StartHold(until time.Time) {
 	s.mu.Lock()
 	now := s.now()
-	n := s.st.StartHold(now.Add(s.rebuildHold))
+	n := s.st.StartHold(until)
 	s.mu.Unlock()
 	if n == 0 {
 		s.log.Info("rebuilt journal: every held address is accounted for; no hold")
+		s.clearHoldMarker()
 		return
+	}
+	if s.holdDir != "" {
+		if err := journal.MarkHold(s.holdDir, until); err != nil {
+			s.log.Error(err, "cannot record the hold in the state directory; a restart during the hold would not resume it")
+		}
 	}
 	s.metrics.HoldActive.Set(1)
 	s.log.Info("rebuilt journal: holding addresses of unknown owner out of use until every pod on the node has reported its addresses or is gone",
-		"addresses", n, "maxHold", s.rebuildHold.String())
-	time.AfterFunc(s.rebuildHold, s.evaluateHold)
+		"addresses", n, "until", until.UTC().Format(time.RFC3339))
+	time.AfterFunc(until.Sub(now), s.evaluateHold)
 	s.evaluateHold()
+}
+
+func (s *Service) clearHoldMarker() {
+	if s.holdDir == "" {
+		return
+	}
+	if err := journal.ClearHold(s.holdDir); err != nil {
+		s.log.Error(err, "cannot remove the hold marker; the next start holds again")
+	}
 }
 
 // evaluateHold ends the unattributed hold when its condition holds, and reports it.
@@ -254,6 +277,7 @@ func (s *Service) evaluateHold() {
 		return
 	}
 	s.metrics.HoldActive.Set(0)
+	s.clearHoldMarker()
 	kv := []any{"reason", d.Reason}
 	if len(d.Waiting) > 0 {
 		kv = append(kv, "unreported", len(d.Waiting), "firstUnreported", d.Waiting[0].String())
@@ -286,11 +310,17 @@ func (s *Service) holdStatusLocked() *cniproto.Hold {
 // Rebuild records attachments for running pods whose addresses no attachment accounts for (see
 // ipam.State.Rebuild) and journals them before the service serves.
 func (s *Service) Rebuild(pods []ipam.Pod) (int, error) {
+	return s.rebuild(pods, 0)
+}
+
+// rebuild is Rebuild with its problems logged at verbosity v (the hold repeats it on every pod
+// event, so it logs them only at debug level).
+func (s *Service) rebuild(pods []ipam.Pod, v int) (int, error) {
 	s.mu.Lock()
 	ch, problems := s.st.Rebuild(pods, s.now())
 	s.mu.Unlock()
 	for _, p := range problems {
-		s.log.Info("rebuild: " + p)
+		s.log.V(v).Info("rebuild: " + p)
 	}
 	if err := s.journal.Commit(ch); err != nil {
 		return 0, fmt.Errorf("journal rebuilt attachments: %w", err)

@@ -193,6 +193,17 @@ func TestAgentHoldsAddressOfUnreportedPod(t *testing.T) {
 			t.Fatalf("during the hold, handed the unreported pod's address %s to another attachment", got)
 		}
 	}
+	// A restart during the hold resumes it, although the journal is no longer empty.
+	ag.restart(t, "--rebuild-hold=10m")
+	ag.waitServing(t)
+	if resp, err := ag.list(t); err != nil || resp.Hold == nil || !slices.Contains(resp.Hold.WaitingFor, "default/hold-web") {
+		t.Fatalf("after a restart during the hold: %v %+v", err, resp)
+	}
+	for j := range 6 {
+		if got := mustAdd(t, conf, fmt.Sprintf("resumed-%d", j)).IPs[0].Address; got == ip {
+			t.Fatalf("after a restart during the hold, handed the unreported pod's address %s to another attachment", got)
+		}
+	}
 	// web reports its address: recorded, and the hold ends.
 	setPodIP(t, web, addrOf(t, ip).String())
 	eventually(t, 20*time.Second, "the hold to end", func() error {
@@ -215,6 +226,9 @@ func TestAgentHoldsAddressOfUnreportedPod(t *testing.T) {
 	}
 	if !ag.logContains("unattributed hold ended") || ag.metric(t, "ipwarden_agent_unattributed_hold_active") != 0 {
 		t.Fatal("the end of the hold is not logged or not in the metric")
+	}
+	if _, err := os.Stat(filepath.Join(ag.stateDir, "rebuild-hold")); !os.IsNotExist(err) {
+		t.Fatalf("hold marker after the hold: %v", err)
 	}
 	for j := range 12 {
 		if got := mustAdd(t, conf, fmt.Sprintf("later-%d", j)).IPs[0].Address; got == ip {

@@ -264,3 +264,29 @@ func fnvSum(b []byte) uint64 {
 	_, _ = h.Write(b)
 	return h.Sum64()
 }
+
+func TestHoldMarker(t *testing.T) {
+	dir := t.TempDir()
+	if _, on, err := HeldUntil(dir); on || err != nil {
+		t.Fatalf("no marker: %v %v", on, err)
+	}
+	until := time.Date(2026, 1, 1, 0, 5, 0, 0, time.UTC)
+	if err := MarkHold(dir, until); err != nil {
+		t.Fatal(err)
+	}
+	if got, on, err := HeldUntil(dir); !on || err != nil || !got.Equal(until) {
+		t.Fatalf("marker: %v %v %v", got, on, err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, HoldFileName), []byte("garbage"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if got, on, err := HeldUntil(dir); !on || err == nil || !got.IsZero() {
+		t.Fatalf("garbage marker: %v %v %v", got, on, err)
+	}
+	if err := ClearHold(dir); err != nil {
+		t.Fatal(err)
+	}
+	if _, on, _ := HeldUntil(dir); on {
+		t.Fatal("marker not cleared")
+	}
+}
