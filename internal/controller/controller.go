@@ -275,7 +275,7 @@ func (c *Controller) rebuild(ctx context.Context) error {
 	}
 	ours := c.fence.Stamp()
 	for i := range allocs.Items {
-		if seen := allocs.Items[i].Status.Fence; Outranked(ours, seen) {
+		if seen := allocs.Items[i].Status.Fence; c.fence.Outranked(seen) {
 			err := fmt.Errorf("%w: NodeIPAllocation %s was written by %s at epoch %d, after this controller's epoch %d",
 				ErrFenced, allocs.Items[i].Name, seen.Holder, seen.Epoch, ours.Epoch)
 			c.fenced("local", err)
@@ -707,7 +707,7 @@ func (c *Controller) fill(ctx context.Context, alloc *ipwardenv1.NodeIPAllocatio
 			if err := c.reader.Get(ctx, client.ObjectKey{Name: name}, alloc); err != nil {
 				return fmt.Errorf("re-read NodeIPAllocation after a conflict: %w", err)
 			}
-			if ours := c.fence.Stamp(); Outranked(ours, alloc.Status.Fence) {
+			if c.fence.Outranked(alloc.Status.Fence) {
 				err := fmt.Errorf("%w: NodeIPAllocation %s was written by %s at epoch %d", ErrFenced, name, alloc.Status.Fence.Holder, alloc.Status.Fence.Epoch)
 				c.fenced("local", err)
 				return err

@@ -130,6 +130,14 @@ func IsFenceRejection(err error) bool {
 	return (apierrors.IsForbidden(err) || apierrors.IsInvalid(err)) && strings.Contains(err.Error(), FencePolicyName)
 }
 
+// Outranked is Outranked for this fence; never with the local checks off.
+func (f *Fence) Outranked(seen *ipwardenv1.Fence) bool {
+	f.mu.Lock()
+	skip := f.skipLocal
+	f.mu.Unlock()
+	return !skip && Outranked(f.Stamp(), seen)
+}
+
 // Outranked says whether a status written by another controller shows a newer epoch than
 // ours: some other controller has led since we acquired our lease, so we must stop.
 func Outranked(ours *ipwardenv1.Fence, seen *ipwardenv1.Fence) bool {
@@ -154,9 +162,22 @@ func (l *LeaseObserver) Create(ctx context.Context, rec resourcelock.LeaderElect
 	return err
 }
 
-// Update renews or takes over the lease and reports it.
+// Update renews or takes over the lease and reports it. A release (an empty holder, written
+// on shutdown) is refused unless this process still holds the lease: client-go's release checks
+// the holder it last observed, not the one it just read, so a stale leader exiting would clear
+// the new leader's lease and fence it too.
 func (l *LeaseObserver) Update(ctx context.Context, rec resourcelock.LeaderElectionRecord) error {
 	start := l.Now()
+	if rec.HolderIdentity == "" {
+		cur, _, err := l.Interface.Get(ctx)
+		if err != nil {
+			return err
+		}
+		if cur.HolderIdentity != l.Interface.Identity() {
+			l.Fence.Renewed(rec, start) // ours ended all the same
+			return fmt.Errorf("not releasing the lease: it is held by %q, not by this process", cur.HolderIdentity)
+		}
+	}
 	err := l.Interface.Update(ctx, rec)
 	if err == nil {
 		l.Fence.Renewed(rec, start)

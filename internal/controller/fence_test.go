@@ -42,11 +42,39 @@ func TestFenceDecision(t *testing.T) {
 
 type fakeLock struct {
 	resourcelock.Interface
-	fail error
+	fail    error
+	holder  string // what Get returns
+	updates int
 }
 
 func (l *fakeLock) Create(context.Context, resourcelock.LeaderElectionRecord) error { return l.fail }
-func (l *fakeLock) Update(context.Context, resourcelock.LeaderElectionRecord) error { return l.fail }
+func (l *fakeLock) Update(context.Context, resourcelock.LeaderElectionRecord) error {
+	l.updates++
+	return l.fail
+}
+func (l *fakeLock) Get(context.Context) (*resourcelock.LeaderElectionRecord, []byte, error) {
+	return &resourcelock.LeaderElectionRecord{HolderIdentity: l.holder}, nil, nil
+}
+func (l *fakeLock) Identity() string { return "ctrl-a" }
+
+// A stale leader shutting down must not release a lease another process took over (client-go
+// releases on the holder it last observed): the wrapper refuses, and the fence ends all the same.
+func TestLeaseObserverNeverReleasesAnotherHoldersLease(t *testing.T) {
+	f := NewFence(15*time.Second, func() time.Time { return t0 })
+	lock := &fakeLock{holder: "ctrl-b"}
+	obs := &LeaseObserver{Interface: lock, Fence: f, Now: func() time.Time { return t0 }}
+	_ = obs.Create(context.Background(), resourcelock.LeaderElectionRecord{HolderIdentity: "ctrl-a", LeaseDurationSeconds: 15})
+	if err := obs.Update(context.Background(), resourcelock.LeaderElectionRecord{}); err == nil || lock.updates != 0 {
+		t.Fatalf("released a lease held by ctrl-b: err=%v updates=%d", err, lock.updates)
+	}
+	if f.Allow() == nil {
+		t.Fatal("the fence still allows writes after shutdown")
+	}
+	lock.holder = "ctrl-a"
+	if err := obs.Update(context.Background(), resourcelock.LeaderElectionRecord{}); err != nil || lock.updates != 1 {
+		t.Fatalf("did not release its own lease: err=%v updates=%d", err, lock.updates)
+	}
+}
 
 // The fence follows the lock: a successful renewal extends it by the lease from when the
 // renewal started, a failed one does not, a release ends it, a takeover raises the epoch.
@@ -83,6 +111,7 @@ func TestLeaseObserverFeedsTheFence(t *testing.T) {
 	if f.Allow() != nil || f.Epoch() != 5 {
 		t.Fatalf("after a renewal: allow=%v epoch=%d", f.Allow(), f.Epoch())
 	}
+	lock.holder = "ctrl-a"
 	_ = obs.Update(context.Background(), resourcelock.LeaderElectionRecord{}) // released on shutdown
 	if f.Allow() == nil {
 		t.Fatal("a released lease still allowed writes")
