@@ -111,7 +111,7 @@ func (d *demo) run(ctx context.Context, keep bool) error {
 	say("IPPool demo-v4: 10.244.0.0/24, gateway 10.244.0.1, batch 16, buffer 50%%, reuse cooldown 3s")
 	d.ctrlMetrics = freeAddr()
 	d.controller, err = localcluster.Start("controller", d.bins.Ipwarden, filepath.Join(d.dir, "controller.log"),
-		"controller", "--kubeconfig", d.cp.Kubeconfig, "--leader-elect=false",
+		"controller", "--kubeconfig", d.cp.Kubeconfig, "--leader-elect=false", "--claim-settle=1s",
 		"--metrics-bind-address", d.ctrlMetrics, "--health-probe-bind-address=0", "--resync-period=10s")
 	if err != nil {
 		return err

@@ -181,7 +181,7 @@ func TestServeRollsBackAddWhosePluginHungUp(t *testing.T) {
 	g := &gateJournal{entered: make(chan struct{}), release: make(chan struct{})}
 	svc := NewService(ipam.New("node-a"), g, ServiceOptions{Node: "node-a", AddressWait: time.Second, Log: logr.Discard()})
 	svc.SetPools([]ipam.Pool{testV4}, []string{"v4"})
-	svc.SetHoldings(map[string]addrSet{"v4": mustSet("10.1.0.0/28")})
+	svc.SetHoldings(map[string]addrSet{"v4": mustSet("10.1.0.0/28")}, RecordOf{})
 	svc.SetReady(true)
 	sock := serveTest(t, svc)
 	sendAndHangUp(t, sock, addReq("gone"), func() { <-g.entered })
@@ -203,7 +203,7 @@ func TestServeCancelsWaitingAddWhosePluginHungUp(t *testing.T) {
 	j := &memJournal{}
 	svc := NewService(ipam.New("node-a"), j, ServiceOptions{Node: "node-a", AddressWait: time.Hour, Log: logr.Discard()})
 	svc.SetPools([]ipam.Pool{testV4}, []string{"v4"})
-	svc.SetHoldings(map[string]addrSet{"v4": mustSet("10.1.0.0/32")})
+	svc.SetHoldings(map[string]addrSet{"v4": mustSet("10.1.0.0/32")}, RecordOf{})
 	svc.SetReady(true)
 	svc.Handle(context.Background(), addReq("first")) // takes the only address
 	sock := serveTest(t, svc)

@@ -44,6 +44,11 @@ type Options struct {
 	Exhaustion ExhaustionMarks
 	// Now is the clock [time.Now].
 	Now func() time.Time
+	// Fence is the write permit from leader election [NoFence: unfenced, no leader election].
+	Fence *Fence
+	// ClaimSettle is how long after it starts leading the controller serves only claims and
+	// take-backs before it fills nodes from the free pool [10s].
+	ClaimSettle time.Duration
 }
 
 func (o *Options) setDefaults() {
@@ -74,6 +79,14 @@ func (o *Options) setDefaults() {
 	if o.Now == nil {
 		o.Now = time.Now
 	}
+	if o.Fence == nil {
+		o.Fence = NoFence()
+	}
+	if o.ClaimSettle < 0 {
+		o.ClaimSettle = 0
+	} else if o.ClaimSettle == 0 {
+		o.ClaimSettle = 10 * time.Second
+	}
 }
 
 // Controller is the IO shell around State: it watches Nodes (metadata only), IPPools and
@@ -96,6 +109,8 @@ type Controller struct {
 	poolWake    chan struct{}
 	workersWG   sync.WaitGroup
 	registered  bool
+	fence       *Fence
+	stop        context.CancelCauseFunc // ends Start with ErrFenced
 }
 
 // New returns a controller reading through c (an informer cache), reader (the API server,
@@ -108,7 +123,7 @@ func New(c cache.Cache, reader client.Reader, writer client.Client, events recor
 	return &Controller{
 		opts: opts, cache: c, reader: reader, writer: writer, events: events, metrics: m, log: log,
 		sched: s, state: NewState(opts.Exhaustion), nodeFlags: map[string][2]bool{},
-		poolWake: make(chan struct{}, 1),
+		poolWake: make(chan struct{}, 1), fence: opts.Fence,
 	}
 }
 
@@ -125,6 +140,14 @@ func nodeMeta() *metav1.PartialObjectMetadata {
 // allocation state from a fresh LIST (not the cache, which may lag the previous leader's last
 // writes), then serves events, a periodic full pass and the pool status writer.
 func (c *Controller) Start(ctx context.Context) error {
+	ctx, stop := context.WithCancelCause(ctx)
+	defer stop(nil)
+	c.stop = stop
+	if err := c.fence.Allow(); err != nil {
+		return err
+	}
+	c.metrics.Epoch.Set(float64(c.fence.Epoch()))
+	c.log.Info("leading", "holder", c.fence.Holder(), "epoch", c.fence.Epoch())
 	nodeInf, err := c.cache.GetInformer(ctx, nodeMeta())
 	if err != nil {
 		return fmt.Errorf("node informer: %w", err)
@@ -191,11 +214,53 @@ func (c *Controller) Start(ctx context.Context) error {
 	go c.every(ctx, c.opts.ResyncPeriod, func() { c.resync(ctx) })
 	go c.every(ctx, c.opts.AuditPeriod, func() { c.runAudit(ctx) })
 	c.enqueueAll(ctx)
-	c.log.Info("controller serving", "workers", c.opts.Workers, "resync", c.opts.ResyncPeriod)
+	c.workersWG.Add(1)
+	go func() {
+		// Claims first: after the settle time, every node is synced again and fills resume.
+		defer c.workersWG.Done()
+		select {
+		case <-ctx.Done():
+		case <-time.After(c.opts.ClaimSettle):
+			c.enqueueAll(ctx)
+		}
+	}()
+	c.log.Info("controller serving", "workers", c.opts.Workers, "resync", c.opts.ResyncPeriod, "claimSettle", c.opts.ClaimSettle)
 	<-ctx.Done()
 	c.sched.ShutDown()
 	c.workersWG.Wait()
+	if cause := context.Cause(ctx); errors.Is(cause, ErrFenced) {
+		return cause
+	}
 	return nil
+}
+
+// guard is called before every write: it refuses (and stops the controller) once the lease
+// this process holds has run out by its own clock.
+func (c *Controller) guard() error {
+	if err := c.fence.Allow(); err != nil {
+		c.fenced("local", err)
+		return err
+	}
+	return nil
+}
+
+// written inspects a write's error: a rejection by the fence policy stops the controller.
+func (c *Controller) written(err error) error {
+	if err != nil && IsFenceRejection(err) {
+		c.fenced("apiserver", err)
+		return fmt.Errorf("%w: %v", ErrFenced, err)
+	}
+	return err
+}
+
+// fenced stops the controller at once: another controller leads.
+func (c *Controller) fenced(by string, err error) {
+	c.metrics.FencedWrites.WithLabelValues(by).Inc()
+	c.log.Error(err, "write refused: this controller no longer holds its lease; stopping so it restarts as a follower",
+		"refusedBy", by, "holder", c.fence.Holder(), "epoch", c.fence.Epoch())
+	if c.stop != nil {
+		c.stop(ErrFenced)
+	}
 }
 
 // rebuild loads the state from the API server.
@@ -208,8 +273,18 @@ func (c *Controller) rebuild(ctx context.Context) error {
 	if err := c.reader.List(ctx, &allocs); err != nil {
 		return fmt.Errorf("list NodeIPAllocations: %w", err)
 	}
+	ours := c.fence.Stamp()
+	for i := range allocs.Items {
+		if seen := allocs.Items[i].Status.Fence; c.fence.Outranked(seen) {
+			err := fmt.Errorf("%w: NodeIPAllocation %s was written by %s at epoch %d, after this controller's epoch %d",
+				ErrFenced, allocs.Items[i].Name, seen.Holder, seen.Epoch, ours.Epoch)
+			c.fenced("local", err)
+			return err
+		}
+	}
 	c.mu.Lock()
 	twice := c.state.Rebuild(pools.Items, allocs.Items, c.opts.Now())
+	c.state.SettleUntil(c.opts.Now().Add(c.opts.ClaimSettle))
 	c.mu.Unlock()
 	n, _ := twice.Size().Uint64()
 	c.metrics.AddressesTwice.Set(float64(n))
@@ -431,6 +506,9 @@ func (c *Controller) syncNode(ctx context.Context, name string) error {
 	case lc.Create:
 		return c.createAllocation(ctx, name, node)
 	case lc.DeleteOrphan:
+		if err := c.guard(); err != nil {
+			return err
+		}
 		err := c.writer.Delete(ctx, alloc, client.Preconditions{UID: &alloc.UID, ResourceVersion: &alloc.ResourceVersion})
 		c.countWrite("nodeipallocations", "delete", err)
 		if err != nil && !apierrors.IsNotFound(err) {
@@ -443,6 +521,9 @@ func (c *Controller) syncNode(ctx context.Context, name string) error {
 		return nil
 	}
 	if lc.FixOwner {
+		if err := c.guard(); err != nil {
+			return err
+		}
 		patch := client.MergeFrom(alloc.DeepCopy())
 		alloc.OwnerReferences = replaceNodeOwner(alloc.OwnerReferences, node)
 		err := c.writer.Patch(ctx, alloc, patch)
@@ -482,6 +563,9 @@ func (c *Controller) createAllocation(ctx context.Context, name string, node *me
 		OwnerReferences: replaceNodeOwner(nil, node),
 		Labels:          map[string]string{"app.kubernetes.io/managed-by": "ipwarden"},
 	}}
+	if err := c.guard(); err != nil {
+		return err
+	}
 	err := c.writer.Create(ctx, obj)
 	c.countWrite("nodeipallocations", "create", err)
 	if err != nil && !apierrors.IsAlreadyExists(err) {
@@ -516,6 +600,9 @@ func (c *Controller) confirmGone(ctx context.Context, name string, allocExists b
 		}
 	}
 	if allocExists {
+		if err := c.guard(); err != nil {
+			return err
+		}
 		err := c.writer.Delete(ctx, alloc, client.Preconditions{UID: &alloc.UID})
 		c.countWrite("nodeipallocations", "delete", err)
 		if err != nil && !apierrors.IsNotFound(err) {
@@ -571,6 +658,7 @@ func (c *Controller) fill(ctx context.Context, alloc *ipwardenv1.NodeIPAllocatio
 		}
 		f := c.state.PlanFill(name, alloc.Spec, now)
 		status := NodeStatus(alloc.Status, alloc.Spec, alloc.Generation, f)
+		status.Fence = alloc.Status.Fence // a new leader does not rewrite every status to stamp it
 		if !f.Changed() && equality.Semantic.DeepEqual(status, alloc.Status) {
 			c.state.Abort(f, true)
 			c.mu.Unlock()
@@ -598,8 +686,12 @@ func (c *Controller) fill(ctx context.Context, alloc *ipwardenv1.NodeIPAllocatio
 		}
 		obj := alloc.DeepCopy()
 		obj.Status = status
-		err := c.writer.Status().Update(ctx, obj)
-		c.countWrite("nodeipallocations/status", "update", err)
+		obj.Status.Fence = c.fence.Stamp()
+		err := c.guard()
+		if err == nil {
+			err = c.written(c.writer.Status().Update(ctx, obj))
+			c.countWrite("nodeipallocations/status", "update", err)
+		}
 		if err == nil {
 			c.mu.Lock()
 			c.state.Commit(f, now)
@@ -615,14 +707,48 @@ func (c *Controller) fill(ctx context.Context, alloc *ipwardenv1.NodeIPAllocatio
 			if err := c.reader.Get(ctx, client.ObjectKey{Name: name}, alloc); err != nil {
 				return fmt.Errorf("re-read NodeIPAllocation after a conflict: %w", err)
 			}
+			if c.fence.Outranked(alloc.Status.Fence) {
+				err := fmt.Errorf("%w: NodeIPAllocation %s was written by %s at epoch %d", ErrFenced, name, alloc.Status.Fence.Holder, alloc.Status.Fence.Epoch)
+				c.fenced("local", err)
+				return err
+			}
 			fresh = true
 			continue
 		}
 		c.mu.Lock()
-		c.state.Abort(f, apierrors.IsConflict(err) || apierrors.IsInvalid(err) || apierrors.IsNotFound(err))
+		// A fenced write, like a conflict, was refused before it was stored: nothing was published.
+		c.state.Abort(f, apierrors.IsConflict(err) || apierrors.IsInvalid(err) || apierrors.IsNotFound(err) || errors.Is(err, ErrFenced))
 		c.mu.Unlock()
 		c.events.Eventf(alloc, corev1.EventTypeWarning, "FillFailed", "could not write the node's addresses: %v", err)
 		return fmt.Errorf("write NodeIPAllocation status: %w", err)
+	}
+}
+
+// reportConflicts makes a claim the controller cannot grant visible: a Warning event on the
+// node's NodeIPAllocation (the status carries the AddressConflict condition), the conflict gauge,
+// and a sync of the other node so its status shows the condition too.
+func (c *Controller) reportConflicts(alloc *ipwardenv1.NodeIPAllocation, f *Fill) {
+	c.mu.Lock()
+	total := 0
+	for _, cf := range c.state.Conflicts() {
+		total += count(cf.Addrs)
+	}
+	c.mu.Unlock()
+	c.metrics.ClaimConflicts.Set(float64(total))
+	others := map[string]bool{}
+	for _, cf := range f.Conflicts {
+		if cf.Claimant == alloc.Name {
+			c.events.Eventf(alloc, corev1.EventTypeWarning, "AddressConflict", "%s: an operator must decide which pod keeps it (ipwarden check names both pods)", cf.String())
+			others[cf.Holder] = true
+		} else {
+			others[cf.Claimant] = true
+		}
+	}
+	if len(f.Conflicts) > 0 {
+		c.log.Error(nil, "addresses used by pods on two nodes", "node", alloc.Name, "conflicts", conflictMessage(f.Conflicts))
+	}
+	for n := range others {
+		c.sched.Add(n, Need{Claims: 1}, c.opts.Now())
 	}
 }
 
@@ -642,8 +768,22 @@ func (c *Controller) afterFill(alloc *ipwardenv1.NodeIPAllocation, f *Fill) {
 	for pool, pf := range f.Pools {
 		if !pf.Removed.IsEmpty() {
 			c.refillPool(pool)
+			c.mu.Lock()
+			claimants := c.state.Claimants(pool)
+			c.mu.Unlock()
+			for _, n := range claimants {
+				c.enqueue(n)
+			}
 		}
 	}
+	for pool, pf := range f.Pools {
+		if n := count(pf.Granted); n > 0 {
+			c.metrics.ClaimsGranted.WithLabelValues(pool).Add(float64(n))
+			c.log.Info("granted claimed addresses back: the node's pods use them but its status had lost them",
+				"node", alloc.Name, "pool", pool, "addresses", pf.Granted.String())
+		}
+	}
+	c.reportConflicts(alloc, f)
 	for _, pool := range f.Starved {
 		c.events.Eventf(alloc, corev1.EventTypeWarning, "PoolExhausted", "cannot fill this node's request: %s: %s", f.Pools[pool].Reason, f.Pools[pool].Detail)
 	}
@@ -788,7 +928,14 @@ func (c *Controller) flushPool(ctx context.Context, name string) error {
 		wasExhausted := obj.Status.Exhausted
 		upd := obj.DeepCopy()
 		upd.Status = st
-		err := c.writer.Status().Update(ctx, upd)
+		upd.Status.Fence = c.fence.Stamp()
+		if err := c.guard(); err != nil {
+			c.mu.Lock()
+			c.state.MarkPoolDirty(name)
+			c.mu.Unlock()
+			return err
+		}
+		err := c.written(c.writer.Status().Update(ctx, upd))
 		c.countWrite("ippools/status", "update", err)
 		if err == nil {
 			c.poolWritten.Store(name, c.opts.Now())

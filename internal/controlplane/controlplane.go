@@ -127,6 +127,9 @@ func Start(ctx context.Context, opts Options) (cp *ControlPlane, err error) {
 			return cp, err
 		}
 	}
+	if err := InstallFencePolicy(ctx, cp.Config, opts.Root); err != nil {
+		return cp, err
+	}
 	fmt.Fprintf(cp.log, "controlplane: ready at %s (kubeconfig %s)\n", cp.URL, cp.Kubeconfig)
 	return cp, nil
 }

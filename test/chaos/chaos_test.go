@@ -204,7 +204,7 @@ func (x *chaos) setup() {
 		t.Fatal(err)
 	}
 	x.ctrl, err = localcluster.Start("controller", x.bins.Ipwarden, filepath.Join(x.dir, "controller.log"),
-		"controller", "--kubeconfig", x.kc, "--leader-elect=false", "--metrics-bind-address=0", "--health-probe-bind-address=0",
+		"controller", "--kubeconfig", x.kc, "--leader-elect=false", "--claim-settle=1s", "--metrics-bind-address=0", "--health-probe-bind-address=0",
 		"--min-sync-interval=20ms", "--resync-period=5s", "--audit-period=10s", "--backoff-base=50ms", "--backoff-max=2s")
 	if err != nil {
 		t.Fatal(err)

@@ -27,6 +27,10 @@ type State struct {
 	clock time.Time
 	// holdUntil is the deadline of the unattributed hold (see hold.go); zero: no hold.
 	holdUntil time.Time
+	// mark is the NodeIPAllocation the node last wrote (record.go).
+	mark RecordMark
+	// recordMissing: the NodeIPAllocation is gone; nothing is handed out of the free set.
+	recordMissing bool
 }
 
 // observe advances the state's clock to now.
@@ -99,6 +103,7 @@ func (s *State) pool(name string) *poolState {
 // address in two attachments, or in use and cooling) are kept in the safest reading (in use
 // wins, nothing is handed out twice) and reported as problems.
 func (s *State) Restore(snap Snapshot) (problems []string) {
+	s.mark = snap.Mark
 	for _, pc := range snap.Pools {
 		p := s.pool(pc.Name)
 		p.cfg, p.known = pc, true
