@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 
 	admissionv1 "k8s.io/api/admissionregistration/v1"
+	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -27,6 +28,9 @@ const FencePolicyFile = "deploy/kustomize/fence-policy.yaml"
 // ControllerNamespace is where the controller's Lease lives (the fence policy's paramRef).
 const ControllerNamespace = "ipwarden-system"
 
+// ControllerLease is the controller's leader election Lease (the fence policy's paramRef).
+const ControllerLease = "ipwarden-controller"
+
 // InstallFencePolicy creates the ipwarden-system namespace and the fence policy and binding of
 // root/FencePolicyFile.
 func InstallFencePolicy(ctx context.Context, cfg *rest.Config, root string) error {
@@ -37,6 +41,14 @@ func InstallFencePolicy(ctx context.Context, cfg *rest.Config, root string) erro
 	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ControllerNamespace}}
 	if _, err := cs.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return fmt.Errorf("create namespace %s: %w", ControllerNamespace, err)
+	}
+	// The binding denies every status write while its Lease does not exist, before it looks at
+	// who writes (parameterNotFoundAction: Deny). In a cluster the controller creates the Lease
+	// when it first leads; here an unheld one is created up front, so tests that run a controller
+	// without leader election (unfenced, matched by no condition) can write.
+	lease := &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Namespace: ControllerNamespace, Name: ControllerLease}}
+	if _, err := cs.CoordinationV1().Leases(ControllerNamespace).Create(ctx, lease, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return fmt.Errorf("create Lease %s/%s: %w", ControllerNamespace, ControllerLease, err)
 	}
 	b, err := os.ReadFile(filepath.Join(root, FencePolicyFile))
 	if err != nil {

@@ -12,10 +12,8 @@ import (
 	"testing"
 	"time"
 
-	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/rest"
@@ -97,7 +95,7 @@ func TestControllerLeaderElectionWithShippedRBAC(t *testing.T) {
 	kc, sa := impersonating(t, "ipwarden-system", "ipwarden-controller")
 
 	// The fence policy checks writes against the Lease ipwarden-system/ipwarden-controller.
-	_ = k8s.Delete(context.Background(), &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Namespace: "ipwarden-system", Name: "ipwarden-controller"}})
+	freeLease(t)
 	ha := []string{"--kubeconfig", kc, "--leader-elect=true", "--leader-election-namespace=ipwarden-system",
 		"--leader-election-id=ipwarden-controller", "--claim-settle=100ms",
 		"--leader-election-lease-duration=2s", "--leader-election-renew-deadline=1500ms", "--leader-election-retry-period=200ms"}

@@ -15,6 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/equality"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/util/retry"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
@@ -199,7 +200,7 @@ func staleLeaderScenario(t *testing.T, n int, lease []string, skipLocal bool) {
 	applyYAML(t, "deploy/kustomize/controller-rbac.yaml")
 	kc, _ := impersonating(t, "ipwarden-system", "ipwarden-controller")
 	// Each case starts from a free Lease (a previous case's dead holder would hold it).
-	_ = k8s.Delete(context.Background(), &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Namespace: controlplane.ControllerNamespace, Name: "ipwarden-controller"}})
+	freeLease(t)
 
 	w := watchStatuses(t)
 	args := append([]string{"--kubeconfig", kc, "--leader-elect=true", "--leader-election-namespace=ipwarden-system",
@@ -298,5 +299,22 @@ func staleLeaderScenario(t *testing.T, n int, lease []string, skipLocal bool) {
 	defer w.mu.Unlock()
 	if w.fences[holder] == 0 {
 		t.Errorf("no status carried the first leader's fence %q: the watcher saw %v", holder, w.fences)
+	}
+}
+
+// freeLease clears the controllers' Lease holder, as after a clean shutdown, so a new controller
+// leads at once instead of waiting out a previous test's dead holder.
+func freeLease(t *testing.T) {
+	t.Helper()
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		var l coordinationv1.Lease
+		if err := k8s.Get(context.Background(), client.ObjectKey{Namespace: controlplane.ControllerNamespace, Name: controlplane.ControllerLease}, &l); err != nil {
+			return err
+		}
+		l.Spec.HolderIdentity = nil
+		return k8s.Update(context.Background(), &l)
+	})
+	if err != nil {
+		t.Fatal(err)
 	}
 }
