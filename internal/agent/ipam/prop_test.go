@@ -105,6 +105,11 @@ func randomRun(t testing.TB, seed, seed2 uint64, steps int) {
 	_ = poolOf
 	lastFreed := map[netip.Addr]time.Time{}
 	live := map[string][]Address{} // container -> addresses, the test's own record
+	// After a lost journal: sandboxes whose pods have not reported their addresses, and those
+	// rebuilt from a report; both stay live, and DEL can no longer name them.
+	unreported, rebuilt := map[string][]Address{}, map[string][]Address{}
+	var pods []Pod // the pods bound to the node, as the agent last saw them
+	holdUntil := time.Time{}
 	n := 0
 	for step := 0; step < steps; step++ {
 		switch op := rng.IntN(10); {
@@ -146,10 +151,12 @@ func randomRun(t testing.TB, seed, seed2 uint64, steps int) {
 				if f, ok := lastFreed[ad.Addr]; ok && h.now.Sub(f) < 30*time.Second {
 					t.Fatalf("step %d: handed out %s %v after its DEL", step, ad.Addr, h.now.Sub(f))
 				}
-				for c, others := range live {
-					for _, o := range others {
-						if o.Addr == ad.Addr {
-							t.Fatalf("step %d: %s handed to %s and %s", step, ad.Addr, c, cid)
+				for _, m := range []map[string][]Address{live, unreported, rebuilt} {
+					for c, others := range m {
+						for _, o := range others {
+							if o.Addr == ad.Addr {
+								t.Fatalf("step %d: %s handed to %s and %s", step, ad.Addr, c, cid)
+							}
 						}
 					}
 				}
@@ -171,6 +178,8 @@ func randomRun(t testing.TB, seed, seed2 uint64, steps int) {
 				lastFreed[ad.Addr] = h.now
 			}
 			delete(live, cid)
+			delete(unreported, cid) // the runtime stopped the sandbox; the agent no longer knows it
+			delete(rebuilt, cid)
 		case op < 7: // scale-down
 			plan := h.s.Release(h.now)
 			if rng.IntN(8) == 0 {
@@ -184,10 +193,66 @@ func randomRun(t testing.TB, seed, seed2 uint64, steps int) {
 			}
 		case op < 9:
 			h.now = h.now.Add(time.Duration(rng.IntN(20)) * time.Second)
+			if len(unreported) > 0 && rng.IntN(3) == 0 { // a pod reports its status.podIPs
+				for cid, as := range unreported {
+					for i := range pods {
+						if pods[i].Ref.Name == cid {
+							for _, ad := range as {
+								pods[i].IPs = append(pods[i].IPs, ad.Addr)
+							}
+						}
+					}
+					rebuilt[cid] = as
+					delete(unreported, cid)
+					break
+				}
+				h.s.SetPods(pods)
+				ch, _ := h.s.Rebuild(pods, h.now)
+				h.commit(ch)
+				if h.s.EvaluateHold(h.now).Release {
+					holdUntil = time.Time{}
+				}
+			}
 		default:
+			if rng.IntN(3) == 0 { // the journal is lost: rebuild from the pods, hold the rest
+				pools, served := h.snap.Pools, h.s.Served()
+				for cid, as := range live {
+					p := Pod{Ref: PodRef{"ns", cid, "uid-" + cid}}
+					if rng.IntN(2) == 0 {
+						for _, ad := range as {
+							p.IPs = append(p.IPs, ad.Addr)
+						}
+						rebuilt[cid] = as
+					} else {
+						unreported[cid] = as
+					}
+					pods = append(pods, p)
+				}
+				clear(live)
+				clear(lastFreed) // cooldowns are lost with the journal
+				h.s, h.snap = New("node-a"), Snapshot{}
+				h.commit(h.s.SetPools(pools, served))
+				for _, pool := range []string{"v4", "v6"} {
+					h.commit(h.s.SetHolding(pool, ctl.held[pool]))
+				}
+				h.s.SetPods(pods)
+				ch, _ := h.s.Rebuild(pods, h.now)
+				h.commit(ch)
+				holdUntil = h.now.Add(1000 * time.Hour) // never runs out here: the property is the hold's
+				h.s.StartHold(holdUntil)
+				if h.s.EvaluateHold(h.now).Release {
+					holdUntil = time.Time{}
+				}
+				continue
+			}
 			before, stats := h.s.Attachments(), h.s.Stats(h.now)
 			spec := h.s.Spec()
 			h.restart()
+			h.s.SetPods(pods)
+			if !holdUntil.IsZero() { // the agent resumes an interrupted hold (its marker)
+				h.s.StartHold(holdUntil)
+				continue // a resumed hold may hold addresses granted since: stats and spec differ
+			}
 			if after := h.s.Attachments(); !reflect.DeepEqual(before, after) {
 				t.Fatalf("step %d: restart changed attachments\n%+v\n%+v", step, before, after)
 			}
