@@ -155,6 +155,11 @@ func call(socket string, req cniproto.Request, timeout time.Duration, unreachabl
 				fmt.Sprintf("ipwarden-cni: the ipwarden agent is not reachable at %s", socket),
 				fmt.Sprintf("%v; check that the ipwarden agent runs on this node and listens on %s (CNI config key \"socket\")", u.Err, socket))
 		}
+		if errors.Is(err, context.DeadlineExceeded) {
+			return nil, types.NewError(types.ErrTryAgainLater,
+				fmt.Sprintf("ipwarden-cni: the ipwarden agent at %s did not answer %s within %s", socket, req.Op, timeout),
+				"the agent may be stopped or overloaded; an ADD it had not answered is rolled back; the runtime will retry")
+		}
 		return nil, types.NewError(types.ErrTryAgainLater, "ipwarden-cni: "+err.Error(), "the agent may be restarting; the runtime will retry")
 	}
 	if resp.Error != nil {

@@ -442,3 +442,30 @@ func peakRSS(t *testing.T, pid int) int64 {
 	t.Fatal("no VmHWM in /proc status")
 	return 0
 }
+
+// A stopped agent (SIGSTOP): the plugin gives up after its own timeout (30 s for DEL, below
+// containerd's and CRI-O's 1 min) with CNI error 11 saying so, instead of being killed by the
+// runtime.
+func TestPluginGivesUpOnAStoppedAgent(t *testing.T) {
+	const node = "agent-stopped"
+	edgeSetup(t, node, "10.146.0.0/24")
+	ag := startAgent(t, node, "")
+	ag.waitServing(t)
+	conf := pluginConf("1.1.0", ag.socket)
+	mustAdd(t, conf, "a")
+	if err := syscall.Kill(ag.cmd.Process.Pid, syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = syscall.Kill(ag.cmd.Process.Pid, syscall.SIGCONT) }()
+	start := time.Now()
+	_, e := cni(t, "DEL", conf, "a", podArgs("default", "pod-a", "uid-a"))
+	took := time.Since(start)
+	if e == nil || e.Code != 11 || !strings.Contains(e.Msg, "did not answer DEL within 30s") {
+		t.Fatalf("DEL to a stopped agent: %+v after %s", e, took)
+	}
+	if took > 45*time.Second {
+		t.Fatalf("the plugin took %s", took)
+	}
+	_ = syscall.Kill(ag.cmd.Process.Pid, syscall.SIGCONT)
+	mustDel(t, conf, "a")
+}
