@@ -1,0 +1,35 @@
+package main
+
+import (
+	"bytes"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ipwarden/ipwarden/internal/cniproto"
+)
+
+// `ipwarden agent list` shows the unattributed hold after a rebuild: how many addresses, until
+// when, and which pods it waits for.
+func TestPrintListShowsTheHold(t *testing.T) {
+	resp := &cniproto.Response{Node: "n1",
+		Pools: []cniproto.PoolStatus{{Pool: "v4", Served: true, Held: 8, Unattributed: 7}},
+		Hold: &cniproto.Hold{Until: time.Date(2026, 1, 1, 0, 5, 0, 0, time.UTC), Addresses: 7,
+			WaitingFor: []string{"default/web"}, MoreWaiting: 2}}
+	var b bytes.Buffer
+	if err := printList(&b, resp); err != nil {
+		t.Fatal(err)
+	}
+	out := b.String()
+	for _, want := range []string{"UNATTRIBUTED", "HOLD 7 addresses of unknown owner", "2026-01-01T00:05:00Z", "waiting for default/web and 2 more"} {
+		if !strings.Contains(out, want) {
+			t.Fatalf("output lacks %q:\n%s", want, out)
+		}
+	}
+	b.Reset()
+	resp.Hold = nil
+	_ = printList(&b, resp)
+	if strings.Contains(b.String(), "HOLD") {
+		t.Fatalf("a hold shown without one:\n%s", b.String())
+	}
+}
