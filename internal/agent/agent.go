@@ -225,9 +225,24 @@ func Run(ctx context.Context, cfg Config) error {
 		defer close(collected)
 		collector.Run(gcCtx)
 	}()
-	err = Serve(ctx, l, svc, cfg.AddressWait+30*time.Second, log.WithName("socket"))
+	// A journal that breaks while serving (bbolt failed writing it) stops the agent: the next
+	// start moves it aside and rebuilds from the pods, as for damage found at start.
+	serveCtx, stopServing := context.WithCancel(ctx)
+	defer stopServing()
+	go func() {
+		select {
+		case <-j.Broken():
+			log.Error(j.BrokenErr(), "the journal broke: stopping; the next start moves it aside and rebuilds from the pods")
+			stopServing()
+		case <-serveCtx.Done():
+		}
+	}()
+	err = Serve(serveCtx, l, svc, cfg.AddressWait+30*time.Second, log.WithName("socket"))
 	stopGC()
 	<-collected // no free in flight when the journal closes
+	if berr := j.BrokenErr(); berr != nil {
+		return berr
+	}
 	return err
 }
 

@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime/debug"
+	"strings"
 	"time"
 
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
@@ -170,6 +171,9 @@ func checkHeader(r io.ReaderAt, size int64) error {
 	return nil
 }
 
+// brokenSuffix names the marker a journal leaves when bbolt failed writing it (see breakDown).
+const brokenSuffix = ".broken"
+
 // OpenOrRecover opens the journal in dir like Open and loads it. A journal file that is damaged
 // (truncated, corrupt pages or records, or a format or bbolt version this agent does not read) is
 // renamed to journal.db.damaged-<UTC timestamp> and a new, empty journal is opened in its place;
@@ -187,6 +191,9 @@ func OpenOrRecover(dir string, opts Options, now time.Time) (*Journal, ipam.Snap
 	if rerr := os.Rename(path, aside); rerr != nil {
 		return nil, ipam.Snapshot{}, nil, fmt.Errorf("journal %s is damaged (%v) and cannot be moved aside: %w", path, de, rerr)
 	}
+	if rerr := os.Remove(path + brokenSuffix); rerr != nil && !errors.Is(rerr, os.ErrNotExist) {
+		return nil, ipam.Snapshot{}, nil, fmt.Errorf("journal %s: remove %s: %w", path, path+brokenSuffix, rerr)
+	}
 	if serr := syncDir(dir); serr != nil {
 		return nil, ipam.Snapshot{}, nil, fmt.Errorf("journal %s: sync directory after moving it aside: %w", path, serr)
 	}
@@ -203,6 +210,12 @@ func OpenOrRecover(dir string, opts Options, now time.Time) (*Journal, ipam.Snap
 func openAndLoad(dir, path string, opts Options) (j *Journal, snap ipam.Snapshot, err error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, snap, fmt.Errorf("create state directory %s: %w", dir, err)
+	}
+	if b, err := os.ReadFile(path + brokenSuffix); err == nil {
+		if _, serr := os.Stat(path); serr == nil {
+			return nil, snap, damaged(ReasonCorrupt, "an earlier run could not write it: %s", strings.TrimSpace(string(b)))
+		}
+		_ = os.Remove(path + brokenSuffix)
 	}
 	if err := CheckFile(path); err != nil && !errors.Is(err, os.ErrNotExist) {
 		var de *DamageError

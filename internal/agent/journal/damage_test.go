@@ -290,3 +290,46 @@ func TestHoldMarker(t *testing.T) {
 		t.Fatal("marker not cleared")
 	}
 }
+
+// bbolt failing during a write (a page damaged after the load) breaks the journal, not the
+// process: the commit fails, later commits fail at once, Close returns, and the next start
+// moves the file aside.
+func TestWritePanicBreaksTheJournal(t *testing.T) {
+	dir, path := filled(t, 3)
+	j, _, rec, err := OpenOrRecover(dir, Options{Node: "node-a"}, time.Now())
+	if err != nil || rec != nil {
+		t.Fatalf("open: %v %+v", err, rec)
+	}
+	j.beforeWrite = func() { panic("invalid page type: 0") }
+	k := ipam.Key{ContainerID: "x", IfName: "eth0"}
+	err = j.Commit(ipam.Change{PutAttachments: []ipam.Attachment{{Key: k, Created: t0}}})
+	if err == nil || !strings.Contains(err.Error(), "bbolt failed writing it: invalid page type") {
+		t.Fatalf("commit: %v", err)
+	}
+	select {
+	case <-j.Broken():
+	default:
+		t.Fatal("Broken not closed")
+	}
+	if err := j.Commit(ipam.Change{DeleteAttachments: []ipam.Key{k}}); err == nil {
+		t.Fatal("a commit after the break succeeded")
+	}
+	done := make(chan error, 1)
+	go func() { done <- j.Close() }()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Close blocked")
+	}
+	j2, snap, rec, err := OpenOrRecover(dir, Options{Node: "node-a"}, time.Now())
+	if err != nil || rec == nil || rec.Reason != ReasonCorrupt || !strings.Contains(rec.Problem, "invalid page type") {
+		t.Fatalf("next start: %v %+v", err, rec)
+	}
+	defer j2.Close()
+	if !snap.IsEmpty() {
+		t.Fatal("the new journal is not empty")
+	}
+	if _, err := os.Stat(path + brokenSuffix); !os.IsNotExist(err) {
+		t.Fatalf("marker left: %v", err)
+	}
+}

@@ -16,8 +16,10 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"runtime/debug"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	bolt "go.etcd.io/bbolt"
@@ -69,6 +71,13 @@ type Journal struct {
 	isClosed bool
 	closed   chan struct{}
 	stopped  chan struct{}
+
+	// broken is set when bbolt panicked during a write (bbolt rolls the transaction back): the
+	// file is not to be trusted, every later Commit fails, and brokenCh is closed.
+	broken   atomic.Pointer[error]
+	brokenCh chan struct{}
+	// beforeWrite, if set (tests), runs inside every write transaction.
+	beforeWrite func()
 }
 
 type commitReq struct {
@@ -102,12 +111,13 @@ func Open(dir string, opts Options) (*Journal, error) {
 		return nil, fmt.Errorf("open journal %s: %w", path, err)
 	}
 	j := &Journal{
-		db:      db,
-		path:    path,
-		observe: opts.ObserveWrite,
-		reqs:    make(chan *commitReq, 256),
-		closed:  make(chan struct{}),
-		stopped: make(chan struct{}),
+		db:       db,
+		path:     path,
+		observe:  opts.ObserveWrite,
+		reqs:     make(chan *commitReq, 256),
+		closed:   make(chan struct{}),
+		stopped:  make(chan struct{}),
+		brokenCh: make(chan struct{}),
 	}
 	if err := db.Update(func(tx *bolt.Tx) error { return j.init(tx, opts.Node) }); err != nil {
 		_ = db.Close()
@@ -178,6 +188,9 @@ func (j *Journal) Close() error {
 	}
 	j.mu.Unlock()
 	<-j.stopped
+	if j.broken.Load() != nil {
+		defer func() { _ = recover() }() // bbolt rolled the failed transaction back; be safe anyway
+	}
 	return j.db.Close()
 }
 
@@ -233,15 +246,20 @@ func (j *Journal) committer() {
 }
 
 func (j *Journal) write(group []*commitReq) {
-	start := time.Now()
-	err := j.db.Update(func(tx *bolt.Tx) error {
+	if b := j.broken.Load(); b != nil {
 		for _, r := range group {
-			if err := apply(tx, r.ch); err != nil {
-				return err
-			}
+			r.done <- *b
 		}
-		return nil
-	})
+		return
+	}
+	start := time.Now()
+	err := j.update(group)
+	if j.broken.Load() != nil {
+		for _, r := range group {
+			r.done <- err
+		}
+		return
+	}
 	if err != nil && len(group) > 1 {
 		// One bad change must not fail the others: write them one by one.
 		for _, r := range group {
@@ -258,6 +276,52 @@ func (j *Journal) write(group []*commitReq) {
 	for _, r := range group {
 		r.done <- err
 	}
+}
+
+// update writes group in one transaction. A panic of bbolt (a page damaged after the journal
+// was loaded) or a memory fault on its mapping breaks the journal instead of the process.
+func (j *Journal) update(group []*commitReq) (err error) {
+	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
+	defer func() {
+		if r := recover(); r != nil {
+			err = j.breakDown(fmt.Errorf("journal %s is damaged: bbolt failed writing it: %v", j.path, r))
+		}
+	}()
+	return j.db.Update(func(tx *bolt.Tx) error {
+		if j.beforeWrite != nil {
+			j.beforeWrite()
+		}
+		for _, r := range group {
+			if err := apply(tx, r.ch); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+// breakDown marks the journal broken: in memory, and with a marker file next to it so that the
+// next start moves the file aside (OpenOrRecover) instead of failing on it again.
+func (j *Journal) breakDown(err error) error {
+	marker := j.path + brokenSuffix
+	if werr := os.WriteFile(marker, []byte(err.Error()+"\n"), 0o600); werr == nil {
+		_ = syncDir(filepath.Dir(j.path))
+	}
+	j.broken.Store(&err)
+	close(j.brokenCh)
+	return err
+}
+
+// Broken is closed when the journal broke (bbolt failed writing it); the agent must restart,
+// which moves the file aside.
+func (j *Journal) Broken() <-chan struct{} { return j.brokenCh }
+
+// BrokenErr says why the journal broke, or nil.
+func (j *Journal) BrokenErr() error {
+	if b := j.broken.Load(); b != nil {
+		return *b
+	}
+	return nil
 }
 
 // Key encodings: attachments by "containerID\x00ifname", addresses by "pool\x00addr".
