@@ -338,3 +338,34 @@ func value(t interface{ Fatal(...any) }, m prometheus.Metric) float64 {
 func (s *Service) metricsAbandoned() float64 { return value(nil, s.metrics.AbandonedAdds) }
 
 func (m *Metrics) connsNow() float64 { return value(nil, m.Conns) }
+
+// The hold through the service: LIST shows it and the pods it waits for; an ADD for the one
+// unreported pod settles it (its runtime asked again, so no earlier sandbox of it runs) and is
+// served at once from the freed addresses, not after --address-wait.
+func TestServiceHoldEndsOnTheUnreportedPodsADD(t *testing.T) {
+	h := newSvc(t, 30*time.Second, testV4)
+	h.hold(map[string]string{"v4": "10.1.0.0/30"})
+	h.svc.SetPods([]ipam.Pod{{Ref: ipam.PodRef{Namespace: "ns", Name: "pod-web", UID: "uid-web"}}})
+	h.svc.StartHold(time.Now().Add(time.Hour))
+	list := h.do(cniproto.Request{Op: cniproto.OpList})
+	if list.Hold == nil || list.Hold.Addresses != 4 || strings.Join(list.Hold.WaitingFor, ",") != "ns/pod-web" || list.Pools[0].Unattributed != 4 {
+		t.Fatalf("LIST during the hold: %+v %+v", list.Hold, list.Pools)
+	}
+	if value(t, h.svc.metrics.HoldActive) != 1 {
+		t.Fatal("hold metric")
+	}
+	start := time.Now()
+	resp := h.do(addReq("web"))
+	if resp.Error != nil || len(resp.IPs) != 1 {
+		t.Fatalf("ADD of the unreported pod: %+v", resp)
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Fatalf("the ADD waited %s", d)
+	}
+	if list := h.do(cniproto.Request{Op: cniproto.OpList}); list.Hold != nil || list.Pools[0].Unattributed != 0 {
+		t.Fatalf("LIST after the hold: %+v", list.Hold)
+	}
+	if value(t, h.svc.metrics.HoldActive) != 0 {
+		t.Fatal("hold metric after the hold")
+	}
+}

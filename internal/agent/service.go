@@ -556,7 +556,7 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 				if on, _ := s.st.Hold(); on {
 					s.mu.Unlock()
 					s.evaluateHold() // a pod with an ADD here settles the hold
-					s.mu.Lock()
+					continue         // which may have ended it: try again at once
 				}
 			}
 			changed := s.changed
