@@ -369,3 +369,21 @@ func TestServiceHoldEndsOnTheUnreportedPodsADD(t *testing.T) {
 		t.Fatal("hold metric after the hold")
 	}
 }
+
+// A hold that runs out with a pod that never reported raises a Warning event naming the pod.
+func TestServiceHoldDeadlineWarns(t *testing.T) {
+	h := newGCHarness(t, false, CollectorOptions{})
+	h.svc.SetPods([]ipam.Pod{{Ref: ipam.PodRef{Namespace: "ns", Name: "silent", UID: "u-silent"}}})
+	h.svc.StartHold(h.now.Add(time.Minute))
+	if on, _ := h.svc.st.Hold(); !on {
+		t.Fatal("no hold")
+	}
+	h.advance(time.Minute)
+	h.svc.evaluateHold()
+	if on, _ := h.svc.st.Hold(); on {
+		t.Fatal("the hold outlived its deadline")
+	}
+	if ev := h.rec.find("NodeIPAllocation//node-a Warning UnattributedHoldExpired"); !strings.Contains(ev, "ns/silent") {
+		t.Fatalf("events %q", h.rec.all())
+	}
+}

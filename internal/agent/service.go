@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+	corev1 "k8s.io/api/core/v1"
 
 	"github.com/ipwarden/ipwarden/internal/addr"
 	"github.com/ipwarden/ipwarden/internal/agent/gc"
@@ -279,6 +280,10 @@ func (s *Service) SetPods(pods []ipam.Pod) {
 	s.kick()
 }
 
+// ReasonHoldExpired is the Warning event on the node's NodeIPAllocation when the hold after a
+// rebuild ran out with pods that never reported their addresses.
+const ReasonHoldExpired = "UnattributedHoldExpired"
+
 // SetPodLookup sets how CNI GC reads a pod from the API server before it frees an attachment.
 func (s *Service) SetPodLookup(f func(context.Context, gc.Name) gc.Lookup) {
 	s.mu.Lock()
@@ -340,6 +345,20 @@ func (s *Service) evaluateHold() {
 		kv = append(kv, "unreported", len(d.Waiting), "firstUnreported", d.Waiting[0].String())
 	}
 	s.log.Info("unattributed hold ended: the held addresses are free", kv...)
+	if d.Reason == ipam.HoldReasonDeadline && len(d.Waiting) > 0 {
+		names := make([]string, 0, 5)
+		for i, p := range d.Waiting {
+			if i == 5 {
+				names = append(names, fmt.Sprintf("and %d more", len(d.Waiting)-5))
+				break
+			}
+			names = append(names, p.String())
+		}
+		s.gcr.event(nil, corev1.EventTypeWarning, ReasonHoldExpired, fmt.Sprintf(
+			"the hold after the journal was rebuilt ran out (--rebuild-hold) with pods that never reported their addresses (%s); "+
+				"the node's addresses of unknown owner are free again: if one of those pods runs, check it with `ipwarden check`",
+			strings.Join(names, ", ")))
+	}
 	s.kick()
 }
 
