@@ -156,6 +156,24 @@ func (p *Process) signal(sig syscall.Signal, grace time.Duration) {
 	<-done
 }
 
+// Pause stops the process (SIGSTOP), as a long GC pause or a stalled VM would; Resume
+// continues it (SIGCONT).
+func (p *Process) Pause() { p.send(syscall.SIGSTOP) }
+
+// Resume continues a paused process.
+func (p *Process) Resume() { p.send(syscall.SIGCONT) }
+
+func (p *Process) send(sig syscall.Signal) {
+	p.mu.Lock()
+	cmd, done := p.cmd, p.done
+	p.mu.Unlock()
+	select {
+	case <-done:
+	default:
+		_ = syscall.Kill(-cmd.Process.Pid, sig)
+	}
+}
+
 // Restart starts the process again with the same arguments (after Kill or Stop).
 func (p *Process) Restart() error {
 	if p.Running() {
