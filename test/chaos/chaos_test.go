@@ -63,9 +63,9 @@ type chaos struct {
 	proxy    *localcluster.Proxy
 	bins     localcluster.Binaries
 	dir      string
-	kc       string // kubeconfig through the proxy
+	kc       string                  // kubeconfig through the proxy
 	ctrls    []*localcluster.Process // two replicas, leader-elected
-	ctrlDown atomic.Bool              // the supervisor leaves them down (a fault)
+	ctrlDown atomic.Bool             // the supervisor leaves them down (a fault)
 	tracker  *check.Tracker
 	nodes    []*chaosNode
 	nodesMu  sync.RWMutex
