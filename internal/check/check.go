@@ -1,6 +1,6 @@
 // Package check is ipwarden's consistency checker: given a snapshot of the API objects (and, where
 // reachable, the agents' attachment lists) it reports every violation of the invariants in
-// DESIGN.md. It is pure; `ipwarden check` and the chaos suite feed it.
+// docs/design.md. It is pure; `ipwarden check` and the chaos suite feed it.
 package check
 
 import (
