@@ -191,9 +191,12 @@ func (p *Process) LogTail(n int) string {
 	return string(b)
 }
 
+// scrapeClient bounds a scrape: a paused process accepts the connection and never answers.
+var scrapeClient = &http.Client{Timeout: 2 * time.Second}
+
 // ScrapeSum adds up the samples of one metric on a Prometheus text endpoint (0 when unreachable).
 func ScrapeSum(url, metric string) float64 {
-	resp, err := http.Get(url)
+	resp, err := scrapeClient.Get(url)
 	if err != nil {
 		return 0
 	}
