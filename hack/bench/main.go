@@ -1,4 +1,4 @@
-// Command bench measures ipwarden against its targets (DESIGN.md "Targets") on this machine, with
+// Command bench measures ipwarden against its targets (docs/design.md "Targets") on this machine, with
 // the reference measured in the same run where one exists, and prints each figure next to its
 // goal. `make bench` runs it all.
 //

@@ -114,7 +114,9 @@ func TestDeletedRecordComesBackWithItsAddresses(t *testing.T) {
 	// The other node asks for every address there is; the restarted controller serves claims
 	// first and never gives node b what node a's pods use.
 	for i := range 40 {
-		go func() { _, _ = cni(t, "ADD", confB, fmt.Sprintf("cb%d", i), podArgs("default", fmt.Sprintf("pod-cb%d", i), fmt.Sprintf("uid-cb%d", i))) }()
+		go func() {
+			_, _ = cni(t, "ADD", confB, fmt.Sprintf("cb%d", i), podArgs("default", fmt.Sprintf("pod-cb%d", i), fmt.Sprintf("uid-cb%d", i)))
+		}()
 	}
 	startController(t)
 	waitBack()

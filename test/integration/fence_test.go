@@ -20,63 +20,45 @@ import (
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/addr"
+	"github.com/ipwarden/ipwarden/internal/check"
 	"github.com/ipwarden/ipwarden/internal/controlplane"
 )
 
-// statusWatcher watches every NodeIPAllocation and IPPool change and records what would break
-// "never two holders": an address in two nodes' statuses at once, a status that drops an address
-// its node did not list as releasing, and any status written by a given (stale) controller.
+// statusWatcher follows every NodeIPAllocation and IPPool change: a check.Tracker reports what
+// breaks "never two holders" as it happens, and it counts status writes per fence holder, so a
+// write of a stale leader that landed is seen.
 type statusWatcher struct {
-	mu         sync.Mutex
-	latest     map[string]addr.Set // node -> every address its status holds
-	violations []string
-	fences     map[string]int // status writes seen per fence holder
-	statuses   map[string]any // object -> last status seen, to tell status writes from spec writes
-	stale      string         // holder whose writes must never land once set
-	staleSeen  int
+	tracker   *check.Tracker
+	mu        sync.Mutex
+	fences    map[string]int // status writes seen per fence holder
+	statuses  map[string]any // object -> last status seen, to tell status writes from spec writes
+	stale     string         // holder whose writes must never land once set
+	staleSeen []string
 }
 
 func watchStatuses(t *testing.T) *statusWatcher {
 	t.Helper()
-	w := &statusWatcher{latest: map[string]addr.Set{}, fences: map[string]int{}, statuses: map[string]any{}}
+	w := &statusWatcher{tracker: check.NewTracker(), fences: map[string]int{}, statuses: map[string]any{}}
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
-	wc, ok := k8s.(client.WithWatch)
-	if !ok {
-		var err error
-		if wc, err = client.NewWithWatch(restConfig, client.Options{Scheme: scheme}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	nw, err := wc.Watch(ctx, &ipwardenv1.NodeIPAllocationList{})
+	wc, err := client.NewWithWatch(restConfig, client.Options{Scheme: scheme})
 	if err != nil {
 		t.Fatal(err)
 	}
+	go w.tracker.Watch(ctx, wc, func(typ watch.EventType, a *ipwardenv1.NodeIPAllocation) {
+		if a.Status.Fence != nil && typ != watch.Deleted && w.statusChanged("NodeIPAllocation "+a.Name, a.Status) {
+			w.fence(a.Status.Fence.Holder, "NodeIPAllocation "+a.Name)
+		}
+	})
 	pw, err := wc.Watch(ctx, &ipwardenv1.IPPoolList{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	go func() {
-		defer nw.Stop()
 		defer pw.Stop()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case ev, ok := <-nw.ResultChan():
-				if !ok {
-					return
-				}
-				if a, ok := ev.Object.(*ipwardenv1.NodeIPAllocation); ok {
-					w.node(ev.Type, a)
-				}
-			case ev, ok := <-pw.ResultChan():
-				if !ok {
-					return
-				}
-				if p, ok := ev.Object.(*ipwardenv1.IPPool); ok && p.Status.Fence != nil && w.statusChanged("IPPool "+p.Name, p.Status) {
-					w.fence(p.Status.Fence.Holder, "IPPool "+p.Name)
-				}
+		for ev := range pw.ResultChan() {
+			if p, ok := ev.Object.(*ipwardenv1.IPPool); ok && p.Status.Fence != nil && w.statusChanged("IPPool "+p.Name, p.Status) {
+				w.fence(p.Status.Fence.Holder, "IPPool "+p.Name)
 			}
 		}
 	}()
@@ -88,8 +70,7 @@ func (w *statusWatcher) fence(holder, what string) {
 	defer w.mu.Unlock()
 	w.fences[holder]++
 	if w.stale != "" && holder == w.stale {
-		w.staleSeen++
-		w.violations = append(w.violations, fmt.Sprintf("%s: a write of the stale leader %s landed", what, holder))
+		w.staleSeen = append(w.staleSeen, fmt.Sprintf("%s: a write of the stale leader %s landed", what, holder))
 	}
 }
 
@@ -103,45 +84,14 @@ func (w *statusWatcher) statusChanged(obj string, status any) bool {
 	return !ok || !equality.Semantic.DeepEqual(prev, status)
 }
 
-func (w *statusWatcher) node(typ watch.EventType, a *ipwardenv1.NodeIPAllocation) {
-	if a.Status.Fence != nil && typ != watch.Deleted && w.statusChanged("NodeIPAllocation "+a.Name, a.Status) {
-		w.fence(a.Status.Fence.Holder, "NodeIPAllocation "+a.Name)
-	}
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if typ == watch.Deleted {
-		delete(w.latest, a.Name)
-		return
-	}
-	var now, releasing addr.Set
-	for _, p := range a.Status.Pools {
-		s, err := addr.ParseSet(p.Addresses)
-		if err != nil {
-			w.violations = append(w.violations, fmt.Sprintf("node %s: unreadable status: %v", a.Name, err))
-			continue
-		}
-		now = now.Union(s)
-	}
-	for _, p := range a.Spec.Pools {
-		s, _ := addr.ParseSet(blockStrings(p.Releasing))
-		releasing = releasing.Union(s)
-	}
-	if dropped := w.latest[a.Name].Subtract(now).Subtract(releasing); !dropped.IsEmpty() {
-		w.violations = append(w.violations, fmt.Sprintf("node %s: status dropped %v, which its spec does not release", a.Name, dropped))
-	}
-	w.latest[a.Name] = now
-	for other, s := range w.latest {
-		if other != a.Name && s.Overlaps(now) {
-			w.violations = append(w.violations, fmt.Sprintf("%v held by nodes %s and %s at once", s.Intersect(now), a.Name, other))
-		}
-	}
-}
-
 func (w *statusWatcher) check(t *testing.T) {
 	t.Helper()
+	for _, v := range w.tracker.Violations() {
+		t.Error(v)
+	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	for _, v := range w.violations {
+	for _, v := range w.staleSeen {
 		t.Error(v)
 	}
 }
