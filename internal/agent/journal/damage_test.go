@@ -18,7 +18,7 @@ import (
 )
 
 // filled writes a journal with n attachments into a fresh directory and returns its path.
-func filled(t *testing.T, n int) (dir, path string) {
+func filled(t testing.TB, n int) (dir, path string) {
 	t.Helper()
 	dir = t.TempDir()
 	j := open(t, dir, "node-a")
@@ -332,4 +332,43 @@ func TestWritePanicBreaksTheJournal(t *testing.T) {
 	if _, err := os.Stat(path + brokenSuffix); !os.IsNotExist(err) {
 		t.Fatalf("marker left: %v", err)
 	}
+}
+
+// FuzzOpenOrRecover: whatever bytes the journal file holds, the agent gets an open, usable
+// journal (the file moved aside if it is not a journal it can read), never a crash.
+func FuzzOpenOrRecover(f *testing.F) {
+	_, path := filled(f, 5)
+	good, err := os.ReadFile(path)
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Add(good, uint32(0), uint32(0))
+	f.Add(good, uint32(3*os.Getpagesize()), uint32(200))
+	f.Add(good[:len(good)/2], uint32(0), uint32(0))
+	f.Add([]byte("not a journal"), uint32(0), uint32(0))
+	f.Fuzz(func(t *testing.T, data []byte, at, n uint32) {
+		if len(data) > 1<<20 {
+			return
+		}
+		b := append([]byte(nil), data...)
+		// Flip n bytes from at on, so mutations of a real journal reach its pages.
+		for i := uint32(0); i < n && int(at)+int(i) < len(b); i++ {
+			b[int(at)+int(i)] ^= 0xA5
+		}
+		dir := t.TempDir()
+		if err := os.WriteFile(filepath.Join(dir, FileName), b, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		j, _, _, err := OpenOrRecover(dir, Options{Node: "node-a"}, time.Now())
+		if err != nil {
+			if strings.Contains(err.Error(), "belongs to node") {
+				return // a valid journal of another node: refused, not damaged
+			}
+			t.Fatalf("OpenOrRecover: %v", err)
+		}
+		defer j.Close()
+		if err := j.Commit(ipam.Change{DeletePools: []string{"x"}}); err != nil {
+			t.Fatalf("commit: %v", err)
+		}
+	})
 }
