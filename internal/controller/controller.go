@@ -21,7 +21,6 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
-	"github.com/ipwarden/ipwarden/internal/addr"
 )
 
 // Options tune the controller. Zero values take the defaults in brackets.
@@ -589,29 +588,12 @@ func (c *Controller) confirmGone(ctx context.Context, name string, allocExists b
 	}
 	now := c.opts.Now()
 	c.mu.Lock()
-	held := c.state.HeldBy(name)
-	for pool, set := range held {
-		c.state.RecordCooling(pool, set, now.Add(c.state.CooldownOf(pool)))
-	}
+	released := c.state.HeldBy(name)
+	q := c.state.StartNodeGone(name, allocExists, now)
 	c.mu.Unlock()
-	for pool := range held {
-		if err := c.flushPool(ctx, pool); err != nil {
-			return fmt.Errorf("record cooling addresses of deleted node: %w", err)
-		}
+	if err := c.run(ctx, q, alloc); err != nil {
+		return fmt.Errorf("return the addresses of deleted node %s: %w", name, err)
 	}
-	if allocExists {
-		if err := c.guard(); err != nil {
-			return err
-		}
-		err := c.writer.Delete(ctx, alloc, client.Preconditions{UID: &alloc.UID})
-		c.countWrite("nodeipallocations", "delete", err)
-		if err != nil && !apierrors.IsNotFound(err) {
-			return fmt.Errorf("delete NodeIPAllocation of deleted node: %w", err)
-		}
-	}
-	c.mu.Lock()
-	released := c.state.ReleaseNode(name, now)
-	c.mu.Unlock()
 	total := 0
 	for pool, set := range released {
 		n := count(set)
@@ -632,11 +614,11 @@ func (c *Controller) confirmGone(ctx context.Context, name string, allocExists b
 	return nil
 }
 
-// fill writes one node's status: released addresses leave, new ones arrive. On a conflict it
-// retries from a fresh read; on an unknown outcome it keeps the new addresses reserved.
+// fill writes one node's status: released addresses leave, new ones arrive. The order of the
+// writes and what each outcome means come from the step machine (State.StartFill, steps.go); this
+// loop only performs them. On a conflict it starts over from a fresh read.
 func (c *Controller) fill(ctx context.Context, alloc *ipwardenv1.NodeIPAllocation) error {
 	name := alloc.Name
-	fresh := false
 	// Addresses left pending by a write whose outcome was unknown are settled against a fresh
 	// read first: planning from the record alone would write a status without them even if the
 	// earlier write landed and the node already hands them out.
@@ -648,61 +630,26 @@ func (c *Controller) fill(ctx context.Context, alloc *ipwardenv1.NodeIPAllocatio
 		if err := c.reader.Get(ctx, client.ObjectKey{Name: name}, alloc); err != nil {
 			return fmt.Errorf("re-read NodeIPAllocation to settle an unknown write: %w", err)
 		}
-		fresh = true
+		c.mu.Lock()
+		c.state.ResolvePending(name, alloc.Status)
+		c.mu.Unlock()
 	}
 	for attempt := 0; ; attempt++ {
-		now := c.opts.Now()
 		c.mu.Lock()
-		if fresh {
-			c.state.ResolvePending(name, alloc.Status)
-		}
-		f := c.state.PlanFill(name, alloc.Spec, now)
-		status := NodeStatus(alloc.Status, alloc.Spec, alloc.Generation, f)
-		status.Fence = alloc.Status.Fence // a new leader does not rewrite every status to stamp it
-		if !f.Changed() && equality.Semantic.DeepEqual(status, alloc.Status) {
-			c.state.Abort(f, true)
-			c.mu.Unlock()
-			c.updateNodeMetrics(name, alloc.Spec, f)
-			return nil
-		}
-		removals := map[string]addr.Set{}
-		for pool, pf := range f.Pools {
-			if !pf.Removed.IsEmpty() {
-				removals[pool] = pf.Removed
-				c.state.RecordCooling(pool, pf.Removed, now.Add(c.state.CooldownOf(pool)))
-			}
-		}
+		q := c.state.StartFill(name, alloc, c.opts.Now())
 		c.mu.Unlock()
-
-		// Write-ahead: the pools record the released addresses as cooling before the node's
-		// status drops them.
-		for pool := range removals {
-			if err := c.flushPool(ctx, pool); err != nil {
-				c.mu.Lock()
-				c.state.Abort(f, true)
-				c.mu.Unlock()
-				return fmt.Errorf("record cooling addresses in pool %s: %w", pool, err)
-			}
-		}
-		obj := alloc.DeepCopy()
-		obj.Status = status
-		obj.Status.Fence = c.fence.Stamp()
-		err := c.guard()
-		if err == nil {
-			err = c.written(c.writer.Status().Update(ctx, obj))
-			c.countWrite("nodeipallocations/status", "update", err)
-		}
-		if err == nil {
-			c.mu.Lock()
-			c.state.Commit(f, now)
-			c.mu.Unlock()
-			c.afterFill(alloc, f)
+		err := c.run(ctx, q, alloc)
+		switch q.Result() {
+		case NoChange:
+			c.updateNodeMetrics(name, alloc.Spec, q.Fill())
 			return nil
-		}
-		if apierrors.IsConflict(err) && attempt < 3 {
-			c.mu.Lock()
-			c.state.Abort(f, true)
-			c.mu.Unlock()
+		case Committed:
+			c.afterFill(alloc, q.Fill())
+			return nil
+		case Retry:
+			if attempt >= 3 {
+				return fmt.Errorf("write NodeIPAllocation status: %w", err)
+			}
 			alloc = &ipwardenv1.NodeIPAllocation{}
 			if err := c.reader.Get(ctx, client.ObjectKey{Name: name}, alloc); err != nil {
 				return fmt.Errorf("re-read NodeIPAllocation after a conflict: %w", err)
@@ -712,15 +659,74 @@ func (c *Controller) fill(ctx context.Context, alloc *ipwardenv1.NodeIPAllocatio
 				c.fenced("local", err)
 				return err
 			}
-			fresh = true
 			continue
+		default:
+			c.events.Eventf(alloc, corev1.EventTypeWarning, "FillFailed", "could not write the node's addresses: %v", err)
+			return err
 		}
+	}
+}
+
+// run performs a sequence's steps in order and reports each outcome back to it; it returns the
+// error of the step that ended it, if any.
+func (c *Controller) run(ctx context.Context, q *Sequence, alloc *ipwardenv1.NodeIPAllocation) error {
+	for {
 		c.mu.Lock()
-		// A fenced write, like a conflict, was refused before it was stored: nothing was published.
-		c.state.Abort(f, apierrors.IsConflict(err) || apierrors.IsInvalid(err) || apierrors.IsNotFound(err) || errors.Is(err, ErrFenced))
+		step, ok := q.Next()
 		c.mu.Unlock()
-		c.events.Eventf(alloc, corev1.EventTypeWarning, "FillFailed", "could not write the node's addresses: %v", err)
-		return fmt.Errorf("write NodeIPAllocation status: %w", err)
+		if !ok {
+			return nil
+		}
+		err := c.perform(ctx, step, alloc)
+		c.mu.Lock()
+		q.Advance(OutcomeOf(err))
+		c.mu.Unlock()
+		if err != nil {
+			return fmt.Errorf("%s of %s: %w", step.Kind, step.Node, err)
+		}
+	}
+}
+
+// perform does one step's write.
+func (c *Controller) perform(ctx context.Context, step Step, alloc *ipwardenv1.NodeIPAllocation) error {
+	if err := c.guard(); err != nil {
+		return err
+	}
+	switch step.Kind {
+	case StepPoolStatus:
+		return c.flushPool(ctx, step.Pool)
+	case StepNodeStatus:
+		obj := alloc.DeepCopy()
+		obj.Status = step.Status
+		obj.Status.Fence = c.fence.Stamp()
+		err := c.written(c.writer.Status().Update(ctx, obj))
+		c.countWrite("nodeipallocations/status", "update", err)
+		return err
+	case StepDeleteAllocation:
+		err := c.writer.Delete(ctx, alloc, client.Preconditions{UID: &alloc.UID})
+		c.countWrite("nodeipallocations", "delete", err)
+		if apierrors.IsNotFound(err) {
+			return nil
+		}
+		return err
+	}
+	return fmt.Errorf("unknown step %v", step.Kind)
+}
+
+// OutcomeOf maps a write's error to the step machine's outcome: a conflict, a definite
+// refusal (invalid, not found, forbidden, fenced), or an unknown outcome (timeouts, lost
+// connections, server errors after the request may have been applied).
+func OutcomeOf(err error) Outcome {
+	switch {
+	case err == nil:
+		return Landed
+	case apierrors.IsConflict(err):
+		return Conflict
+	case errors.Is(err, ErrFenced), apierrors.IsInvalid(err), apierrors.IsNotFound(err), apierrors.IsForbidden(err),
+		apierrors.IsBadRequest(err), apierrors.IsAlreadyExists(err):
+		return Rejected
+	default:
+		return Unknown
 	}
 }
 

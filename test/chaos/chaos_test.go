@@ -67,6 +67,7 @@ type chaos struct {
 	ctrls    []*localcluster.Process // two replicas, leader-elected
 	ctrlDown atomic.Bool             // the supervisor leaves them down (a fault)
 	tracker  *check.Tracker
+	quiet    sync.RWMutex // held for reading by each lifecycle, for writing by the etcd rewind
 	nodes    []*chaosNode
 	nodesMu  sync.RWMutex
 	seq      atomic.Int64
@@ -312,6 +313,8 @@ func (x *chaos) pickNode() *chaosNode {
 
 // lifecycle is one pod: bound to a node, ADD, running a while, then an ending.
 func (x *chaos) lifecycle(ctx context.Context) {
+	x.quiet.RLock() // an etcd rewind waits for lifecycles in flight
+	defer x.quiet.RUnlock()
 	n := x.pickNode()
 	id := x.seq.Add(1)
 	name := fmt.Sprintf("pod-%05d", id)
@@ -427,12 +430,24 @@ func (x *chaos) deletePod(name string) {
 
 // faults injects one fault every 1-3 s until ctx ends; halfway through, a node is deleted.
 func (x *chaos) faults(ctx context.Context) {
-	deletedNode := false
-	half := time.Now().Add(*duration / 2)
+	deletedNode, snapshotted, rewound := false, false, false
+	start := time.Now()
+	half := start.Add(*duration / 2)
+	snapshot := filepath.Join(x.dir, "etcd.snapshot")
 	for {
 		if !deletedNode && time.Now().After(half) {
 			deletedNode = true
 			x.deleteNode()
+		}
+		if !snapshotted && time.Since(start) > *duration/8 {
+			snapshotted = true
+			if err := x.cp.SnapshotEtcd(context.Background(), snapshot); err != nil {
+				x.problem("etcd snapshot: %v", err)
+			}
+		}
+		if snapshotted && !rewound && time.Since(start) > *duration/3 {
+			rewound = true
+			x.rewind(snapshot)
 		}
 		select {
 		case <-ctx.Done():
@@ -487,6 +502,47 @@ func (x *chaos) faults(ctx context.Context) {
 			x.inc("watch connections cut")
 			x.proxy.Cut()
 		}
+	}
+}
+
+// rewind restores etcd from the snapshot taken earlier in the run, by Kubernetes' documented
+// procedure (revision bumped and compacted, API server restarted), under running agents whose
+// pods' addresses are newer than the snapshot. Pod objects rewind too; the harness then does what
+// kubelets would: pods the API no longer has are torn down (CNI DEL), pods it has again that no
+// longer run are deleted. Lifecycles in flight finish first, so the ledger stays exact.
+func (x *chaos) rewind(snapshot string) {
+	x.quiet.Lock()
+	defer x.quiet.Unlock()
+	x.inc("etcd restored from a snapshot")
+	if err := x.cp.RestoreEtcd(context.Background(), snapshot); err != nil {
+		x.problem("etcd restore: %v", err)
+		return
+	}
+	var pods corev1.PodList
+	if err := retry(60*time.Second, func() error { return x.c.List(context.Background(), &pods) }); err != nil {
+		x.problem("list pods after the restore: %v", err)
+		return
+	}
+	inAPI := map[string]bool{}
+	for _, p := range pods.Items {
+		inAPI[p.Name] = true
+		if _, running := x.running[p.Name]; !running {
+			x.deletePod(p.Name) // deleted after the snapshot: it came back, but nothing runs it
+		}
+	}
+	x.liveMu.Lock()
+	defer x.liveMu.Unlock()
+	for name, pr := range x.running {
+		if inAPI[name] {
+			continue
+		}
+		// Created after the snapshot: the API no longer has it, so its kubelet stops it.
+		_ = retry(20*time.Second, func() error { return pr.node.net.Del(context.Background(), pr.pod) })
+		for _, ip := range pr.ips {
+			delete(x.live, ip)
+		}
+		delete(x.running, name)
+		x.inc("running pods stopped by the rewind")
 	}
 }
 
@@ -626,7 +682,8 @@ func (x *chaos) quiesce() {
 		}
 	}
 	faults := []string{"kill -9 agent", "kill -9 controller", "leader paused past its lease", "NodeIPAllocation deleted (controllers up)",
-		"NodeIPAllocation deleted (controllers down)", "API server restart", "etcd restart", "watch connections cut", "node deleted mid-churn"}
+		"NodeIPAllocation deleted (controllers down)", "API server restart", "etcd restart", "etcd restored from a snapshot",
+		"watch connections cut", "node deleted mid-churn"}
 	var total int64
 	for _, f := range faults {
 		total += x.count(f)
@@ -642,6 +699,7 @@ func (x *chaos) quiesce() {
 	violations := x.tracker.Violations()
 	t.Logf("  watcher: moments an address was in two statuses or a status dropped an unreleased address: %d", len(violations))
 	t.Logf("  controller exits (fenced or lease lost), restarted by the supervisor: %d", x.count("controller restarts"))
+	t.Logf("  running pods stopped because the etcd restore removed their Pod objects: %d", x.count("running pods stopped by the rewind"))
 	for _, v := range violations {
 		t.Errorf("status watcher: %s", v)
 	}
