@@ -46,7 +46,11 @@ serves only then. The controller creates the NodeIPAllocation; the agent waits f
 
 Leak collection: addresses of pods that are gone come back without a CNI DEL.
   - When a pod bound to the node is deleted, the attachments recorded for its UID are freed
-    (a new pod under the same name, as a StatefulSet makes, keeps its own).
+    once its sandbox is gone too: the network namespace path passed at ADD no longer exists
+    (a namespace that still exists keeps its address, whatever the Pod object says). When the
+    agent cannot check the path it frees them --gc-sandbox-grace after the pod is gone; when
+    no path was recorded (older journals), --gc-grace after. A new pod under the same name,
+    as a StatefulSet makes, keeps its own.
   - Every --gc-full-check-interval the journal is compared with the node's pods; attachments
     older than --gc-grace whose pod is missing are freed.
   - The CNI GC verb frees attachments older than --gc-grace that the runtime no longer lists.
@@ -72,6 +76,11 @@ pod, or on the node's NodeIPAllocation when the pod object is gone from the agen
 		"an attachment younger than this is never freed by the full check or by CNI GC (its pod may not be in the agent's cache yet); the deletion of its pod, matched by UID, frees it at any age")
 	fs.DurationVar(&f.cfg.GCFullCheckInterval, "gc-full-check-interval", 5*time.Minute,
 		"how often the leak collector compares the whole journal with the node's pods (the backstop for missed pod deletions, e.g. while the agent was down)")
+	fs.DurationVar(&f.cfg.GCSandboxGrace, "gc-sandbox-grace", 10*time.Minute,
+		"a deleted pod's addresses are freed at once only when the network namespace its runtime passed at ADD (CNI_NETNS) no longer exists; "+
+			"when the agent cannot check that path (see --netns-dirs) they are freed this long after the pod is gone, and a namespace that still exists this long after is reported (event IPAddressSandboxOutlivesPod) and kept")
+	fs.StringSliceVar(&f.cfg.NetnsDirs, "netns-dirs", agent.DefaultNetnsDirs,
+		"directories in which the agent sees pods' network namespaces (mount the host's read-only, with HostToContainer propagation)")
 	fs.BoolVar(&f.cfg.GCDryRun, "gc-dry-run", false,
 		"leak collection and CNI GC only report what they would free (log, IPAddressGarbageCollectionDryRun events, ipwarden_agent_gc_dry_run_total) and free nothing")
 	gofs := goflag.NewFlagSet("zap", goflag.ContinueOnError)
@@ -93,6 +102,9 @@ func runAgent(ctx context.Context, f *agentFlags) error {
 	}
 	if f.cfg.GCGrace < 0 {
 		return fmt.Errorf("--gc-grace %s: must not be negative", f.cfg.GCGrace)
+	}
+	if f.cfg.GCSandboxGrace <= 0 {
+		return fmt.Errorf("--gc-sandbox-grace %s: must be positive", f.cfg.GCSandboxGrace)
 	}
 	if f.cfg.GCFullCheckInterval <= 0 {
 		return fmt.Errorf("--gc-full-check-interval %s: must be positive", f.cfg.GCFullCheckInterval)

@@ -88,7 +88,14 @@ type Config struct {
 	GCFullCheckInterval time.Duration
 	// GCDryRun: the leak collector and CNI GC report what they would free and free nothing.
 	GCDryRun bool
-	Log      logr.Logger
+	// GCSandboxGrace: a gone pod's attachment whose network namespace the agent cannot check is
+	// freed this long after the pod was gone; one whose namespace still exists is reported then
+	// (and kept). Default 10m.
+	GCSandboxGrace time.Duration
+	// NetnsDirs are the directories in which the agent sees pods' network namespaces (default
+	// DefaultNetnsDirs).
+	NetnsDirs []string
+	Log       logr.Logger
 }
 
 // Run runs the agent until ctx ends.
@@ -146,7 +153,8 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	defer events.Shutdown()
 	svc.SetEvents(events.NewRecorder(eventScheme(cfg.Scheme), corev1.EventSource{Component: "ipwarden-agent", Host: cfg.Node}), kube.NodeRef)
-	collector := NewCollector(svc, kube, CollectorOptions{Grace: cfg.GCGrace, FullCheckInterval: cfg.GCFullCheckInterval, Log: log.WithName("gc")})
+	collector := NewCollector(svc, kube, CollectorOptions{Grace: cfg.GCGrace, FullCheckInterval: cfg.GCFullCheckInterval,
+		SandboxGrace: cfg.GCSandboxGrace, NetnsDirs: cfg.NetnsDirs, Log: log.WithName("gc")})
 	kube.OnPodDelete(collector.OnPodDelete)
 	if err := kube.Start(ctx); err != nil {
 		return err

@@ -34,6 +34,12 @@ type Metrics struct {
 	GCDeleteToFree *prometheus.HistogramVec
 	GCFullChecks   prometheus.Counter
 	GCQueueDepth   prometheus.Gauge
+	// GCSandboxHeld counts decisions to keep a gone pod's attachment because its sandbox may
+	// still run, by what the agent could tell of its network namespace.
+	GCSandboxHeld *prometheus.CounterVec
+	// GCSandboxOutlived is the number of attachments whose pod is gone while their network
+	// namespace still exists past --gc-sandbox-grace.
+	GCSandboxOutlived prometheus.Gauge
 
 	pools map[string]bool // pool labels set by setPools
 }
@@ -87,6 +93,13 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Full checks of the journal against the pods (--gc-full-check-interval)."}),
 		GCQueueDepth: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "gc_queue_depth",
 			Help: "Pod names waiting in the leak collector's work queue."}),
+		GCSandboxHeld: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "gc_sandbox_held_total",
+			Help: "Times the leak collector kept a gone pod's attachment because its sandbox may still run, by what it could tell of the network namespace (exists, unknown, unrecorded)."}, []string{"netns"}),
+		GCSandboxOutlived: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "gc_sandbox_outlived_attachments",
+			Help: "Attachments whose pod is gone while their network namespace still exists past --gc-sandbox-grace (held; a sandbox the runtime did not stop)."}),
+	}
+	for _, sb := range []string{"exists", "unknown", "unrecorded"} {
+		m.GCSandboxHeld.WithLabelValues(sb)
 	}
 	for _, path := range []string{PathEvent, PathFullCheck, PathCNIGC} {
 		for _, v := range []*prometheus.CounterVec{m.GCCandidates, m.GCCollected, m.GCKept, m.GCFailed, m.GCDryRun} {
@@ -96,7 +109,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	if reg != nil {
 		reg.MustRegister(m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict,
 			m.Attachments, m.OpDuration, m.IPWait, m.JournalWrite, m.Errors, m.SpecWrites, m.Conflicts,
-			m.GCCandidates, m.GCCollected, m.GCKept, m.GCFailed, m.GCDryRun, m.GCDeleteToFree, m.GCFullChecks, m.GCQueueDepth)
+			m.GCCandidates, m.GCCollected, m.GCKept, m.GCFailed, m.GCDryRun, m.GCDeleteToFree, m.GCFullChecks, m.GCQueueDepth,
+			m.GCSandboxHeld, m.GCSandboxOutlived)
 	}
 	return m
 }

@@ -282,7 +282,7 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) *cniproto.Respo
 	unlock := s.keys.lock(key)
 	defer unlock()
 
-	areq := ipam.AddRequest{Key: key, Network: req.Network, Pools: req.Pools,
+	areq := ipam.AddRequest{Key: key, Network: req.Network, Netns: req.Netns, Pools: req.Pools,
 		Pod: ipam.PodRef{Namespace: req.Pod.Namespace, Name: req.Pod.Name, UID: req.Pod.UID}}
 	start := s.now()
 	deadline := start.Add(s.addressWait)

@@ -92,7 +92,8 @@ func (a *agentProcess) start(t *testing.T, args ...string) {
 		t.Fatal(err)
 	}
 	base := []string{"agent", "--kubeconfig", kubeconfigPath, "--node-name", a.node, "--socket", a.socket,
-		"--state-dir", a.stateDir, "--metrics-bind-address", a.metrics, "--health-probe-bind-address=0", "--zap-log-level=debug"}
+		"--state-dir", a.stateDir, "--metrics-bind-address", a.metrics, "--health-probe-bind-address=0", "--zap-log-level=debug",
+		"--netns-dirs", netnsDir}
 	a.cmd = exec.Command(ipwardenBinary(t), append(base, args...)...)
 	a.cmd.Stdout, a.cmd.Stderr = logf, logf
 	a.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
@@ -214,11 +215,18 @@ func pluginConf(version, socket string, pools ...string) string {
 	return string(b)
 }
 
-// cni runs the real plugin binary for one verb and returns its result or its CNI error.
+// cni runs the real plugin binary for one verb and returns its result or its CNI error. Its
+// CNI_NETNS is a namespace path that does not exist.
 func cni(t *testing.T, verb, conf, containerID string, podArgs string) (*cniResult, *cnitypes.Error) {
 	t.Helper()
+	return cniIn(t, verb, conf, containerID, podArgs, filepath.Join(netnsDir, "none"))
+}
+
+// cniIn is cni with the network namespace path netns as CNI_NETNS.
+func cniIn(t *testing.T, verb, conf, containerID, podArgs, netns string) (*cniResult, *cnitypes.Error) {
+	t.Helper()
 	cmd := exec.Command(cniBinary(t))
-	cmd.Env = []string{"CNI_COMMAND=" + verb, "CNI_CONTAINERID=" + containerID, "CNI_NETNS=/var/run/netns/none",
+	cmd.Env = []string{"CNI_COMMAND=" + verb, "CNI_CONTAINERID=" + containerID, "CNI_NETNS=" + netns,
 		"CNI_NETNS_OVERRIDE=1", "CNI_IFNAME=eth0", "CNI_PATH=/opt/cni/bin", "CNI_ARGS=" + podArgs}
 	cmd.Stdin = strings.NewReader(conf)
 	var out, errOut bytes.Buffer

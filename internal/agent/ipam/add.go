@@ -13,7 +13,9 @@ import (
 type AddRequest struct {
 	Key     Key
 	Network string
-	Pod     PodRef
+	// Netns is CNI_NETNS, recorded in the attachment.
+	Netns string
+	Pod   PodRef
 	// Pools to draw one address each from, in order; empty means the pools that select the node.
 	Pools []string
 }
@@ -171,7 +173,7 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 			ch.DeleteAttachments = append(ch.DeleteAttachments, ph.Key)
 		}
 	}
-	att := &Attachment{Key: req.Key, Network: req.Network, Pod: req.Pod, Addresses: picks, Created: now}
+	att := &Attachment{Key: req.Key, Network: req.Network, Pod: req.Pod, Addresses: picks, Created: now, Netns: req.Netns}
 	s.putAttachment(att)
 	s.pending[req.Key] = u
 	delete(s.waiters, req.Key)

@@ -66,6 +66,10 @@ type Attachment struct {
 	// Rebuilt is set for attachments recorded from a pod's status.podIPs because the journal
 	// had lost them; their container ID is unknown (see RebuiltKey).
 	Rebuilt bool `json:"rebuilt,omitempty"`
+	// Netns is the network namespace path the runtime passed in CNI_NETNS: the leak collector
+	// frees a gone pod's attachment at once only when this path no longer exists (package gc).
+	// Empty in journals written before it was recorded.
+	Netns string `json:"netns,omitempty"`
 }
 
 // clone returns a deep copy of a.
