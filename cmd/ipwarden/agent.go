@@ -40,9 +40,13 @@ socket from the addresses its node holds, records every assignment in a durable 
 (<state-dir>/journal.db) before it answers, and keeps the node's request in its NodeIPAllocation
 right-sized: target = batch * ceil(buffer + demand/batch) per pool, clamped at maxPerNode.
 
-On start it reloads the journal, reconciles it with the NodeIPAllocation status and the pods
-bound to the node (rebuilding attachments from their status.podIPs if the journal was lost), and
-serves only then. The controller creates the NodeIPAllocation; the agent waits for it.
+On start it reloads the journal and serves at once from it: DEL, and ADD from the addresses the
+journal holds, even while the API server is away. In the background it takes the node's Lease
+(ipwarden-agent-<node> in --lease-namespace; while another agent holds it, this one refuses ADD
+and names the holder), reconciles the journal with the NodeIPAllocation status and the pods bound
+to the node (rebuilding attachments from their status.podIPs if the journal was lost; a new or
+lost journal serves ADD only after that), and only then publishes its request and collects
+leaks. The controller creates the NodeIPAllocation; the agent waits for it.
 
 Leak collection: addresses of pods that are gone come back without a CNI DEL.
   - When a pod bound to the node is deleted, the attachments recorded for its UID are freed
@@ -81,6 +85,8 @@ pod, or on the node's NodeIPAllocation when the pod object is gone from the agen
 			"when the agent cannot check that path (see --netns-dirs) they are freed this long after the pod is gone, and a namespace that still exists this long after is reported (event IPAddressSandboxOutlivesPod) and kept")
 	fs.StringSliceVar(&f.cfg.NetnsDirs, "netns-dirs", agent.DefaultNetnsDirs,
 		"directories in which the agent sees pods' network namespaces (mount the host's read-only, with HostToContainer propagation)")
+	fs.StringVar(&f.cfg.LeaseNamespace, "lease-namespace", orDefault(os.Getenv("POD_NAMESPACE"), "default"),
+		"namespace of the node's Lease ipwarden-agent-<node> (one agent per node; default $POD_NAMESPACE, else default)")
 	fs.BoolVar(&f.cfg.GCDryRun, "gc-dry-run", false,
 		"leak collection and CNI GC only report what they would free (log, IPAddressGarbageCollectionDryRun events, ipwarden_agent_gc_dry_run_total) and free nothing")
 	gofs := goflag.NewFlagSet("zap", goflag.ContinueOnError)
@@ -207,6 +213,13 @@ func printList(w io.Writer, resp *cniproto.Response) error {
 			time.Since(a.Created).Round(time.Second), note)
 	}
 	return tw.Flush()
+}
+
+func orDefault(s, def string) string {
+	if s == "" {
+		return def
+	}
+	return s
 }
 
 func orDash(s string) string {

@@ -53,6 +53,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"time"
 
@@ -95,7 +96,9 @@ type Config struct {
 	// NetnsDirs are the directories in which the agent sees pods' network namespaces (default
 	// DefaultNetnsDirs).
 	NetnsDirs []string
-	Log       logr.Logger
+	// LeaseNamespace holds the node's Lease ipwarden-agent-<node> (one agent per node).
+	LeaseNamespace string
+	Log            logr.Logger
 }
 
 // Run runs the agent until ctx ends.
@@ -135,7 +138,13 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 
 	svc := NewService(st, j, ServiceOptions{Node: cfg.Node, AddressWait: cfg.AddressWait, GCGrace: cfg.GCGrace, GCDryRun: cfg.GCDryRun,
-		Log: log.WithName("service"), Metrics: metrics})
+		LeaseNamespace: cfg.LeaseNamespace, Gated: true, Log: log.WithName("service"), Metrics: metrics})
+	offline := st.CanServeOffline()
+	svc.gate.setOffline(offline)
+	identity, err := Identity(cfg.StateDir)
+	if err != nil {
+		return err
+	}
 	if err := ServeHTTP(ctx, cfg.MetricsAddr, MetricsHandler(reg), log); err != nil {
 		return fmt.Errorf("metrics endpoint: %w", err)
 	}
@@ -156,20 +165,101 @@ func Run(ctx context.Context, cfg Config) error {
 	collector := NewCollector(svc, kube, CollectorOptions{Grace: cfg.GCGrace, FullCheckInterval: cfg.GCFullCheckInterval,
 		SandboxGrace: cfg.GCSandboxGrace, NetnsDirs: cfg.NetnsDirs, Log: log.WithName("gc")})
 	kube.OnPodDelete(collector.OnPodDelete)
-	if err := kube.Start(ctx); err != nil {
+
+	// Serve from the journal first: DEL at once, ADD from the addresses the journal holds (see
+	// gate), whether or not the API server answers.
+	if err := waitSocketFree(ctx, cfg.Socket, log); err != nil {
 		return err
 	}
+	l, err := Listen(cfg.Socket)
+	if err != nil {
+		return err
+	}
+	defer os.Remove(cfg.Socket)
+	svc.SetReady(true)
+	log.Info("serving CNI requests from the journal", "socket", cfg.Socket, "addFromJournal", offline, "identity", identity)
+	served := make(chan error, 1)
+	go func() { served <- Serve(ctx, l, svc, cfg.AddressWait+30*time.Second, log.WithName("socket")) }()
+
+	// Then reach the API server, in the background of the socket: informers, the node's Lease,
+	// the NodeIPAllocation, reconciliation. Leak collection and spec publishing wait for it.
+	gcCtx, stopGC := context.WithCancel(ctx)
+	defer stopGC()
+	collected := make(chan struct{})
+	go func() {
+		defer close(collected)
+		if err := catchUp(gcCtx, cfg, svc, kube, identity, collector, log); err != nil && gcCtx.Err() == nil {
+			log.Error(err, "reconciliation with the API server failed")
+		}
+	}()
+	err = <-served
+	stopGC()
+	<-collected // no free in flight when the journal closes
+	return err
+}
+
+// catchUp connects the agent to the API server, retrying while it is away: it starts the
+// informers, takes the node's Lease (waiting while another agent holds it), waits for the
+// NodeIPAllocation, reconciles, and then runs the pool monitor, the watch loop and the leak
+// collector until ctx ends.
+func catchUp(ctx context.Context, cfg Config, svc *Service, kube *Kube, identity string, collector *Collector, log logr.Logger) error {
+	backoff := 500 * time.Millisecond
+	var lastLog time.Time
+	for {
+		err := kube.Start(ctx)
+		if err == nil {
+			break
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		svc.gate.setAPIError(err)
+		if time.Since(lastLog) > 10*time.Second {
+			log.Info("waiting for the API server; serving from the journal meanwhile", "error", err.Error(), "retryIn", backoff.String())
+			lastLog = time.Now()
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, 10*time.Second)
+	}
+	lease := NewNodeLease(kube.API(), cfg.LeaseNamespace, cfg.Node, identity, svc, log.WithName("lease"))
+	leaseDone := make(chan struct{})
+	go func() {
+		defer close(leaseDone)
+		lease.Run(ctx)
+	}()
+	defer func() { <-leaseDone }() // the Lease is given up before the journal closes
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-lease.Held():
+	}
+	svc.gate.setStage("waiting for the controller to create NodeIPAllocation " + cfg.Node)
 	if err := kube.WaitForAllocation(ctx); err != nil {
 		return err
 	}
-	pods, err := kube.Push(ctx)
-	if err != nil {
-		return fmt.Errorf("start-up reconciliation: %w", err)
+	svc.gate.setStage("reconciling with the API server")
+	var pods []ipam.Pod
+	for {
+		var err error
+		if pods, err = kube.Push(ctx); err == nil {
+			break
+		}
+		log.Error(err, "start-up reconciliation failed; retrying")
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(2 * time.Second):
+		}
 	}
 	n, err := svc.Rebuild(pods)
 	if err != nil {
 		return err
 	}
+	svc.gate.setSynced()
 	svc.With(func(st *ipam.State) {
 		log.Info("reconciled with the API server", "pools", st.Served(), "attachments", st.NumAttachments(), "rebuiltFromPods", n)
 		for _, want := range cfg.Pools {
@@ -178,31 +268,36 @@ func Run(ctx context.Context, cfg Config) error {
 			}
 		}
 	})
-
 	mon := NewMonitor(svc, kube, cfg.Resync, log.WithName("monitor"))
 	svc.SetKick(mon.Kick)
 	if err := mon.Round(ctx); err != nil {
 		log.Error(err, "first pool monitor round failed; retrying in the background")
 	}
-	l, err := Listen(cfg.Socket)
-	if err != nil {
-		return err
-	}
-	defer os.Remove(cfg.Socket)
-	svc.SetReady(true)
-	log.Info("serving CNI requests", "socket", cfg.Socket)
 	go mon.Run(ctx)
 	go kube.Run(ctx)
-	gcCtx, stopGC := context.WithCancel(ctx)
-	collected := make(chan struct{})
-	go func() {
-		defer close(collected)
-		collector.Run(gcCtx)
-	}()
-	err = Serve(ctx, l, svc, cfg.AddressWait+30*time.Second, log.WithName("socket"))
-	stopGC()
-	<-collected // no free in flight when the journal closes
-	return err
+	collector.Run(ctx)
+	return nil
+}
+
+// waitSocketFree waits while another agent answers on socket (a second agent for the node with
+// another journal must not take the socket from the one serving); a stale socket file is replaced
+// by Listen.
+func waitSocketFree(ctx context.Context, socket string, log logr.Logger) error {
+	for i := 0; ; i++ {
+		c, err := net.DialTimeout("unix", socket, time.Second)
+		if err != nil {
+			return nil
+		}
+		c.Close()
+		if i%15 == 0 {
+			log.Error(nil, "another process answers on the agent's socket (a second agent for this node?); waiting for it to stop", "socket", socket)
+		}
+		select {
+		case <-ctx.Done():
+			return context.Cause(ctx)
+		case <-time.After(2 * time.Second):
+		}
+	}
 }
 
 // newEventBroadcaster sends events to the API server (core/v1 Events).

@@ -45,6 +45,7 @@ type Service struct {
 
 	keys  keyLocks
 	ready atomic.Bool
+	gate  gate
 	// conflicts remembers reported conflicts so each is logged once.
 	conflicts map[ipam.Address]ipam.Key
 }
@@ -59,6 +60,11 @@ type ServiceOptions struct {
 	GCGrace time.Duration
 	// GCDryRun makes the leak collector and CNI GC report what they would free and free nothing.
 	GCDryRun bool
+	// LeaseNamespace is the namespace of the node's Lease, for error messages.
+	LeaseNamespace string
+	// Gated: ADD is served only as the gate allows (the node's Lease, the first reconciliation
+	// or a journal with holdings; see gate). Run sets it; tests of the request paths leave it off.
+	Gated bool
 	// Now is the clock (time.Now when nil).
 	Now     func() time.Time
 	Log     logr.Logger
@@ -87,6 +93,7 @@ func NewService(st *ipam.State, journal Committer, opts ServiceOptions) *Service
 		changed:     make(chan struct{}),
 		kickFn:      func() {},
 		conflicts:   map[ipam.Address]ipam.Key{},
+		gate:        gate{node: opts.Node, leaseNS: opts.LeaseNamespace, enforce: opts.Gated},
 	}
 }
 
@@ -247,6 +254,9 @@ func (s *Service) handle(ctx context.Context, req cniproto.Request) *cniproto.Re
 	}
 	switch req.Op {
 	case cniproto.OpAdd:
+		if r := s.gate.refuseAdd(); r != nil {
+			return r
+		}
 		return s.add(ctx, req)
 	case cniproto.OpDel:
 		return s.del(req)
@@ -539,6 +549,9 @@ func (s *Service) gc(req cniproto.Request) *cniproto.Response {
 func (s *Service) status() *cniproto.Response {
 	if !s.Ready() {
 		return errResp(cniproto.CodeNotAvailable, "the ipwarden agent on node "+s.node+" is starting and not serving yet", "")
+	}
+	if r := s.gate.refuseAdd(); r != nil {
+		return errResp(cniproto.CodeNotAvailable, r.Error.Msg, r.Error.Details)
 	}
 	resp := &cniproto.Response{Node: s.node, Pools: s.poolStatus()}
 	s.mu.Lock()

@@ -156,7 +156,8 @@ func (a *agentProcess) list(t *testing.T) (*cniproto.Response, error) {
 	return resp, resp.AsError()
 }
 
-// waitServing waits until the agent answers on its socket (it listens only once reconciled).
+// waitServing waits until the agent serves ADD: it answers on its socket (at once, from its
+// journal) and STATUS no longer says that it waits for the API server or another agent's Lease.
 func (a *agentProcess) waitServing(t *testing.T) {
 	t.Helper()
 	eventually(t, 60*time.Second, "agent "+a.node+" to serve on its socket", func() error {
@@ -165,9 +166,27 @@ func (a *agentProcess) waitServing(t *testing.T) {
 			t.Fatalf("agent %s exited", a.node)
 		default:
 		}
-		_, err := a.list(t)
-		return err
+		if _, err := a.list(t); err != nil {
+			return err
+		}
+		return a.addGate(t)
 	})
+}
+
+// addGate returns the agent's STATUS error if it says that ADD is refused for now (waiting for
+// the API server, or another agent holds the node's Lease).
+func (a *agentProcess) addGate(t *testing.T) error {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	resp, err := cniproto.Call(ctx, a.socket, cniproto.Request{Op: cniproto.OpStatus})
+	if err != nil {
+		return err
+	}
+	if e := resp.AsError(); e != nil && (strings.Contains(e.Error(), "does not serve ADD") || strings.Contains(e.Error(), "Lease")) {
+		return e
+	}
+	return nil
 }
 
 // pool returns the agent's view of one pool.

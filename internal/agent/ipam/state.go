@@ -95,10 +95,15 @@ func (s *State) pool(name string) *poolState {
 // address in two attachments, or in use and cooling) are kept in the safest reading (in use
 // wins, nothing is handed out twice) and reported as problems.
 func (s *State) Restore(snap Snapshot) (problems []string) {
+	var served []string
 	for _, pc := range snap.Pools {
 		p := s.pool(pc.Name)
 		p.cfg, p.known = pc, true
+		if pc.Served {
+			served = append(served, pc.Name)
+		}
 	}
+	s.setServed(served)
 	for _, h := range snap.Holdings {
 		p := s.pool(h.Pool)
 		p.held, p.heldKnown = h.Addresses, true
@@ -207,6 +212,7 @@ func (s *State) SetPools(pools []Pool, served []string) Change {
 	seen := map[string]bool{}
 	for _, pc := range pools {
 		seen[pc.Name] = true
+		pc.Served = slices.Contains(served, pc.Name)
 		p := s.pool(pc.Name)
 		if !p.known || !poolEqual(p.cfg, pc) {
 			ch.PutPools = append(ch.PutPools, pc)
@@ -223,6 +229,12 @@ func (s *State) SetPools(pools []Pool, served []string) Change {
 			}
 		}
 	}
+	s.setServed(served)
+	return ch
+}
+
+// setServed sets the pools ADD draws from by default: IPv4 pools first, then by name.
+func (s *State) setServed(served []string) {
 	srv := slices.Clone(served)
 	slices.SortFunc(srv, func(a, b string) int {
 		a4, b4 := s.pool(a).cfg.Is4(), s.pool(b).cfg.Is4()
@@ -235,13 +247,24 @@ func (s *State) SetPools(pools []Pool, served []string) Change {
 		return cmp.Compare(a, b)
 	})
 	s.served = slices.Compact(srv)
-	return ch
 }
 
 func poolEqual(a, b Pool) bool {
 	return a.Name == b.Name && slices.Equal(a.CIDRs, b.CIDRs) && a.Gateway == b.Gateway &&
 		slices.Equal(a.Routes, b.Routes) && a.Scaling == b.Scaling && a.Cooldown == b.Cooldown &&
-		a.Exhausted == b.Exhausted
+		a.Exhausted == b.Exhausted && a.Served == b.Served
+}
+
+// CanServeOffline reports whether the state, restored from the journal, can serve ADD before the
+// agent has heard from the API server: some pool the node served has a holding the journal kept.
+// A new or lost journal cannot (the addresses of running pods are known only from the API).
+func (s *State) CanServeOffline() bool {
+	for _, name := range s.served {
+		if p := s.pools[name]; p != nil && p.heldKnown && !p.held.IsEmpty() {
+			return true
+		}
+	}
+	return false
 }
 
 // empty reports whether the pool holds nothing the node must remember.

@@ -96,6 +96,9 @@ type Pool struct {
 	Cooldown time.Duration  `json:"cooldown"`
 	// Exhausted mirrors the IPPool's status.exhausted.
 	Exhausted bool `json:"exhausted,omitempty"`
+	// Served records that the pool selected the node when the agent last heard from the API
+	// server, so an agent restarted while the API server is away serves ADD from the same pools.
+	Served bool `json:"served,omitempty"`
 }
 
 // Is4 reports whether the pool is an IPv4 pool.
