@@ -152,19 +152,11 @@ func Run(ctx context.Context, cfg Config) error {
 		return fmt.Errorf("health endpoint: %w", err)
 	}
 
-	kube, err := NewKube(cfg.RestConfig, cfg.Scheme, cfg.Node, cfg.Pools, svc, log.WithName("kube"))
-	if err != nil {
-		return err
-	}
 	events, err := newEventBroadcaster(ctx, cfg.RestConfig)
 	if err != nil {
 		return err
 	}
 	defer events.Shutdown()
-	svc.SetEvents(events.NewRecorder(eventScheme(cfg.Scheme), corev1.EventSource{Component: "ipwarden-agent", Host: cfg.Node}), kube.NodeRef)
-	collector := NewCollector(svc, kube, CollectorOptions{Grace: cfg.GCGrace, FullCheckInterval: cfg.GCFullCheckInterval,
-		SandboxGrace: cfg.GCSandboxGrace, NetnsDirs: cfg.NetnsDirs, Log: log.WithName("gc")})
-	kube.OnPodDelete(collector.OnPodDelete)
 
 	// Serve from the journal first: DEL at once, ADD from the addresses the journal holds (see
 	// gate), whether or not the API server answers.
@@ -188,7 +180,7 @@ func Run(ctx context.Context, cfg Config) error {
 	collected := make(chan struct{})
 	go func() {
 		defer close(collected)
-		if err := catchUp(gcCtx, cfg, svc, kube, identity, collector, log); err != nil && gcCtx.Err() == nil {
+		if err := catchUp(gcCtx, cfg, svc, events, identity, log); err != nil && gcCtx.Err() == nil {
 			log.Error(err, "reconciliation with the API server failed")
 		}
 	}()
@@ -202,13 +194,28 @@ func Run(ctx context.Context, cfg Config) error {
 // informers, takes the node's Lease (waiting while another agent holds it), waits for the
 // NodeIPAllocation, reconciles, and then runs the pool monitor, the watch loop and the leak
 // collector until ctx ends.
-func catchUp(ctx context.Context, cfg Config, svc *Service, kube *Kube, identity string, collector *Collector, log logr.Logger) error {
+func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventBroadcaster, identity string, log logr.Logger) error {
 	backoff := 500 * time.Millisecond
 	var lastLog time.Time
+	var kube *Kube
+	var collector *Collector
 	for {
-		err := kube.Start(ctx)
-		if err == nil {
-			break
+		var err error
+		if kube == nil {
+			// The informer cache needs the API server's discovery to be set up.
+			if kube, err = NewKube(cfg.RestConfig, cfg.Scheme, cfg.Node, cfg.Pools, svc, log.WithName("kube")); err == nil {
+				svc.SetEvents(events.NewRecorder(eventScheme(cfg.Scheme), corev1.EventSource{Component: "ipwarden-agent", Host: cfg.Node}), kube.NodeRef)
+				collector = NewCollector(svc, kube, CollectorOptions{Grace: cfg.GCGrace, FullCheckInterval: cfg.GCFullCheckInterval,
+					SandboxGrace: cfg.GCSandboxGrace, NetnsDirs: cfg.NetnsDirs, Log: log.WithName("gc")})
+				kube.OnPodDelete(collector.OnPodDelete)
+			} else {
+				kube = nil
+			}
+		}
+		if kube != nil {
+			if err = kube.Start(ctx); err == nil {
+				break
+			}
 		}
 		if ctx.Err() != nil {
 			return ctx.Err()
