@@ -123,7 +123,7 @@ func newGCHarness(t *testing.T, dryRun bool, opts CollectorOptions) *gcHarness {
 	h.svc.SetEvents(h.rec, func() *corev1.ObjectReference {
 		return &corev1.ObjectReference{Kind: "NodeIPAllocation", Name: "node-a"}
 	})
-	h.hold(map[string]string{"v4": "10.1.0.0/28"})
+	h.hold(map[string]string{"v4": "10.1.1.0/28"})
 	if opts.Grace == 0 {
 		opts.Grace = time.Minute
 	}
@@ -237,7 +237,7 @@ func TestCollectorEventPathFreesByUIDThroughDEL(t *testing.T) {
 		t.Fatalf("journal: %d attachments, %d cooling", len(snap.Attachments), len(snap.Cooling))
 	}
 	ev := h.rec.find("Pod/ns/web Normal IPAddressGarbageCollected")
-	if !strings.Contains(ev, "10.1.0.") || !strings.Contains(ev, "u-web") {
+	if !strings.Contains(ev, "10.1.1.") || !strings.Contains(ev, "u-web") {
 		t.Fatalf("events %q", h.rec.all())
 	}
 	if h.metric("ipwarden_agent_gc_collected_total", PathEvent) != 1 || h.metric("ipwarden_agent_gc_candidates_total", PathEvent) != 1 {

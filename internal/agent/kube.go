@@ -389,6 +389,13 @@ func PoolFromAPI(p *ipwardenv1.IPPool) (ipam.Pool, error) {
 		}
 		cfg.CIDRs = append(cfg.CIDRs, pfx)
 	}
+	for i, e := range p.Spec.Exclude {
+		pfx, err := parsePrefixOrAddr(string(e))
+		if err != nil {
+			return ipam.Pool{}, fmt.Errorf("spec.exclude[%d]: %w", i, err)
+		}
+		cfg.Exclude = append(cfg.Exclude, pfx)
+	}
 	if p.Spec.Gateway != "" {
 		gw, err := netip.ParseAddr(string(p.Spec.Gateway))
 		if err != nil {
@@ -410,6 +417,18 @@ func PoolFromAPI(p *ipwardenv1.IPPool) (ipam.Pool, error) {
 		cfg.Routes = append(cfg.Routes, rt)
 	}
 	return cfg, nil
+}
+
+// parsePrefixOrAddr reads an address or a CIDR (spec.exclude) as a prefix.
+func parsePrefixOrAddr(s string) (netip.Prefix, error) {
+	if a, err := netip.ParseAddr(s); err == nil {
+		return netip.PrefixFrom(a, a.BitLen()), nil
+	}
+	p, err := netip.ParsePrefix(s)
+	if err != nil {
+		return netip.Prefix{}, err
+	}
+	return p.Masked(), nil
 }
 
 // selects reports whether the pool's nodeSelector selects a node with labels.

@@ -16,6 +16,7 @@ type Metrics struct {
 	Releasing *prometheus.GaugeVec
 	Requested *prometheus.GaugeVec
 	Conflict  *prometheus.GaugeVec
+	Outside   *prometheus.GaugeVec
 
 	Attachments  prometheus.Gauge
 	OpDuration   *prometheus.HistogramVec
@@ -63,6 +64,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		Releasing: gauge("pool_releasing_addresses", "Addresses of the pool the node is giving back."),
 		Requested: gauge("pool_requested_addresses", "Addresses the node requests from the pool (scaling target)."),
 		Conflict:  gauge("pool_conflict_addresses", "Addresses in use that the node no longer holds (kept for the running pod)."),
+		Outside: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Name: "addresses_outside_pool",
+			Help: "Addresses the node holds or uses that the pool's current spec no longer covers (a shrunk pool, a new exclusion): never handed out, released as they are freed."}, pool),
 
 		Attachments: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "attachments", Help: "CNI attachments the node's journal records."}),
 		OpDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: ns, Name: "cni_request_duration_seconds",
@@ -107,7 +110,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}
 	}
 	if reg != nil {
-		reg.MustRegister(m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict,
+		reg.MustRegister(m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict, m.Outside,
 			m.Attachments, m.OpDuration, m.IPWait, m.JournalWrite, m.Errors, m.SpecWrites, m.Conflicts,
 			m.GCCandidates, m.GCCollected, m.GCKept, m.GCFailed, m.GCDryRun, m.GCDeleteToFree, m.GCFullChecks, m.GCQueueDepth,
 			m.GCSandboxHeld, m.GCSandboxOutlived)
@@ -128,10 +131,11 @@ func (m *Metrics) setPools(stats []ipam.PoolStats, attachments int) {
 		m.Releasing.WithLabelValues(s.Pool).Set(float64(s.Releasing))
 		m.Requested.WithLabelValues(s.Pool).Set(float64(s.Requested))
 		m.Conflict.WithLabelValues(s.Pool).Set(float64(s.Conflicts))
+		m.Outside.WithLabelValues(s.Pool).Set(float64(s.OutsidePool))
 	}
 	for p := range m.pools {
 		if !seen[p] {
-			for _, g := range []*prometheus.GaugeVec{m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict} {
+			for _, g := range []*prometheus.GaugeVec{m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict, m.Outside} {
 				g.DeleteLabelValues(p)
 			}
 		}

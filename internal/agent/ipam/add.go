@@ -78,7 +78,10 @@ func (s *State) resolvePools(names []string) ([]string, error) {
 		if !slices.Contains(s.served, n) {
 			p, ok := s.pools[n]
 			what := "is not an IPPool the agent knows"
-			if ok && p.known {
+			switch {
+			case ok && p.gone:
+				what = "was deleted (the IPPool no longer exists; running pods keep their addresses, new pods need another pool)"
+			case ok && p.known:
 				what = "is not served on node " + s.node + " (its nodeSelector does not select the node, or the agent runs with --pools)"
 			}
 			return nil, &ConfigError{Field: "pools", Msg: fmt.Sprintf("pool %q %s (pools serving this node: %s)",
@@ -242,6 +245,12 @@ func (s *State) PlanDel(k Key, now time.Time) (DelPlan, error) {
 		if _, rel := p.releasing[ad.Addr]; rel || (p.heldKnown && !p.held.Contains(ad.Addr)) {
 			continue
 		}
+		if !p.isUsable(ad.Addr) {
+			// The pool's spec no longer covers it (shrunk, or a new exclusion): it drains, given
+			// back to the controller instead of cooling for reuse.
+			plan.Change.PutReleasing = append(plan.Change.PutReleasing, Releasing{Pool: ad.Pool, Addr: ad.Addr, Since: now})
+			continue
+		}
 		plan.Change.PutCooling = append(plan.Change.PutCooling, Cooling{Pool: ad.Pool, Addr: ad.Addr, FreedAt: now})
 	}
 	return plan, nil
@@ -256,9 +265,16 @@ func (s *State) ApplyDel(plan DelPlan) {
 	}
 	for _, ad := range a.Addresses {
 		p := s.pools[ad.Pool]
-		if p.inUse[ad.Addr] == plan.Key {
-			p.free(ad.Addr, plan.At)
+		if p.inUse[ad.Addr] != plan.Key {
+			continue
 		}
+		if slices.ContainsFunc(plan.Change.PutReleasing, func(r Releasing) bool { return r.Pool == ad.Pool && r.Addr == ad.Addr }) {
+			delete(p.inUse, ad.Addr)
+			p.releasing[ad.Addr] = plan.At
+			p.relSet = p.relSet.Union(setOf(ad.Addr))
+			continue
+		}
+		p.free(ad.Addr, plan.At)
 	}
 	s.dropAttachment(plan.Key)
 	delete(s.waiters, plan.Key)

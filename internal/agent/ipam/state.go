@@ -46,7 +46,30 @@ type poolState struct {
 	inUse     map[netip.Addr]Key
 	cooling   map[netip.Addr]time.Time // freed-at, mirrors coolq
 	coolq     []Cooling                // oldest freed first
-	fresh     addr.Set                 // held - releasing - inUse - cooling
+	fresh     addr.Set                 // (held - releasing - inUse - cooling) within usable
+	// usable is what the pool's current spec lets the node hand out (see Pool.Usable); when
+	// !usableKnown nothing is ruled out. gone is set once the IPPool no longer exists.
+	usable      addr.Set
+	usableKnown bool
+	gone        bool
+}
+
+// setConfig sets the pool's configuration and what it lets the node hand out.
+func (p *poolState) setConfig(cfg Pool) {
+	p.cfg, p.known = cfg, true
+	p.usable, p.usableKnown = cfg.Usable()
+}
+
+// isUsable reports whether the pool's current spec lets the node hand out a.
+func (p *poolState) isUsable(a netip.Addr) bool { return !p.usableKnown || p.usable.Contains(a) }
+
+// outside returns the addresses the node holds or uses from the pool that its current spec
+// no longer covers (a shrunk pool, a new exclusion).
+func (p *poolState) outside() addr.Set {
+	if !p.usableKnown {
+		return addr.Set{}
+	}
+	return p.held.Union(p.inUseSet()).Subtract(p.usable)
 }
 
 // waiter is an ADD waiting for addresses; it counts as demand.
@@ -98,7 +121,7 @@ func (s *State) Restore(snap Snapshot) (problems []string) {
 	var served []string
 	for _, pc := range snap.Pools {
 		p := s.pool(pc.Name)
-		p.cfg, p.known = pc, true
+		p.setConfig(pc)
 		if pc.Served {
 			served = append(served, pc.Name)
 		}
@@ -158,6 +181,9 @@ func (p *poolState) recompute() {
 	}
 	p.relSet = addr.SetOfAddrs(rel...)
 	p.fresh = p.held.Subtract(p.relSet).Subtract(p.inUseSet()).Subtract(p.coolingSet())
+	if p.usableKnown {
+		p.fresh = p.fresh.Intersect(p.usable)
+	}
 }
 
 func (p *poolState) inUseSet() addr.Set {
@@ -217,10 +243,13 @@ func (s *State) SetPools(pools []Pool, served []string) Change {
 		if !p.known || !poolEqual(p.cfg, pc) {
 			ch.PutPools = append(ch.PutPools, pc)
 		}
-		p.cfg, p.known = pc, true
+		p.setConfig(pc)
+		p.gone = false
+		p.recompute()
 	}
 	for name, p := range s.pools {
 		if !seen[name] && p.known {
+			p.gone = true
 			// The IPPool is gone: keep its last configuration for the addresses still in use,
 			// but forget it from the journal once nothing refers to it.
 			if p.empty() {
@@ -250,7 +279,7 @@ func (s *State) setServed(served []string) {
 }
 
 func poolEqual(a, b Pool) bool {
-	return a.Name == b.Name && slices.Equal(a.CIDRs, b.CIDRs) && a.Gateway == b.Gateway &&
+	return a.Name == b.Name && slices.Equal(a.CIDRs, b.CIDRs) && a.Gateway == b.Gateway && slices.Equal(a.Exclude, b.Exclude) &&
 		slices.Equal(a.Routes, b.Routes) && a.Scaling == b.Scaling && a.Cooldown == b.Cooldown &&
 		a.Exhausted == b.Exhausted && a.Served == b.Served
 }
@@ -390,8 +419,13 @@ func (p *poolState) next(now time.Time) (a netip.Addr, fromCooling bool, ok bool
 	if !p.fresh.IsEmpty() {
 		return p.fresh.Ranges()[0].First, false, true
 	}
-	if len(p.coolq) > 0 && p.cooled(p.coolq[0].FreedAt, now) && p.held.Contains(p.coolq[0].Addr) {
-		return p.coolq[0].Addr, true, true
+	for _, c := range p.coolq {
+		if !p.cooled(c.FreedAt, now) {
+			break
+		}
+		if p.held.Contains(c.Addr) && p.isUsable(c.Addr) {
+			return c.Addr, true, true
+		}
 	}
 	return netip.Addr{}, false, false
 }
