@@ -89,8 +89,8 @@ type Route struct {
 type Pool struct {
 	Name string `json:"name"`
 	// CIDRs give each address its prefix length in the CNI result.
-	CIDRs    []netip.Prefix `json:"cidrs"`
-	Gateway  netip.Addr     `json:"gateway,omitzero"`
+	CIDRs   []netip.Prefix `json:"cidrs"`
+	Gateway netip.Addr     `json:"gateway,omitzero"`
 	// Exclude is spec.exclude: addresses never handed out.
 	Exclude  []netip.Prefix `json:"exclude,omitempty"`
 	Routes   []Route        `json:"routes,omitempty"`
