@@ -138,7 +138,7 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 
 	svc := NewService(st, j, ServiceOptions{Node: cfg.Node, AddressWait: cfg.AddressWait, GCGrace: cfg.GCGrace, GCDryRun: cfg.GCDryRun,
-		LeaseNamespace: cfg.LeaseNamespace, Gated: true, Log: log.WithName("service"), Metrics: metrics})
+		LeaseNamespace: cfg.LeaseNamespace, Gated: true, NetnsDirs: cfg.NetnsDirs, Log: log.WithName("service"), Metrics: metrics})
 	offline := st.CanServeOffline()
 	svc.gate.setOffline(offline)
 	identity, err := Identity(cfg.StateDir)

@@ -381,9 +381,13 @@ func earliest(a, b time.Time) time.Time {
 	return a
 }
 
-// sandbox looks at the network namespace path recorded for an attachment (see gc.ClassifySandbox).
-func (c *Collector) sandbox(netns string) gc.Sandbox {
-	dir, ok := gc.NetnsDir(netns, c.netnsDirs)
+// sandbox looks at the network namespace path recorded for an attachment.
+func (c *Collector) sandbox(netns string) gc.Sandbox { return lookSandbox(netns, c.netnsDirs) }
+
+// lookSandbox reads whether the network namespace path netns exists in one of dirs (see
+// gc.ClassifySandbox).
+func lookSandbox(netns string, dirs []string) gc.Sandbox {
+	dir, ok := gc.NetnsDir(netns, dirs)
 	var dirErr, pathErr error
 	if ok {
 		if _, dirErr = os.Stat(dir); dirErr == nil {

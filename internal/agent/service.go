@@ -34,6 +34,7 @@ type Service struct {
 	addressWait time.Duration
 	gcGrace     time.Duration
 	gcDryRun    bool
+	netnsDirs   []string
 	gcr         *gcReporter
 	log         logr.Logger
 	metrics     *Metrics
@@ -60,6 +61,9 @@ type ServiceOptions struct {
 	GCGrace time.Duration
 	// GCDryRun makes the leak collector and CNI GC report what they would free and free nothing.
 	GCDryRun bool
+	// NetnsDirs: where LIST looks for the attachments' network namespaces (default
+	// DefaultNetnsDirs).
+	NetnsDirs []string
 	// LeaseNamespace is the namespace of the node's Lease, for error messages.
 	LeaseNamespace string
 	// Gated: ADD is served only as the gate allows (the node's Lease, the first reconciliation
@@ -79,6 +83,9 @@ func NewService(st *ipam.State, journal Committer, opts ServiceOptions) *Service
 	if opts.Metrics == nil {
 		opts.Metrics = NewMetrics(nil)
 	}
+	if opts.NetnsDirs == nil {
+		opts.NetnsDirs = DefaultNetnsDirs
+	}
 	return &Service{
 		node:        opts.Node,
 		journal:     journal,
@@ -86,6 +93,7 @@ func NewService(st *ipam.State, journal Committer, opts ServiceOptions) *Service
 		addressWait: opts.AddressWait,
 		gcGrace:     opts.GCGrace,
 		gcDryRun:    opts.GCDryRun,
+		netnsDirs:   opts.NetnsDirs,
 		gcr:         newGCReporter(opts.Log.WithName("gc"), opts.Metrics),
 		log:         opts.Log,
 		metrics:     opts.Metrics,
@@ -594,6 +602,7 @@ func (s *Service) list() *cniproto.Response {
 			ContainerID: a.Key.ContainerID, IfName: a.Key.IfName, Network: a.Network,
 			Pod: cniproto.Pod{Namespace: a.Pod.Namespace, Name: a.Pod.Name, UID: a.Pod.UID},
 			IPs: r.IPs, Created: a.Created, Rebuilt: a.Rebuilt, Conflicts: conflicts,
+			Netns: a.Netns, Sandbox: lookSandbox(a.Netns, s.netnsDirs).String(),
 		})
 	}
 	return resp

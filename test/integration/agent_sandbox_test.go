@@ -4,12 +4,16 @@ package integration
 // controller and plugin processes, a real network namespace made with `ip netns add`.
 
 import (
+	"encoding/json"
 	"os"
 	"os/exec"
 	"strings"
 	"testing"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/ipwarden/ipwarden/internal/check"
 	"github.com/ipwarden/ipwarden/internal/localcluster"
 )
 
@@ -72,5 +76,57 @@ func TestAgentForceDeleteKeepsAddressWhileNetnsExists(t *testing.T) {
 	waitEvent(t, "IPAddressGarbageCollected", "Pod", pod.Name, string(pod.UID), "network namespace: gone")
 	if !ag.logContains(ip) {
 		t.Fatalf("the agent's log does not name the freed address %s", ip)
+	}
+}
+
+// `ipwarden check --agent` sees what comes before a duplicate: a running pod whose address has
+// no attachment on its node (freed while the pod runs), and an attachment whose network namespace
+// is gone; and neither while the namespace exists and the attachment is in place.
+func TestCheckSeesUnattachedPodAndGoneSandbox(t *testing.T) {
+	const node = "chk-sandbox"
+	gcSetup(t, node, "10.143.0.0/24")
+	ag := startAgent(t, node, "", "--gc-full-check-interval=1h", "--netns-dirs=/run/netns,"+netnsDir)
+	ag.waitServing(t)
+	conf := pluginConf("1.1.0", ag.socket)
+	_, path := netnsAdd(t)
+	run := func() check.Report {
+		t.Helper()
+		cmd := exec.Command(ipwardenBinary(t), "check", "--kubeconfig", kubeconfigPath, "-o", "json", "--grace=0s", "--agent", node+"="+ag.socket)
+		out, _ := cmd.Output()
+		var r check.Report
+		if err := json.Unmarshal(out, &r); err != nil {
+			t.Fatalf("check output %q: %v", out, err)
+		}
+		return r
+	}
+
+	live := createBoundPod(t, "chk-live", node)
+	r, e := cniIn(t, "ADD", conf, "live-sandbox", podArgs(live.Namespace, live.Name, string(live.UID)), path)
+	if e != nil {
+		t.Fatal(e)
+	}
+	setPodIP(t, live, strings.Split(r.IPs[0].Address, "/")[0])
+	if rep := run(); len(findingsOn(rep, check.PodAddressNotAttached, node))+len(findingsOn(rep, check.SandboxGone, node)) != 0 {
+		t.Fatalf("findings on a healthy node: %+v", rep.Findings)
+	}
+
+	// The address is freed while the pod runs (as the GC without a list did): a finding.
+	mustDelFor(t, conf, "live-sandbox", live)
+	if f := findingsOn(run(), check.PodAddressNotAttached, node); len(f) != 1 || f[0].Pod != "default/chk-live" {
+		t.Fatalf("PodAddressNotAttached findings %+v", f)
+	}
+
+	// An attachment whose namespace is gone (the plugin's default CNI_NETNS does not exist).
+	other := createBoundPod(t, "chk-gone", node)
+	addFor(t, conf, "gone-sandbox", other)
+	if f := findingsOn(run(), check.SandboxGone, node); len(f) != 1 || !strings.Contains(f[0].Pod, "chk-gone") {
+		t.Fatalf("SandboxGone findings %+v", f)
+	}
+}
+
+func mustDelFor(t *testing.T, conf, cid string, p *corev1.Pod) {
+	t.Helper()
+	if _, e := cni(t, "DEL", conf, cid, podArgs(p.Namespace, p.Name, string(p.UID))); e != nil {
+		t.Fatalf("DEL %s: %v", cid, e)
 	}
 }
