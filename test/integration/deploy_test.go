@@ -10,6 +10,7 @@ import (
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
+	coordinationv1 "k8s.io/api/coordination/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/rest"
@@ -133,5 +134,25 @@ func TestDeployManifests(t *testing.T) {
 	}
 	if err := agentA.Create(ctx, &ipwardenv1.IPPool{ObjectMeta: metav1.ObjectMeta{Name: "agent-pool"}, Spec: ipwardenv1.IPPoolSpec{CIDRs: []ipwardenv1.CIDR{"10.200.0.0/24"}}}); !apierrors.IsForbidden(err) {
 		t.Errorf("agent created a pool: %v", err)
+	}
+	// The node's Lease (one agent per node): get, create and renew in its own namespace only.
+	id := "agent-a"
+	lease := &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Namespace: "ipwarden-system", Name: "ipwarden-agent-vap-a"},
+		Spec: coordinationv1.LeaseSpec{HolderIdentity: &id}}
+	if err := agentA.Create(ctx, lease); err != nil {
+		t.Fatalf("agent cannot create its Lease: %v", err)
+	}
+	t.Cleanup(func() { _ = k8s.Delete(context.Background(), lease) })
+	if err := agentA.Get(ctx, client.ObjectKeyFromObject(lease), lease); err != nil {
+		t.Fatalf("agent cannot read its Lease: %v", err)
+	}
+	if err := agentA.Update(ctx, lease); err != nil {
+		t.Fatalf("agent cannot renew its Lease: %v", err)
+	}
+	if err := agentA.Delete(ctx, lease); !apierrors.IsForbidden(err) {
+		t.Errorf("agent deleted a Lease: %v", err)
+	}
+	if err := agentA.Create(ctx, &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "x"}}); !apierrors.IsForbidden(err) {
+		t.Errorf("agent created a Lease outside its namespace: %v", err)
 	}
 }
