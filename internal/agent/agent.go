@@ -2,31 +2,62 @@
 // from the node's warm set of addresses, records every assignment in a durable journal before
 // answering, and keeps the node's NodeIPAllocation request right-sized (the pool monitor).
 //
-// The decisions live in the pure state machine of package ipam; the journal in package journal.
-// This package is the imperative shell: Service (requests, journal, waiting), Kube (informers
-// and the spec write), Monitor (scaling rounds), Collector (leak collection), and Run, which
-// wires them in this order:
+// The decisions live in the pure state machine of package ipam, the leak collector's in package
+// gc, the node Lease's in package nodelease; the journal in package journal. This package is the
+// imperative shell: Service (requests, journal, waiting, and the gate that says when ADD may be
+// served), Kube (informers and the spec write), NodeLease, Monitor (scaling rounds), Collector
+// (leak collection), and Run, which wires them in this order:
 //
 //  1. open and load the journal (bbolt, <state-dir>/journal.db) and restore the state;
-//  2. start the informers and wait for the controller to create the node's NodeIPAllocation;
-//  3. reconcile: push pools, holdings and pods into the state (conflicts are logged and counted,
-//     never dropped), and rebuild attachments for running pods whose addresses the journal lacks;
-//  4. only then listen on the socket and serve; the monitor, the watch loop and the leak
-//     collector run from here on.
+//  2. listen on the socket and serve at once from the journal: DEL, CHECK, LIST, and ADD from the
+//     addresses the journal holds (the pools it served and their holdings), whether or not the
+//     API server answers;
+//  3. in the background, retrying while the API server is away: start the informers, take the
+//     node's Lease, wait for the controller to create the node's NodeIPAllocation, reconcile (push
+//     pools, holdings and pods into the state; rebuild attachments for running pods whose
+//     addresses the journal lacks), and only then run the monitor (spec publishing), the watch
+//     loop and the leak collector.
+//
+// # When ADD is served (gate)
+//
+// A new or lost journal holds no address, so such an agent serves ADD only after step 3; until
+// then ADD fails with code 11 and says what the agent waits for ("waiting for the API server",
+// "waiting for the controller to create NodeIPAllocation ..."). An agent whose journal holds
+// addresses serves ADD from them before the API server answers: it held the node's Lease when it
+// last talked to it, since holdings are journaled only after the Lease is taken.
+//
+// # One agent per node
+//
+// The agent holds the coordination.k8s.io Lease ipwarden-agent-<node> in --lease-namespace
+// (package nodelease; identity: pod name and an ID kept in the state directory). While another
+// agent holds it, ADD is refused with an error naming the holder and the spec is not published;
+// seeing another holder stops ADD at once. A renewal that fails because the API server is away
+// changes nothing (the agent serves from what it holds, as through any outage). The agent does not
+// take over a socket another process answers on. On SIGTERM it gives the Lease up.
 //
 // # Leak collection
 //
 // Addresses of pods that are gone come back without a CNI DEL in three ways (package gc holds the
-// decisions and the safety argument): the deletion of a pod bound to the node frees the
-// attachments recorded for its UID (event path); a full check every --gc-full-check-interval
-// frees attachments older than --gc-grace whose pod the informer cache does not show; and the
-// CNI GC verb frees attachments the runtime no longer lists. The first two re-read the pod from
-// the API server (not the cache) just before freeing and keep the attachment when that pod still
-// exists or the read fails. A free goes through the DEL path: journal first, then the pool's
-// reuse cooldown. --gc-dry-run reports (log, IPAddressGarbageCollectionDryRun events, metrics)
-// what would be freed and frees nothing. Events IPAddressGarbageCollected and
-// IPAddressGarbageCollectionFailed go on the pod when the agent saw its deletion, else on the
-// node's NodeIPAllocation.
+// decisions and the safety argument): the deletion of a pod bound to the node makes the
+// attachments recorded for its UID candidates (event path); a full check every
+// --gc-full-check-interval picks attachments older than --gc-grace whose pod the informer cache
+// does not show; and the CNI GC verb frees attachments the runtime no longer lists. The first two
+// re-read the pod from the API server (not the cache) and keep the attachment when that pod still
+// exists or the read fails. A pod that is gone is not a stopped sandbox: its attachment is freed
+// at once only when the network namespace path recorded at ADD (CNI_NETNS) no longer exists,
+// never while it exists (reported after --gc-sandbox-grace, event IPAddressSandboxOutlivesPod),
+// after --gc-sandbox-grace when the agent cannot check the path (--netns-dirs), and after
+// --gc-grace for attachments recorded without a path. A free goes through the DEL path: journal
+// first, then the pool's reuse cooldown. --gc-dry-run reports (log,
+// IPAddressGarbageCollectionDryRun events, metrics) what would be freed and frees nothing. Events
+// IPAddressGarbageCollected and IPAddressGarbageCollectionFailed go on the pod when the agent saw
+// its deletion, else on the node's NodeIPAllocation.
+//
+// # Pool edits
+//
+// The agent never hands out an address outside its pool's current spec (CIDRs less spec.exclude,
+// the gateway and the reserved network/broadcast addresses; ipam.Pool.Usable), even while its
+// status holds it: free ones are released at the next monitor round, ones in use when freed.
 //
 // # A lost journal
 //
@@ -40,13 +71,6 @@
 // container ID the agent does not know, was a no-op success), so the ADD adopts the recorded
 // addresses of the pools it asks for and the pod keeps its address. The DEL of the old container
 // ID can never free the adopted addresses, since it names a different attachment.
-//
-// # Needs the API server to start
-//
-// The agent serves only after it has reconciled with the API server once. While it runs, an
-// API server or etcd outage does not stop it: it serves ADD and DEL from the addresses it holds
-// and catches up when the API returns. The journal already keeps the last holdings and pool
-// settings, which a later version can use to start without the API server.
 package agent
 
 import (
