@@ -59,6 +59,19 @@ func (g *gate) setAPIError(err error) {
 
 func (g *gate) leaseIsHeld() bool { g.mu.Lock(); defer g.mu.Unlock(); return g.leaseHeld }
 
+// refuseList returns the error LIST gets now: only while the agent waits for the API server with
+// nothing to serve from (then it has nothing to list either, and tools that wait for LIST to
+// answer keep waiting until the agent serves ADD), never because another agent holds the Lease.
+func (g *gate) refuseList() *cniproto.Response {
+	r := g.refuseAdd()
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if r != nil && g.leaseKnown && !g.leaseHeld {
+		return nil
+	}
+	return r
+}
+
 // refuseAdd returns the CNI error an ADD gets now, or nil when ADD may be served.
 func (g *gate) refuseAdd() *cniproto.Response {
 	if !g.enforce {

@@ -5,6 +5,25 @@ import (
 	"testing"
 )
 
+func TestListRefusedOnlyWhileWaiting(t *testing.T) {
+	g := &gate{node: "n1", leaseNS: "ns", enforce: true}
+	if g.refuseList() == nil {
+		t.Fatal("LIST served while the agent waits for the API server with an empty journal")
+	}
+	g.setLease(false, "other")
+	if r := g.refuseList(); r != nil {
+		t.Fatalf("LIST refused while another agent holds the Lease: %+v", r.Error)
+	}
+	if r := g.refuseAdd(); r == nil || !strings.Contains(r.Error.Msg, "other") {
+		t.Fatalf("ADD while another agent holds the Lease: %+v", r)
+	}
+	g.setLease(true, "")
+	g.setSynced()
+	if g.refuseList() != nil || g.refuseAdd() != nil {
+		t.Fatal("refused after taking the Lease and reconciling")
+	}
+}
+
 func TestAddRefusal(t *testing.T) {
 	for _, tc := range []struct {
 		name                         string

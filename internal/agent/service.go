@@ -275,6 +275,9 @@ func (s *Service) handle(ctx context.Context, req cniproto.Request) *cniproto.Re
 	case cniproto.OpStatus:
 		return s.status()
 	case cniproto.OpList:
+		if r := s.gate.refuseList(); r != nil {
+			return r
+		}
 		return s.list()
 	}
 	return errResp(cniproto.CodeInternal, fmt.Sprintf("unknown operation %q", req.Op), "")
