@@ -202,6 +202,9 @@ func printList(w io.Writer, resp *cniproto.Response) error {
 		if a.Rebuilt {
 			note = "rebuilt from pod status"
 		}
+		if a.Sandbox == "gone" {
+			note = strings.TrimSpace(note + " sandbox gone (no DEL yet)")
+		}
 		if len(a.Conflicts) > 0 {
 			note = strings.TrimSpace(note + " conflict: not held " + strings.Join(a.Conflicts, ","))
 		}

@@ -14,6 +14,10 @@ import (
 	"testing"
 	"time"
 
+	coordinationv1 "k8s.io/api/coordination/v1"
+	"k8s.io/client-go/util/retry"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 )
 
@@ -197,4 +201,54 @@ func TestAgentStartsWithoutAPIServer(t *testing.T) {
 	if p := ag.pool(t, node); p.InUse != 9 {
 		t.Fatalf("in use %d after catching up, want 9", p.InUse)
 	}
+}
+
+// An agent that loses the node's Lease (here another holder writes itself in, as a second agent
+// would after the first stalled past the Lease) stops serving ADD within a renewal period, names
+// the new holder, and serves again once the Lease is free. DEL keeps working throughout.
+func TestAgentStopsServingWhenItLosesTheLease(t *testing.T) {
+	const node = "lease-lost"
+	gcSetup(t, node, "10.144.0.0/24")
+	ag := startAgent(t, node, "")
+	ag.waitServing(t)
+	conf := pluginConf("1.1.0", ag.socket)
+	mustAdd(t, conf, "before")
+
+	setHolder := func(holder string) {
+		t.Helper()
+		if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+			l := &coordinationv1.Lease{}
+			if err := k8s.Get(context.Background(), client.ObjectKey{Namespace: "default", Name: "ipwarden-agent-" + node}, l); err != nil {
+				return err
+			}
+			if holder == "" {
+				l.Spec.HolderIdentity = nil
+			} else {
+				l.Spec.HolderIdentity = &holder
+			}
+			return k8s.Update(context.Background(), l)
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	setHolder("intruder-1")
+	eventually(t, 10*time.Second, "ADD to be refused naming the new holder", func() error {
+		_, e := cni(t, "ADD", conf, "during", podArgs("default", "pod-during", "uid-during"))
+		if e == nil {
+			mustDel(t, conf, "during")
+			return fmt.Errorf("ADD still served")
+		}
+		if e.Code != 11 || !strings.Contains(e.Msg, "intruder-1") {
+			t.Fatalf("ADD after losing the Lease: %+v", e)
+		}
+		return nil
+	})
+	mustDel(t, conf, "before")
+	setHolder("")
+	eventually(t, 10*time.Second, "ADD to be served again", func() error {
+		if _, e := cni(t, "ADD", conf, "after", podArgs("default", "pod-after", "uid-after")); e != nil {
+			return e
+		}
+		return nil
+	})
 }
