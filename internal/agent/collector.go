@@ -311,7 +311,6 @@ func (c *Collector) sync(ctx context.Context, it gcItem) syncResult {
 		return res
 	}
 	m := c.svc.metrics
-	m.GCCandidates.WithLabelValues(it.path).Add(float64(len(sel.Candidates)))
 	now := c.svc.now()
 	sbs := make([]gc.Sandbox, len(sel.Candidates))
 	needRead := false
@@ -326,6 +325,7 @@ func (c *Collector) sync(ctx context.Context, it gcItem) syncResult {
 	// be freed or reported, or its pod's gone time is unknown.
 	l := gc.Lookup{Name: it.name, Err: errNotRead}
 	if needRead {
+		m.GCCandidates.WithLabelValues(it.path).Add(float64(len(sel.Candidates)))
 		rctx, cancel := context.WithTimeout(ctx, 15*time.Second)
 		l = c.pods.GetPod(rctx, it.name)
 		cancel()
