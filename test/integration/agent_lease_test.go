@@ -252,3 +252,30 @@ func TestAgentStopsServingWhenItLosesTheLease(t *testing.T) {
 		return nil
 	})
 }
+
+// A second agent for the node configured with the same socket path does not take the socket
+// from the agent serving on it: it waits, saying so, and the first keeps serving.
+func TestAgentSecondAgentLeavesTheSocketAlone(t *testing.T) {
+	const node = "lease-socket"
+	gcSetup(t, node, "10.145.0.0/24")
+	first := startAgent(t, node, "")
+	first.waitServing(t)
+	second := &agentProcess{node: node, socket: first.socket, stateDir: t.TempDir(), metrics: freeAddr(t)}
+	second.start(t)
+	eventually(t, 20*time.Second, "the second agent to say that the socket is in use", func() error {
+		if !second.logContains("another process answers on the agent's socket") {
+			return fmt.Errorf("not logged yet")
+		}
+		return nil
+	})
+	conf := pluginConf("1.1.0", first.socket)
+	mustAdd(t, conf, "still-first")
+	if ids := first.attachmentIDs(t); len(ids) != 1 || ids[0] != "still-first" {
+		t.Fatalf("the first agent's attachments %v: the socket was taken over", ids)
+	}
+	select {
+	case <-second.done:
+		t.Fatal("the second agent exited")
+	default:
+	}
+}
