@@ -77,7 +77,8 @@ pod, or on the node's NodeIPAllocation when the pod object is gone from the agen
 	fs.StringVar(&f.probeAddr, "health-probe-bind-address", ":9103", `address of /healthz and /readyz ("0" disables)`)
 	fs.DurationVar(&f.cfg.Resync, "resync", 60*time.Second, "the pool monitor recomputes the request at least this often")
 	fs.DurationVar(&f.cfg.GCGrace, "gc-grace", time.Minute,
-		"an attachment younger than this is never freed by the full check or by CNI GC (its pod may not be in the agent's cache yet); the deletion of its pod, matched by UID, frees it at any age")
+		"an attachment younger than this is never freed by the full check or by CNI GC (its pod may not be in the agent's cache yet); the deletion of its pod, matched by UID, makes it a candidate at any age; "+
+			"an attachment recorded without a network namespace path (older journals) is freed this long after its pod is gone")
 	fs.DurationVar(&f.cfg.GCFullCheckInterval, "gc-full-check-interval", 5*time.Minute,
 		"how often the leak collector compares the whole journal with the node's pods (the backstop for missed pod deletions, e.g. while the agent was down)")
 	fs.DurationVar(&f.cfg.GCSandboxGrace, "gc-sandbox-grace", 10*time.Minute,
