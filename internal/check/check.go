@@ -1,6 +1,6 @@
 // Package check is ipwarden's consistency checker: given a snapshot of the API objects (and, where
 // reachable, the agents' attachment lists) it reports every violation of the invariants in
-// DESIGN.md. It is pure; `ipwarden check` and the chaos suite feed it.
+// docs/design.md. It is pure; `ipwarden check` and the chaos suite feed it.
 package check
 
 import (
@@ -78,6 +78,7 @@ const (
 	// SandboxGone: an attachment whose sandbox's network namespace is gone (the runtime never
 	// called DEL); its address is held for nothing.
 	SandboxGone = "SandboxGone"
+	// ClaimConflict (claims.go): a node's pods use an address another node holds.
 )
 
 // Report is the checker's result.
@@ -239,6 +240,9 @@ func Check(in Input) Report {
 					Detail: "the running pod's address has no attachment on its node: the agent may hand it to another pod"})
 			}
 		}
+	}
+	for _, f := range claimConflicts(in, nodeHeld) {
+		add(f)
 	}
 	return r
 }
