@@ -40,13 +40,21 @@ socket from the addresses its node holds, records every assignment in a durable 
 (<state-dir>/journal.db) before it answers, and keeps the node's request in its NodeIPAllocation
 right-sized: target = batch * ceil(buffer + demand/batch) per pool, clamped at maxPerNode.
 
-On start it reloads the journal, reconciles it with the NodeIPAllocation status and the pods
-bound to the node (rebuilding attachments from their status.podIPs if the journal was lost), and
-serves only then. The controller creates the NodeIPAllocation; the agent waits for it.
+On start it reloads the journal and serves at once from it: DEL, and ADD from the addresses the
+journal holds, even while the API server is away. In the background it takes the node's Lease
+(ipwarden-agent-<node> in --lease-namespace; while another agent holds it, this one refuses ADD
+and names the holder), reconciles the journal with the NodeIPAllocation status and the pods bound
+to the node (rebuilding attachments from their status.podIPs if the journal was lost; a new or
+lost journal serves ADD only after that), and only then publishes its request and collects
+leaks. The controller creates the NodeIPAllocation; the agent waits for it.
 
 Leak collection: addresses of pods that are gone come back without a CNI DEL.
   - When a pod bound to the node is deleted, the attachments recorded for its UID are freed
-    (a new pod under the same name, as a StatefulSet makes, keeps its own).
+    once its sandbox is gone too: the network namespace path passed at ADD no longer exists
+    (a namespace that still exists keeps its address, whatever the Pod object says). When the
+    agent cannot check the path it frees them --gc-sandbox-grace after the pod is gone; when
+    no path was recorded (older journals), --gc-grace after. A new pod under the same name,
+    as a StatefulSet makes, keeps its own.
   - Every --gc-full-check-interval the journal is compared with the node's pods; attachments
     older than --gc-grace whose pod is missing are freed.
   - The CNI GC verb frees attachments older than --gc-grace that the runtime no longer lists
@@ -70,9 +78,17 @@ pod, or on the node's NodeIPAllocation when the pod object is gone from the agen
 	fs.StringVar(&f.probeAddr, "health-probe-bind-address", ":9103", `address of /healthz and /readyz ("0" disables)`)
 	fs.DurationVar(&f.cfg.Resync, "resync", 60*time.Second, "the pool monitor recomputes the request at least this often")
 	fs.DurationVar(&f.cfg.GCGrace, "gc-grace", time.Minute,
-		"an attachment younger than this is never freed by the full check or by CNI GC (its pod may not be in the agent's cache yet); the deletion of its pod, matched by UID, frees it at any age")
+		"an attachment younger than this is never freed by the full check or by CNI GC (its pod may not be in the agent's cache yet); the deletion of its pod, matched by UID, makes it a candidate at any age; "+
+			"an attachment recorded without a network namespace path (older journals) is freed this long after its pod is gone")
 	fs.DurationVar(&f.cfg.GCFullCheckInterval, "gc-full-check-interval", 5*time.Minute,
 		"how often the leak collector compares the whole journal with the node's pods (the backstop for missed pod deletions, e.g. while the agent was down)")
+	fs.DurationVar(&f.cfg.GCSandboxGrace, "gc-sandbox-grace", 10*time.Minute,
+		"a deleted pod's addresses are freed at once only when the network namespace its runtime passed at ADD (CNI_NETNS) no longer exists; "+
+			"when the agent cannot check that path (see --netns-dirs) they are freed this long after the pod is gone, and a namespace that still exists this long after is reported (event IPAddressSandboxOutlivesPod) and kept")
+	fs.StringSliceVar(&f.cfg.NetnsDirs, "netns-dirs", agent.DefaultNetnsDirs,
+		"directories in which the agent sees pods' network namespaces (mount the host's read-only, with HostToContainer propagation)")
+	fs.StringVar(&f.cfg.LeaseNamespace, "lease-namespace", orDefault(os.Getenv("POD_NAMESPACE"), "default"),
+		"namespace of the node's Lease ipwarden-agent-<node> (one agent per node; default $POD_NAMESPACE, else default)")
 	fs.BoolVar(&f.cfg.GCDryRun, "gc-dry-run", false,
 		"leak collection and CNI GC only report what they would free (log, IPAddressGarbageCollectionDryRun events, ipwarden_agent_gc_dry_run_total) and free nothing")
 	fs.DurationVar(&f.cfg.RebuildHold, "rebuild-hold", 5*time.Minute,
@@ -99,6 +115,9 @@ func runAgent(ctx context.Context, f *agentFlags) error {
 	}
 	if f.cfg.RebuildHold <= 0 {
 		return fmt.Errorf("--rebuild-hold %s: must be positive", f.cfg.RebuildHold)
+	}
+	if f.cfg.GCSandboxGrace <= 0 {
+		return fmt.Errorf("--gc-sandbox-grace %s: must be positive", f.cfg.GCSandboxGrace)
 	}
 	if f.cfg.GCFullCheckInterval <= 0 {
 		return fmt.Errorf("--gc-full-check-interval %s: must be positive", f.cfg.GCFullCheckInterval)
@@ -202,6 +221,9 @@ func printList(w io.Writer, resp *cniproto.Response) error {
 		if a.Rebuilt {
 			note = "rebuilt from pod status"
 		}
+		if a.Sandbox == "gone" {
+			note = strings.TrimSpace(note + " sandbox gone (no DEL yet)")
+		}
 		if len(a.Conflicts) > 0 {
 			note = strings.TrimSpace(note + " conflict: not held " + strings.Join(a.Conflicts, ","))
 		}
@@ -213,6 +235,13 @@ func printList(w io.Writer, resp *cniproto.Response) error {
 			time.Since(a.Created).Round(time.Second), note)
 	}
 	return tw.Flush()
+}
+
+func orDefault(s, def string) string {
+	if s == "" {
+		return def
+	}
+	return s
 }
 
 func orDash(s string) string {

@@ -47,6 +47,10 @@ those agents' attachment lists and reports:
   AttachedTwice      an address on two attachments
   PodAddressNotHeld  an attachment's address not held by its node
   LeakedAttachment   an attachment (older than --grace) whose pod no longer exists
+  SandboxGone        an attachment (older than --grace) whose network namespace is gone
+                     (the runtime never called DEL; the agent checks the path itself)
+  PodAddressNotAttached  a running pod on that node whose address has no attachment there
+                     (the agent would hand it to another pod: what comes before a duplicate)
 
 It only lists objects: it takes no lock and blocks nothing. Exit status: 0 consistent,
 1 problems found, 2 could not check.`,

@@ -2,31 +2,62 @@
 // from the node's warm set of addresses, records every assignment in a durable journal before
 // answering, and keeps the node's NodeIPAllocation request right-sized (the pool monitor).
 //
-// The decisions live in the pure state machine of package ipam; the journal in package journal.
-// This package is the imperative shell: Service (requests, journal, waiting), Kube (informers
-// and the spec write), Monitor (scaling rounds), Collector (leak collection), and Run, which
-// wires them in this order:
+// The decisions live in the pure state machine of package ipam, the leak collector's in package
+// gc, the node Lease's in package nodelease; the journal in package journal. This package is the
+// imperative shell: Service (requests, journal, waiting, and the gate that says when ADD may be
+// served), Kube (informers and the spec write), NodeLease, Monitor (scaling rounds), Collector
+// (leak collection), and Run, which wires them in this order:
 //
 //  1. open and load the journal (bbolt, <state-dir>/journal.db) and restore the state;
-//  2. start the informers and wait for the controller to create the node's NodeIPAllocation;
-//  3. reconcile: push pools, holdings and pods into the state (conflicts are logged and counted,
-//     never dropped), and rebuild attachments for running pods whose addresses the journal lacks;
-//  4. only then listen on the socket and serve; the monitor, the watch loop and the leak
-//     collector run from here on.
+//  2. listen on the socket and serve at once from the journal: DEL, CHECK, LIST, and ADD from the
+//     addresses the journal holds (the pools it served and their holdings), whether or not the
+//     API server answers;
+//  3. in the background, retrying while the API server is away: start the informers, take the
+//     node's Lease, wait for the controller to create the node's NodeIPAllocation, reconcile (push
+//     pools, holdings and pods into the state; rebuild attachments for running pods whose
+//     addresses the journal lacks), and only then run the monitor (spec publishing), the watch
+//     loop and the leak collector.
+//
+// # When ADD is served (gate)
+//
+// A new or lost journal holds no address, so such an agent serves ADD only after step 3; until
+// then ADD fails with code 11 and says what the agent waits for ("waiting for the API server",
+// "waiting for the controller to create NodeIPAllocation ..."). An agent whose journal holds
+// addresses serves ADD from them before the API server answers: it held the node's Lease when it
+// last talked to it, since holdings are journaled only after the Lease is taken.
+//
+// # One agent per node
+//
+// The agent holds the coordination.k8s.io Lease ipwarden-agent-<node> in --lease-namespace
+// (package nodelease; identity: pod name and an ID kept in the state directory). While another
+// agent holds it, ADD is refused with an error naming the holder and the spec is not published;
+// seeing another holder stops ADD at once. A renewal that fails because the API server is away
+// changes nothing (the agent serves from what it holds, as through any outage). The agent does not
+// take over a socket another process answers on. On SIGTERM it gives the Lease up.
 //
 // # Leak collection
 //
 // Addresses of pods that are gone come back without a CNI DEL in three ways (package gc holds the
-// decisions and the safety argument): the deletion of a pod bound to the node frees the
-// attachments recorded for its UID (event path); a full check every --gc-full-check-interval
-// frees attachments older than --gc-grace whose pod the informer cache does not show; and the
-// CNI GC verb frees attachments the runtime no longer lists (a GC without a valid-attachments
-// list frees nothing). All three re-read the pod from the API server (not the cache) just before
-// freeing and keep the attachment when that pod still exists or the read fails. A free goes
-// through the DEL path: journal first, then the pool's reuse cooldown. --gc-dry-run reports (log,
+// decisions and the safety argument): the deletion of a pod bound to the node makes the
+// attachments recorded for its UID candidates (event path); a full check every
+// --gc-full-check-interval picks attachments older than --gc-grace whose pod the informer cache
+// does not show; and the CNI GC verb frees attachments the runtime no longer lists (a GC without a
+// valid-attachments list frees nothing). All three re-read the pod from the API server (not the
+// cache) and keep the attachment when that pod still exists or the read fails. A pod that is gone is not a stopped sandbox: its attachment is freed
+// at once only when the network namespace path recorded at ADD (CNI_NETNS) no longer exists,
+// never while it exists (reported after --gc-sandbox-grace, event IPAddressSandboxOutlivesPod),
+// after --gc-sandbox-grace when the agent cannot check the path (--netns-dirs), and after
+// --gc-grace for attachments recorded without a path. A free goes through the DEL path: journal
+// first, then the pool's reuse cooldown. --gc-dry-run reports (log,
 // IPAddressGarbageCollectionDryRun events, metrics) what would be freed and frees nothing. Events
 // IPAddressGarbageCollected and IPAddressGarbageCollectionFailed go on the pod when the agent saw
 // its deletion, else on the node's NodeIPAllocation.
+//
+// # Pool edits
+//
+// The agent never hands out an address outside its pool's current spec (CIDRs less spec.exclude,
+// the gateway and the reserved network/broadcast addresses; ipam.Pool.Usable), even while its
+// status holds it: free ones are released at the next monitor round, ones in use when freed.
 //
 // # A lost journal
 //
@@ -40,19 +71,13 @@
 // container ID the agent does not know, was a no-op success), so the ADD adopts the recorded
 // addresses of the pools it asks for and the pod keeps its address. The DEL of the old container
 // ID can never free the adopted addresses, since it names a different attachment.
-//
-// # Needs the API server to start
-//
-// The agent serves only after it has reconciled with the API server once. While it runs, an
-// API server or etcd outage does not stop it: it serves ADD and DEL from the addresses it holds
-// and catches up when the API returns. The journal already keeps the last holdings and pool
-// settings, which a later version can use to start without the API server.
 package agent
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"time"
 
@@ -93,6 +118,15 @@ type Config struct {
 	GCFullCheckInterval time.Duration
 	// GCDryRun: the leak collector and CNI GC report what they would free and free nothing.
 	GCDryRun bool
+	// GCSandboxGrace: a gone pod's attachment whose network namespace the agent cannot check is
+	// freed this long after the pod was gone; one whose namespace still exists is reported then
+	// (and kept). Default 10m.
+	GCSandboxGrace time.Duration
+	// NetnsDirs are the directories in which the agent sees pods' network namespaces (default
+	// DefaultNetnsDirs).
+	NetnsDirs []string
+	// LeaseNamespace holds the node's Lease ipwarden-agent-<node> (one agent per node).
+	LeaseNamespace string
 	// RebuildHold bounds the unattributed hold after the journal was rebuilt from the pods.
 	RebuildHold time.Duration
 	Log         logr.Logger
@@ -142,7 +176,14 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 
 	svc := NewService(st, j, ServiceOptions{Node: cfg.Node, AddressWait: cfg.AddressWait, GCGrace: cfg.GCGrace, GCDryRun: cfg.GCDryRun,
-		RebuildHold: cfg.RebuildHold, HoldDir: cfg.StateDir, Log: log.WithName("service"), Metrics: metrics})
+		LeaseNamespace: cfg.LeaseNamespace, Gated: true, NetnsDirs: cfg.NetnsDirs, RebuildHold: cfg.RebuildHold, HoldDir: cfg.StateDir,
+		Log: log.WithName("service"), Metrics: metrics})
+	offline := st.CanServeOffline()
+	svc.gate.setOffline(offline)
+	identity, err := Identity(cfg.StateDir)
+	if err != nil {
+		return err
+	}
 	if err := ServeHTTP(ctx, cfg.MetricsAddr, MetricsHandler(reg), log); err != nil {
 		return fmt.Errorf("metrics endpoint: %w", err)
 	}
@@ -150,65 +191,16 @@ func Run(ctx context.Context, cfg Config) error {
 		return fmt.Errorf("health endpoint: %w", err)
 	}
 
-	kube, err := NewKube(cfg.RestConfig, cfg.Scheme, cfg.Node, cfg.Pools, svc, log.WithName("kube"))
-	if err != nil {
-		return err
-	}
 	events, err := newEventBroadcaster(ctx, cfg.RestConfig)
 	if err != nil {
 		return err
 	}
 	defer events.Shutdown()
-	recorder := events.NewRecorder(eventScheme(cfg.Scheme), corev1.EventSource{Component: "ipwarden-agent", Host: cfg.Node})
-	svc.SetEvents(recorder, kube.NodeRef)
-	svc.SetPodLookup(kube.GetPod)
-	collector := NewCollector(svc, kube, CollectorOptions{Grace: cfg.GCGrace, FullCheckInterval: cfg.GCFullCheckInterval, Log: log.WithName("gc")})
-	kube.OnPodDelete(collector.OnPodDelete)
-	if err := kube.Start(ctx); err != nil {
-		return err
-	}
-	if err := kube.WaitForAllocation(ctx); err != nil {
-		return err
-	}
-	if recovered != nil {
-		recorder.Eventf(kube.NodeRef(), corev1.EventTypeWarning, ReasonJournalRecovered,
-			"the agent's journal was damaged (%s: %s); it was moved to %s and the node's attachments are rebuilt from the pods' status.podIPs",
-			recovered.Reason, cniproto.Truncate(recovered.Problem, 300), recovered.MovedTo)
-	}
-	pods, err := kube.Push(ctx)
-	if err != nil {
-		return fmt.Errorf("start-up reconciliation: %w", err)
-	}
-	n, err := svc.Rebuild(pods)
-	if err != nil {
-		return err
-	}
-	// The journal was lost, damaged or is new, or a restart interrupted a hold: the owners of
-	// some held addresses are unknown.
-	heldUntil, interrupted, err := journal.HeldUntil(cfg.StateDir)
-	if err != nil {
-		log.Error(err, "unreadable hold marker: holding for the full --rebuild-hold")
-	}
-	if snap.IsEmpty() || interrupted {
-		until := time.Now().Add(cfg.RebuildHold)
-		if interrupted && !heldUntil.IsZero() {
-			until = heldUntil
-		}
-		svc.StartHold(until)
-	}
-	svc.With(func(st *ipam.State) {
-		log.Info("reconciled with the API server", "pools", st.Served(), "attachments", st.NumAttachments(), "rebuiltFromPods", n)
-		for _, want := range cfg.Pools {
-			if _, ok := st.PoolConfig(want); !ok {
-				log.Error(nil, "--pools names a pool that does not exist", "pool", want)
-			}
-		}
-	})
 
-	mon := NewMonitor(svc, kube, cfg.Resync, log.WithName("monitor"))
-	svc.SetKick(mon.Kick)
-	if err := mon.Round(ctx); err != nil {
-		log.Error(err, "first pool monitor round failed; retrying in the background")
+	// Serve from the journal first: DEL at once, ADD from the addresses the journal holds (see
+	// gate), whether or not the API server answers.
+	if err := waitSocketFree(ctx, cfg.Socket, log); err != nil {
+		return err
 	}
 	l, err := Listen(cfg.Socket)
 	if err != nil {
@@ -216,15 +208,7 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	defer os.Remove(cfg.Socket)
 	svc.SetReady(true)
-	log.Info("serving CNI requests", "socket", cfg.Socket)
-	go mon.Run(ctx)
-	go kube.Run(ctx)
-	gcCtx, stopGC := context.WithCancel(ctx)
-	collected := make(chan struct{})
-	go func() {
-		defer close(collected)
-		collector.Run(gcCtx)
-	}()
+	log.Info("serving CNI requests from the journal", "socket", cfg.Socket, "addFromJournal", offline, "identity", identity)
 	// A journal that breaks while serving (bbolt failed writing it) stops the agent: the next
 	// start moves it aside and rebuilds from the pods, as for damage found at start.
 	serveCtx, stopServing := context.WithCancel(ctx)
@@ -237,13 +221,170 @@ func Run(ctx context.Context, cfg Config) error {
 		case <-serveCtx.Done():
 		}
 	}()
-	err = Serve(serveCtx, l, svc, cfg.AddressWait+30*time.Second, log.WithName("socket"))
+	served := make(chan error, 1)
+	go func() { served <- Serve(serveCtx, l, svc, cfg.AddressWait+30*time.Second, log.WithName("socket")) }()
+
+	// Then reach the API server, in the background of the socket: informers, the node's Lease,
+	// the NodeIPAllocation, reconciliation. Leak collection and spec publishing wait for it.
+	gcCtx, stopGC := context.WithCancel(serveCtx)
+	defer stopGC()
+	collected := make(chan struct{})
+	start := startFacts{recovered: recovered, journalEmpty: snap.IsEmpty()}
+	go func() {
+		defer close(collected)
+		if err := catchUp(gcCtx, cfg, svc, events, identity, start, log); err != nil && gcCtx.Err() == nil {
+			log.Error(err, "reconciliation with the API server failed")
+		}
+	}()
+	err = <-served
 	stopGC()
 	<-collected // no free in flight when the journal closes
 	if berr := j.BrokenErr(); berr != nil {
 		return berr
 	}
 	return err
+}
+
+// startFacts is what the start found that catchUp reports or acts on once the API answers.
+type startFacts struct {
+	recovered    *journal.Recovery // a damaged journal was moved aside
+	journalEmpty bool              // new, lost or damaged: the owners of held addresses are unknown
+}
+
+// catchUp connects the agent to the API server, retrying while it is away: it starts the
+// informers, takes the node's Lease (waiting while another agent holds it), waits for the
+// NodeIPAllocation, reconciles, and then runs the pool monitor, the watch loop and the leak
+// collector until ctx ends.
+func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventBroadcaster, identity string, start startFacts, log logr.Logger) error {
+	backoff := 500 * time.Millisecond
+	var lastLog time.Time
+	var kube *Kube
+	var collector *Collector
+	for {
+		var err error
+		if kube == nil {
+			// The informer cache needs the API server's discovery to be set up.
+			if kube, err = NewKube(cfg.RestConfig, cfg.Scheme, cfg.Node, cfg.Pools, svc, log.WithName("kube")); err == nil {
+				svc.SetEvents(events.NewRecorder(eventScheme(cfg.Scheme), corev1.EventSource{Component: "ipwarden-agent", Host: cfg.Node}), kube.NodeRef)
+				svc.SetPodLookup(kube.GetPod)
+				collector = NewCollector(svc, kube, CollectorOptions{Grace: cfg.GCGrace, FullCheckInterval: cfg.GCFullCheckInterval,
+					SandboxGrace: cfg.GCSandboxGrace, NetnsDirs: cfg.NetnsDirs, Log: log.WithName("gc")})
+				kube.OnPodDelete(collector.OnPodDelete)
+			} else {
+				kube = nil
+			}
+		}
+		if kube != nil {
+			if err = kube.Start(ctx); err == nil {
+				break
+			}
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		svc.gate.setAPIError(err)
+		if time.Since(lastLog) > 10*time.Second {
+			log.Info("waiting for the API server; serving from the journal meanwhile", "error", err.Error(), "retryIn", backoff.String())
+			lastLog = time.Now()
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, 10*time.Second)
+	}
+	lease := NewNodeLease(kube.API(), cfg.LeaseNamespace, cfg.Node, identity, svc, log.WithName("lease"))
+	leaseDone := make(chan struct{})
+	go func() {
+		defer close(leaseDone)
+		lease.Run(ctx)
+	}()
+	defer func() { <-leaseDone }() // the Lease is given up before the journal closes
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-lease.Held():
+	}
+	svc.gate.setStage("waiting for the controller to create NodeIPAllocation " + cfg.Node)
+	if err := kube.WaitForAllocation(ctx); err != nil {
+		return err
+	}
+	if start.recovered != nil {
+		svc.gcr.event(nil, corev1.EventTypeWarning, ReasonJournalRecovered,
+			fmt.Sprintf("the agent's journal was damaged (%s: %s); it was moved to %s and the node's attachments are rebuilt from the pods' status.podIPs",
+				start.recovered.Reason, cniproto.Truncate(start.recovered.Problem, 300), start.recovered.MovedTo))
+	}
+	svc.gate.setStage("reconciling with the API server")
+	var pods []ipam.Pod
+	for {
+		var err error
+		if pods, err = kube.Push(ctx); err == nil {
+			break
+		}
+		log.Error(err, "start-up reconciliation failed; retrying")
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(2 * time.Second):
+		}
+	}
+	n, err := svc.Rebuild(pods)
+	if err != nil {
+		return err
+	}
+	// The journal was lost, damaged or is new, or a restart interrupted a hold: the owners of
+	// some held addresses are unknown. The hold starts before any ADD is served from them.
+	heldUntil, interrupted, err := journal.HeldUntil(cfg.StateDir)
+	if err != nil {
+		log.Error(err, "unreadable hold marker: holding for the full --rebuild-hold")
+	}
+	if start.journalEmpty || interrupted {
+		until := time.Now().Add(cfg.RebuildHold)
+		if interrupted && !heldUntil.IsZero() {
+			until = heldUntil
+		}
+		svc.StartHold(until)
+	}
+	svc.gate.setSynced()
+	svc.With(func(st *ipam.State) {
+		log.Info("reconciled with the API server", "pools", st.Served(), "attachments", st.NumAttachments(), "rebuiltFromPods", n)
+		for _, want := range cfg.Pools {
+			if _, ok := st.PoolConfig(want); !ok {
+				log.Error(nil, "--pools names a pool that does not exist", "pool", want)
+			}
+		}
+	})
+	mon := NewMonitor(svc, kube, cfg.Resync, log.WithName("monitor"))
+	svc.SetKick(mon.Kick)
+	if err := mon.Round(ctx); err != nil {
+		log.Error(err, "first pool monitor round failed; retrying in the background")
+	}
+	go mon.Run(ctx)
+	go kube.Run(ctx)
+	collector.Run(ctx)
+	return nil
+}
+
+// waitSocketFree waits while another agent answers on socket (a second agent for the node with
+// another journal must not take the socket from the one serving); a stale socket file is replaced
+// by Listen.
+func waitSocketFree(ctx context.Context, socket string, log logr.Logger) error {
+	for i := 0; ; i++ {
+		c, err := net.DialTimeout("unix", socket, time.Second)
+		if err != nil {
+			return nil
+		}
+		c.Close()
+		if i%15 == 0 {
+			log.Error(nil, "another process answers on the agent's socket (a second agent for this node?); waiting for it to stop", "socket", socket)
+		}
+		select {
+		case <-ctx.Done():
+			return context.Cause(ctx)
+		case <-time.After(2 * time.Second):
+		}
+	}
 }
 
 // newEventBroadcaster sends events to the API server (core/v1 Events).

@@ -2,7 +2,9 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"os"
 	"sync"
 	"time"
 
@@ -33,7 +35,14 @@ const (
 	ReasonCollected       = "IPAddressGarbageCollected"
 	ReasonCollectionFail  = "IPAddressGarbageCollectionFailed"
 	ReasonCollectedDryRun = "IPAddressGarbageCollectionDryRun"
+	// ReasonSandboxOutlivesPod: a pod is gone but the network namespace of its sandbox still
+	// exists --gc-sandbox-grace later; its address stays held until the runtime removes it.
+	ReasonSandboxOutlivesPod = "IPAddressSandboxOutlivesPod"
 )
+
+// DefaultNetnsDirs are where runtimes put pods' network namespaces (containerd and CRI-O:
+// /var/run/netns/<name>); the DaemonSet mounts them read-only into the agent's container.
+var DefaultNetnsDirs = []string{"/var/run/netns", "/run/netns"}
 
 // PodSource is what the collector reads about pods; Kube implements it.
 type PodSource interface {
@@ -51,6 +60,16 @@ type CollectorOptions struct {
 	Grace time.Duration
 	// FullCheckInterval is the period of the full check of the journal against the pods.
 	FullCheckInterval time.Duration
+	// SandboxGrace: an attachment of a gone pod whose network namespace the agent cannot check
+	// is freed this long after the pod was gone; a namespace that still exists then is reported
+	// (default 10m; see package gc).
+	SandboxGrace time.Duration
+	// SandboxPoll: how often a gone pod's namespace that still exists is looked at again
+	// (default 2s).
+	SandboxPoll time.Duration
+	// NetnsDirs are the directories the agent sees pods' network namespaces in (default
+	// DefaultNetnsDirs).
+	NetnsDirs []string
 	// Workers process pod names in parallel (default 2).
 	Workers int
 	// MaxRetries bounds the retries of one pod name (default 10); then the collector gives up
@@ -81,11 +100,18 @@ type Collector struct {
 	interval   time.Duration
 	workers    int
 	maxRetries int
+	timing     gc.Timing
+	netnsDirs  []string
 	log        logr.Logger
 	queue      workqueue.TypedRateLimitingInterface[gcItem]
 
 	mu        sync.Mutex
 	deletions gc.Deletions
+	// goneSince remembers when the API server first showed the pod of an attachment gone;
+	// outlived, the attachments reported
+	// as outliving their pod. Both are pruned to the journal's attachments by every full check.
+	goneSince map[ipam.Key]time.Time
+	outlived  map[ipam.Key]bool
 }
 
 // NewCollector returns a collector over svc; Run starts it. Register OnPodDelete with the pod
@@ -106,11 +132,22 @@ func NewCollector(svc *Service, pods PodSource, opts CollectorOptions) *Collecto
 	if opts.FullCheckInterval <= 0 {
 		opts.FullCheckInterval = 5 * time.Minute
 	}
+	if opts.SandboxGrace <= 0 {
+		opts.SandboxGrace = 10 * time.Minute
+	}
+	if opts.SandboxPoll <= 0 {
+		opts.SandboxPoll = 2 * time.Second
+	}
+	if opts.NetnsDirs == nil {
+		opts.NetnsDirs = DefaultNetnsDirs
+	}
 	q := workqueue.NewTypedRateLimitingQueueWithConfig(
 		workqueue.NewTypedItemExponentialFailureRateLimiter[gcItem](opts.RetryBase, opts.RetryMax),
 		workqueue.TypedRateLimitingQueueConfig[gcItem]{Name: "ipwarden_agent_pod_gc"})
 	return &Collector{svc: svc, pods: pods, grace: opts.Grace, interval: opts.FullCheckInterval, workers: opts.Workers,
-		maxRetries: opts.MaxRetries, log: opts.Log, queue: q}
+		maxRetries: opts.MaxRetries, log: opts.Log, queue: q, netnsDirs: opts.NetnsDirs,
+		timing:    gc.Timing{Grace: opts.Grace, SandboxGrace: opts.SandboxGrace, Poll: opts.SandboxPoll, SlowPoll: time.Minute},
+		goneSince: map[ipam.Key]time.Time{}, outlived: map[ipam.Key]bool{}}
 }
 
 // OnPodDelete is the pod informer's delete handler: it remembers the deletion (by UID, with its
@@ -171,7 +208,8 @@ func (c *Collector) Run(ctx context.Context) {
 	}
 	defer wg.Wait()
 	defer c.queue.ShutDown()
-	c.log.Info("leak collector running", "gcGrace", c.grace.String(), "fullCheckInterval", c.interval.String(), "dryRun", c.svc.gcDryRun)
+	c.log.Info("leak collector running", "gcGrace", c.grace.String(), "gcSandboxGrace", c.timing.SandboxGrace.String(),
+		"netnsDirs", c.netnsDirs, "fullCheckInterval", c.interval.String(), "dryRun", c.svc.gcDryRun)
 	tick := time.NewTicker(c.interval)
 	defer tick.Stop()
 	for {
@@ -193,7 +231,9 @@ func (c *Collector) FullCheck(ctx context.Context) {
 		c.log.Error(err, "full check skipped: cannot list the node's pods from the informer cache")
 		return
 	}
-	names := gc.Sweep(c.svc.gcView(), gc.NewCache(cached), c.svc.now(), c.grace)
+	view := c.svc.gcView()
+	c.prune(view)
+	names := gc.Sweep(view, gc.NewCache(cached), c.svc.now(), c.grace)
 	for _, n := range names {
 		c.add(gcItem{name: n, path: PathFullCheck})
 	}
@@ -271,18 +311,48 @@ func (c *Collector) sync(ctx context.Context, it gcItem) syncResult {
 		return res
 	}
 	m := c.svc.metrics
-	m.GCCandidates.WithLabelValues(it.path).Add(float64(len(sel.Candidates)))
-	rctx, cancel := context.WithTimeout(ctx, 15*time.Second)
-	l := c.pods.GetPod(rctx, it.name)
-	cancel()
-	for _, cand := range sel.Candidates {
-		v := gc.Judge(cand.Pod, l)
+	now := c.svc.now()
+	sbs := make([]gc.Sandbox, len(sel.Candidates))
+	needRead := false
+	for i, cand := range sel.Candidates {
+		sbs[i] = c.sandbox(cand.Netns)
+		if gone, known := c.goneAt(cand); sbs[i] != gc.SandboxExists || !known || now.Sub(gone) >= c.timing.SandboxGrace {
+			needRead = true
+		}
+	}
+	// A namespace that still exists keeps its attachment whatever the API server says: while it
+	// polls such a namespace, the collector reads the API server only when some candidate could
+	// be freed or reported, or its pod's gone time is unknown.
+	l := gc.Lookup{Name: it.name, Err: errNotRead}
+	if needRead {
+		m.GCCandidates.WithLabelValues(it.path).Add(float64(len(sel.Candidates)))
+		rctx, cancel := context.WithTimeout(ctx, 15*time.Second)
+		l = c.pods.GetPod(rctx, it.name)
+		cancel()
+	}
+	for i, cand := range sel.Candidates {
+		v := gc.Verdict{Free: true, Reason: gc.ReasonPodGone}
+		if needRead {
+			v = gc.Judge(cand.Pod, l)
+		}
 		switch {
 		case v.Free:
-			if _, err := c.svc.collect(it.path, cand, why(it.path, v, l, cand)); err != nil {
+			gone, known := c.goneAt(cand)
+			if !known {
+				gone = c.markGone(cand.Key, now)
+			}
+			rel := gc.Decide(sbs[i], gone, now, c.timing)
+			if !rel.Free {
+				c.hold(it.path, cand, sbs[i], rel)
+				res.recheckAt = earliest(res.recheckAt, rel.RecheckAt)
+				continue
+			}
+			if _, err := c.svc.collect(it.path, cand, why(it.path, v, l, cand)+"; its network namespace: "+sbs[i].String()+" ("+rel.Reason+")"); err != nil {
 				res.err = fmt.Errorf("free attachment %s: %w", cand.Key, err)
 				res.failed = append(res.failed, cand)
+				continue
 			}
+			c.forgetKey(cand.Key)
 		case v.Reason == gc.ReasonAPIError:
 			m.GCFailed.WithLabelValues(it.path).Inc()
 			res.err = l.Err
@@ -292,12 +362,110 @@ func (c *Collector) sync(ctx context.Context, it gcItem) syncResult {
 			res.failed = append(res.failed, cand)
 			c.log.V(1).Info("kept: the API server gave no definite answer", "pod", it.name.String(), "attachment", cand.Key.String(), "error", res.err.Error())
 		default:
+			c.forgetKey(cand.Key)
 			m.GCKept.WithLabelValues(it.path).Inc()
 			c.log.V(1).Info("kept: the API server shows the attachment's pod", "pod", it.name.String(), "podUID", cand.Pod.UID,
 				"attachment", cand.Key.String(), "reason", v.Reason, "path", it.path)
 		}
 	}
 	return res
+}
+
+// errNotRead stands for the API read the collector skipped.
+var errNotRead = errors.New("not read")
+
+func earliest(a, b time.Time) time.Time {
+	if a.IsZero() || (!b.IsZero() && b.Before(a)) {
+		return b
+	}
+	return a
+}
+
+// sandbox looks at the network namespace path recorded for an attachment.
+func (c *Collector) sandbox(netns string) gc.Sandbox { return lookSandbox(netns, c.netnsDirs) }
+
+// lookSandbox reads whether the network namespace path netns exists in one of dirs (see
+// gc.ClassifySandbox).
+func lookSandbox(netns string, dirs []string) gc.Sandbox {
+	dir, ok := gc.NetnsDir(netns, dirs)
+	var dirErr, pathErr error
+	if ok {
+		if _, dirErr = os.Stat(dir); dirErr == nil {
+			_, pathErr = os.Lstat(netns)
+		}
+	}
+	return gc.ClassifySandbox(netns, ok, dirErr, pathErr)
+}
+
+// goneAt returns when the API server first showed the candidate's pod gone. Not its deletion
+// time: only the API server's answer proves the pod gone, and a wait counted from it is never
+// shorter than one counted from the true deletion.
+func (c *Collector) goneAt(cand gc.Candidate) (time.Time, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	t, ok := c.goneSince[cand.Key]
+	return t, ok
+}
+
+func (c *Collector) markGone(k ipam.Key, now time.Time) time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if t, ok := c.goneSince[k]; ok {
+		return t
+	}
+	c.goneSince[k] = now
+	return now
+}
+
+// forgetKey drops what the collector remembers of attachment k.
+func (c *Collector) forgetKey(k ipam.Key) {
+	c.mu.Lock()
+	delete(c.goneSince, k)
+	delete(c.outlived, k)
+	n := len(c.outlived)
+	c.mu.Unlock()
+	c.svc.metrics.GCSandboxOutlived.Set(float64(n))
+}
+
+// prune forgets the attachments that are no longer in the journal (freed by DEL).
+func (c *Collector) prune(view []gc.Attachment) {
+	live := make(map[ipam.Key]bool, len(view))
+	for _, a := range view {
+		live[a.Key] = true
+	}
+	c.mu.Lock()
+	for k := range c.goneSince {
+		if !live[k] {
+			delete(c.goneSince, k)
+		}
+	}
+	for k := range c.outlived {
+		if !live[k] {
+			delete(c.outlived, k)
+		}
+	}
+	n := len(c.outlived)
+	c.mu.Unlock()
+	c.svc.metrics.GCSandboxOutlived.Set(float64(n))
+}
+
+// hold reports a gone pod's attachment kept because its sandbox may still exist.
+func (c *Collector) hold(path string, cand gc.Candidate, sb gc.Sandbox, rel gc.Release) {
+	c.svc.metrics.GCSandboxHeld.WithLabelValues(sb.String()).Inc()
+	c.log.V(1).Info("kept: the pod is gone but its sandbox may still run", "path", path, "pod", cand.Pod.String(), "podUID", cand.Pod.UID,
+		"attachment", cand.Key.String(), "netns", cand.Netns, "sandbox", sb.String(), "reason", rel.Reason, "recheckAt", rel.RecheckAt)
+	if !rel.Outlived {
+		return
+	}
+	c.mu.Lock()
+	first := !c.outlived[cand.Key]
+	c.outlived[cand.Key] = true
+	n := len(c.outlived)
+	c.mu.Unlock()
+	c.svc.metrics.GCSandboxOutlived.Set(float64(n))
+	if first {
+		c.svc.gcr.outlived(cand, c.timing.SandboxGrace)
+	}
 }
 
 // why says, for events and logs, why an attachment was (or would be) freed.
@@ -325,7 +493,7 @@ func (s *Service) gcView() []gc.Attachment {
 }
 
 func gcAttachment(a ipam.Attachment, pending bool) gc.Attachment {
-	return gc.Attachment{Key: a.Key, Pod: a.Pod, Created: a.Created, Pending: pending}
+	return gc.Attachment{Key: a.Key, Pod: a.Pod, Created: a.Created, Pending: pending, Netns: a.Netns}
 }
 
 // collect frees the candidate's attachment for the leak collector through the DEL path, only if
@@ -433,6 +601,15 @@ func (r *gcReporter) wouldFree(path string, att ipam.Attachment, d *gc.Deletion,
 	r.log.Info("dry run (--gc-dry-run): would free the addresses of a pod that is gone; freeing nothing", "path", path,
 		"pod", att.Pod.String(), "podUID", att.Pod.UID, "attachment", att.Key.String(), "addresses", fmtAddresses(att.Addresses), "why", why)
 	r.event(d, corev1.EventTypeNormal, ReasonCollectedDryRun, fmt.Sprintf("dry run (--gc-dry-run): would free %s: %s; nothing was freed", describe(att), why))
+}
+
+func (r *gcReporter) outlived(c gc.Candidate, grace time.Duration) {
+	att := ipam.Attachment{Key: c.Key, Pod: c.Pod}
+	r.log.Error(nil, "a pod is gone but its network namespace still exists; its addresses stay held until the runtime removes the sandbox or calls DEL",
+		"pod", c.Pod.String(), "podUID", c.Pod.UID, "attachment", c.Key.String(), "netns", c.Netns, "gcSandboxGrace", grace.String())
+	r.event(c.Deletion, corev1.EventTypeWarning, ReasonSandboxOutlivesPod, fmt.Sprintf(
+		"%s: the pod is gone but its network namespace %s still exists after %s; the addresses stay held until the runtime removes the sandbox (check the kubelet and the container runtime on the node)",
+		describe(att), c.Netns, grace))
 }
 
 func (r *gcReporter) failed(path string, c gc.Candidate, msg string) {

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -102,8 +104,11 @@ type gcHarness struct {
 	rec  *capture
 	col  *Collector
 	reg  *prometheus.Registry
-	mu   sync.Mutex
-	now  time.Time
+	// netns stands for /var/run/netns: ADDs record <netns>/<cid>, which does not exist (the
+	// sandbox is gone) unless a test creates it.
+	netns string
+	mu    sync.Mutex
+	now   time.Time
 }
 
 func newGCHarness(t *testing.T, dryRun bool, opts CollectorOptions) *gcHarness {
@@ -118,11 +123,15 @@ func newGCHarness(t *testing.T, dryRun bool, opts CollectorOptions) *gcHarness {
 	h.svc.SetEvents(h.rec, func() *corev1.ObjectReference {
 		return &corev1.ObjectReference{Kind: "NodeIPAllocation", Name: "node-a"}
 	})
-	h.hold(map[string]string{"v4": "10.1.0.0/28"})
+	h.hold(map[string]string{"v4": "10.1.1.0/28"})
 	if opts.Grace == 0 {
 		opts.Grace = time.Minute
 	}
 	opts.Log = logr.Discard()
+	h.netns = t.TempDir()
+	if opts.NetnsDirs == nil {
+		opts.NetnsDirs = []string{h.netns}
+	}
 	h.col = NewCollector(h.svc, h.pods, opts)
 	h.svc.SetPodLookup(h.pods.GetPod)
 	return h
@@ -138,7 +147,7 @@ func (h *gcHarness) advance(d time.Duration) {
 func (h *gcHarness) addPod(cid, name, uid string) string {
 	h.t.Helper()
 	resp := h.do(cniproto.Request{Op: cniproto.OpAdd, ContainerID: cid, IfName: "eth0", Network: "net",
-		Pod: cniproto.Pod{Namespace: "ns", Name: name, UID: uid}, NonKubernetes: name == ""})
+		Netns: filepath.Join(h.netns, cid), Pod: cniproto.Pod{Namespace: "ns", Name: name, UID: uid}, NonKubernetes: name == ""})
 	if resp.Error != nil {
 		h.t.Fatalf("ADD %s: %v", cid, resp.Error)
 	}
@@ -229,7 +238,7 @@ func TestCollectorEventPathFreesByUIDThroughDEL(t *testing.T) {
 		t.Fatalf("journal: %d attachments, %d cooling", len(snap.Attachments), len(snap.Cooling))
 	}
 	ev := h.rec.find("Pod/ns/web Normal IPAddressGarbageCollected")
-	if !strings.Contains(ev, "10.1.0.") || !strings.Contains(ev, "u-web") {
+	if !strings.Contains(ev, "10.1.1.") || !strings.Contains(ev, "u-web") {
 		t.Fatalf("events %q", h.rec.all())
 	}
 	if h.metric("ipwarden_agent_gc_collected_total", PathEvent) != 1 || h.metric("ipwarden_agent_gc_candidates_total", PathEvent) != 1 {
@@ -475,4 +484,68 @@ func TestDeletionOf(t *testing.T) {
 			t.Errorf("deletionOf(%T) = %+v, %v", tc.obj, d, ok)
 		}
 	}
+}
+
+// A pod deleted while its network namespace exists keeps its address, however long; it is freed
+// once the namespace is gone. With no namespace recorded (an older journal) the collector waits
+// the grace period after the API server first showed the pod gone.
+func TestCollectorKeepsAddressWhileNetnsExists(t *testing.T) {
+	h := newGCHarness(t, false, CollectorOptions{SandboxGrace: 10 * time.Minute})
+	h.addPod("web", "web", "u-web")
+	ns := filepath.Join(h.netns, "web")
+	if err := os.WriteFile(ns, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	h.advance(5 * time.Second)
+	h.col.OnPodDelete(pod("web", "u-web", nil))
+	for range 5 {
+		h.col.processNext(context.Background())
+		h.advance(3 * time.Minute)
+		if got := h.attachments(); got != "web" {
+			t.Fatalf("attachments %q while the namespace exists", got)
+		}
+		requeue(h, "web")
+	}
+	if v := h.metric("ipwarden_agent_gc_sandbox_outlived_attachments", ""); v != 1 {
+		t.Fatalf("outlived gauge %v, want 1", v)
+	}
+	if ev := h.rec.find("Pod/ns/web Warning IPAddressSandboxOutlivesPod"); !strings.Contains(ev, ns) {
+		t.Fatalf("events %q", h.rec.all())
+	}
+	if err := os.Remove(ns); err != nil {
+		t.Fatal(err)
+	}
+	h.col.processNext(context.Background())
+	if got := h.attachments(); got != "" {
+		t.Fatalf("attachments %q after the namespace went", got)
+	}
+	if v := h.metric("ipwarden_agent_gc_sandbox_outlived_attachments", ""); v != 0 {
+		t.Fatalf("outlived gauge %v after the free", v)
+	}
+}
+
+func TestCollectorUnrecordedNetnsWaitsGrace(t *testing.T) {
+	h := newGCHarness(t, false, CollectorOptions{Grace: time.Minute})
+	resp := h.do(cniproto.Request{Op: cniproto.OpAdd, ContainerID: "old", IfName: "eth0", Network: "net",
+		Pod: cniproto.Pod{Namespace: "ns", Name: "old", UID: "u-old"}})
+	if resp.Error != nil {
+		t.Fatal(resp.Error)
+	}
+	h.col.OnPodDelete(pod("old", "u-old", nil))
+	h.col.processNext(context.Background())
+	if got := h.attachments(); got != "old" {
+		t.Fatalf("freed at once without a recorded namespace: %q", got)
+	}
+	h.advance(time.Minute)
+	requeue(h, "old")
+	h.col.processNext(context.Background())
+	if got := h.attachments(); got != "" {
+		t.Fatalf("attachments %q after the grace", got)
+	}
+}
+
+// requeue puts pod name ns/name back into the collector's queue, as its delayed recheck does
+// (the workqueue's AddAfter runs on the real clock, not the test's).
+func requeue(h *gcHarness, name string) {
+	h.col.add(gcItem{name: gc.Name{Namespace: "ns", Name: name}, path: PathEvent})
 }

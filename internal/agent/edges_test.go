@@ -80,7 +80,7 @@ func TestCNIGCRechecksAgainstTheAPIServer(t *testing.T) {
 
 func TestAddWithoutPodIdentity(t *testing.T) {
 	h := newSvc(t, time.Second, testV4)
-	h.hold(map[string]string{"v4": "10.1.0.0/28"})
+	h.hold(map[string]string{"v4": "10.1.1.0/28"})
 	tests := []struct {
 		name    string
 		pod     cniproto.Pod
@@ -181,7 +181,7 @@ func TestServeRollsBackAddWhosePluginHungUp(t *testing.T) {
 	g := &gateJournal{entered: make(chan struct{}), release: make(chan struct{})}
 	svc := NewService(ipam.New("node-a"), g, ServiceOptions{Node: "node-a", AddressWait: time.Second, Log: logr.Discard()})
 	svc.SetPools([]ipam.Pool{testV4}, []string{"v4"})
-	svc.SetHoldings(map[string]addrSet{"v4": mustSet("10.1.0.0/28")}, RecordOf{})
+	svc.SetHoldings(map[string]addrSet{"v4": mustSet("10.1.1.0/28")}, RecordOf{})
 	svc.SetReady(true)
 	sock := serveTest(t, svc)
 	sendAndHangUp(t, sock, addReq("gone"), func() { <-g.entered })
@@ -203,7 +203,7 @@ func TestServeCancelsWaitingAddWhosePluginHungUp(t *testing.T) {
 	j := &memJournal{}
 	svc := NewService(ipam.New("node-a"), j, ServiceOptions{Node: "node-a", AddressWait: time.Hour, Log: logr.Discard()})
 	svc.SetPools([]ipam.Pool{testV4}, []string{"v4"})
-	svc.SetHoldings(map[string]addrSet{"v4": mustSet("10.1.0.0/32")}, RecordOf{})
+	svc.SetHoldings(map[string]addrSet{"v4": mustSet("10.1.1.0/32")}, RecordOf{})
 	svc.SetReady(true)
 	svc.Handle(context.Background(), addReq("first")) // takes the only address
 	sock := serveTest(t, svc)
@@ -251,7 +251,7 @@ func call(t *testing.T, sock string, raw []byte) *cniproto.Response {
 
 func TestServeBoundsRequests(t *testing.T) {
 	h := newSvc(t, time.Second, testV4)
-	h.hold(map[string]string{"v4": "10.1.0.0/28"})
+	h.hold(map[string]string{"v4": "10.1.1.0/28"})
 	sock := serveTest(t, h.svc)
 	big := `{"version":1,"op":"ADD","containerID":"` + strings.Repeat("x", 1<<20) + `"}`
 	if resp := call(t, sock, []byte(big)); resp.Error == nil || !strings.Contains(resp.Error.Msg, "request larger than 65536 bytes") {
@@ -284,7 +284,7 @@ func TestServeBusy(t *testing.T) {
 	maxConns = 2
 	t.Cleanup(func() { maxConns = old })
 	h := newSvc(t, time.Second, testV4)
-	h.hold(map[string]string{"v4": "10.1.0.0/28"})
+	h.hold(map[string]string{"v4": "10.1.1.0/28"})
 	sock := serveTest(t, h.svc)
 	var idle []net.Conn
 	for range 2 {
@@ -344,7 +344,7 @@ func (m *Metrics) connsNow() float64 { return value(nil, m.Conns) }
 // served at once from the freed addresses, not after --address-wait.
 func TestServiceHoldEndsOnTheUnreportedPodsADD(t *testing.T) {
 	h := newSvc(t, 30*time.Second, testV4)
-	h.hold(map[string]string{"v4": "10.1.0.0/30"})
+	h.hold(map[string]string{"v4": "10.1.1.0/30"})
 	h.svc.SetPods([]ipam.Pod{{Ref: ipam.PodRef{Namespace: "ns", Name: "pod-web", UID: "uid-web"}}})
 	h.svc.StartHold(time.Now().Add(time.Hour))
 	list := h.do(cniproto.Request{Op: cniproto.OpList})

@@ -48,6 +48,11 @@ type Kube struct {
 
 	mu          sync.Mutex
 	lastWritten writtenSpec
+
+	// handled records the informers whose handlers are registered; started, that the cache
+	// runs. Start may be called again after an error (the API server was away).
+	handled map[string]bool
+	started bool
 }
 
 // writtenSpec is the last spec the agent wrote, with the resource versions before and after,
@@ -83,9 +88,20 @@ func NewKube(cfg *rest.Config, scheme *runtime.Scheme, node string, only []strin
 // cache.DeletedFinalStateUnknown tombstone). Call it before Start.
 func (k *Kube) OnPodDelete(f func(obj any)) { k.podDeleted = f }
 
-// Start runs the informers and waits until they have listed everything once.
+// API returns the uncached API client.
+func (k *Kube) API() client.Client { return k.api }
+
+// Start runs the informers and waits until they have listed everything once. While the API
+// server is away it fails (the informers cannot be set up without its discovery); call it again.
 func (k *Kube) Start(ctx context.Context) error {
+	if k.handled == nil {
+		k.handled = map[string]bool{}
+	}
 	for _, obj := range []client.Object{&corev1.Pod{}, &corev1.Node{}, &ipwardenv1.NodeIPAllocation{}, &ipwardenv1.IPPool{}} {
+		name := fmt.Sprintf("%T", obj)
+		if k.handled[name] {
+			continue
+		}
 		inf, err := k.cache.GetInformer(ctx, obj)
 		if err != nil {
 			return fmt.Errorf("informer for %T: %w", obj, err)
@@ -104,12 +120,16 @@ func (k *Kube) Start(ctx context.Context) error {
 		}); err != nil {
 			return fmt.Errorf("watch %T: %w", obj, err)
 		}
+		k.handled[name] = true
 	}
-	go func() {
-		if err := k.cache.Start(ctx); err != nil {
-			k.log.Error(err, "informers stopped")
-		}
-	}()
+	if !k.started {
+		k.started = true
+		go func() {
+			if err := k.cache.Start(ctx); err != nil {
+				k.log.Error(err, "informers stopped")
+			}
+		}()
+	}
 	k.log.Info("waiting for the informers to list the node's objects from the API server")
 	if !k.cache.WaitForCacheSync(ctx) {
 		return fmt.Errorf("informers did not sync: %w", context.Cause(ctx))
@@ -434,6 +454,13 @@ func PoolFromAPI(p *ipwardenv1.IPPool) (ipam.Pool, error) {
 		}
 		cfg.CIDRs = append(cfg.CIDRs, pfx)
 	}
+	for i, e := range p.Spec.Exclude {
+		pfx, err := parsePrefixOrAddr(string(e))
+		if err != nil {
+			return ipam.Pool{}, fmt.Errorf("spec.exclude[%d]: %w", i, err)
+		}
+		cfg.Exclude = append(cfg.Exclude, pfx)
+	}
 	if p.Spec.Gateway != "" {
 		gw, err := netip.ParseAddr(string(p.Spec.Gateway))
 		if err != nil {
@@ -455,6 +482,18 @@ func PoolFromAPI(p *ipwardenv1.IPPool) (ipam.Pool, error) {
 		cfg.Routes = append(cfg.Routes, rt)
 	}
 	return cfg, nil
+}
+
+// parsePrefixOrAddr reads an address or a CIDR (spec.exclude) as a prefix.
+func parsePrefixOrAddr(s string) (netip.Prefix, error) {
+	if a, err := netip.ParseAddr(s); err == nil {
+		return netip.PrefixFrom(a, a.BitLen()), nil
+	}
+	p, err := netip.ParsePrefix(s)
+	if err != nil {
+		return netip.Prefix{}, err
+	}
+	return p.Masked(), nil
 }
 
 // selects reports whether the pool's nodeSelector selects a node with labels.

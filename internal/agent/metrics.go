@@ -18,6 +18,7 @@ type Metrics struct {
 	Conflict  *prometheus.GaugeVec
 	// Unattributed: held addresses kept out of use by the hold after a rebuild.
 	Unattributed *prometheus.GaugeVec
+	Outside      *prometheus.GaugeVec
 
 	Attachments  prometheus.Gauge
 	OpDuration   *prometheus.HistogramVec
@@ -40,6 +41,12 @@ type Metrics struct {
 	GCDeleteToFree *prometheus.HistogramVec
 	GCFullChecks   prometheus.Counter
 	GCQueueDepth   prometheus.Gauge
+	// GCSandboxHeld counts decisions to keep a gone pod's attachment because its sandbox may
+	// still run, by what the agent could tell of its network namespace.
+	GCSandboxHeld *prometheus.CounterVec
+	// GCSandboxOutlived is the number of attachments whose pod is gone while their network
+	// namespace still exists past --gc-sandbox-grace.
+	GCSandboxOutlived prometheus.Gauge
 
 	// The agent's IO edges: journal recovery, the hold, the socket.
 	JournalRecovered *prometheus.CounterVec
@@ -86,6 +93,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Requests refused before handling: too large, undecodable, a field too long, or not sent in time."}),
 		AbandonedAdds: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "abandoned_adds_total",
 			Help: "ADDs rolled back because the plugin went away before the agent answered."}),
+		Outside: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Name: "addresses_outside_pool",
+			Help: "Addresses the node holds or uses that the pool's current spec no longer covers (a shrunk pool, a new exclusion): never handed out, released as they are freed."}, pool),
 
 		Attachments: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "attachments", Help: "CNI attachments the node's journal records."}),
 		OpDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: ns, Name: "cni_request_duration_seconds",
@@ -120,6 +129,13 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Full checks of the journal against the pods (--gc-full-check-interval)."}),
 		GCQueueDepth: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "gc_queue_depth",
 			Help: "Pod names waiting in the leak collector's work queue."}),
+		GCSandboxHeld: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "gc_sandbox_held_total",
+			Help: "Times the leak collector kept a gone pod's attachment because its sandbox may still run, by what it could tell of the network namespace (exists, unknown, unrecorded)."}, []string{"netns"}),
+		GCSandboxOutlived: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "gc_sandbox_outlived_attachments",
+			Help: "Attachments whose pod is gone while their network namespace still exists past --gc-sandbox-grace (held; a sandbox the runtime did not stop)."}),
+	}
+	for _, sb := range []string{"exists", "unknown", "unrecorded"} {
+		m.GCSandboxHeld.WithLabelValues(sb)
 	}
 	for _, path := range []string{PathEvent, PathFullCheck, PathCNIGC} {
 		for _, v := range []*prometheus.CounterVec{m.GCCandidates, m.GCCollected, m.GCKept, m.GCFailed, m.GCDryRun} {
@@ -127,10 +143,11 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}
 	}
 	if reg != nil {
-		reg.MustRegister(m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict,
+		reg.MustRegister(m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict, m.Outside,
 			m.Attachments, m.OpDuration, m.IPWait, m.JournalWrite, m.Errors, m.SpecWrites, m.Conflicts, m.RecordRewinds, m.RecordRecreated,
 			m.GCCandidates, m.GCCollected, m.GCKept, m.GCFailed, m.GCDryRun, m.GCDeleteToFree, m.GCFullChecks, m.GCQueueDepth,
-			m.Unattributed, m.JournalRecovered, m.HoldActive, m.Conns, m.Busy, m.BadRequests, m.AbandonedAdds)
+			m.Unattributed, m.JournalRecovered, m.HoldActive, m.Conns, m.Busy, m.BadRequests, m.AbandonedAdds,
+			m.GCSandboxHeld, m.GCSandboxOutlived)
 	}
 	return m
 }
@@ -149,10 +166,11 @@ func (m *Metrics) setPools(stats []ipam.PoolStats, attachments int) {
 		m.Requested.WithLabelValues(s.Pool).Set(float64(s.Requested))
 		m.Conflict.WithLabelValues(s.Pool).Set(float64(s.Conflicts))
 		m.Unattributed.WithLabelValues(s.Pool).Set(float64(s.Unattributed))
+		m.Outside.WithLabelValues(s.Pool).Set(float64(s.OutsidePool))
 	}
 	for p := range m.pools {
 		if !seen[p] {
-			for _, g := range []*prometheus.GaugeVec{m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict, m.Unattributed} {
+			for _, g := range []*prometheus.GaugeVec{m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict, m.Unattributed, m.Outside} {
 				g.DeleteLabelValues(p)
 			}
 		}

@@ -109,6 +109,9 @@ func (m *Monitor) Round(ctx context.Context) error {
 	n := s.st.NumAttachments()
 	s.mu.Unlock()
 	m.metrics.setPools(stats, n)
+	if s.gate.enforce && !s.gate.leaseIsHeld() {
+		return nil // another agent holds the node's Lease: it publishes the node's request
+	}
 	wrote, err := m.pub.PublishSpec(ctx, spec)
 	switch {
 	case err != nil:

@@ -39,6 +39,7 @@ type Service struct {
 	gcDryRun    bool
 	rebuildHold time.Duration
 	holdDir     string
+	netnsDirs   []string
 	gcr         *gcReporter
 	log         logr.Logger
 	metrics     *Metrics
@@ -52,6 +53,7 @@ type Service struct {
 
 	keys  keyLocks
 	ready atomic.Bool
+	gate  gate
 	// conflicts remembers reported conflicts so each is logged once.
 	conflicts map[ipam.Address]ipam.Key
 }
@@ -71,6 +73,14 @@ type ServiceOptions struct {
 	// HoldDir is where the hold's marker lives (the state directory; "" keeps no marker), so an
 	// agent restarted during the hold holds again.
 	HoldDir string
+	// NetnsDirs: where LIST looks for the attachments' network namespaces (default
+	// DefaultNetnsDirs).
+	NetnsDirs []string
+	// LeaseNamespace is the namespace of the node's Lease, for error messages.
+	LeaseNamespace string
+	// Gated: ADD is served only as the gate allows (the node's Lease, the first reconciliation
+	// or a journal with holdings; see gate). Run sets it; tests of the request paths leave it off.
+	Gated bool
 	// Now is the clock (time.Now when nil).
 	Now     func() time.Time
 	Log     logr.Logger
@@ -88,6 +98,9 @@ func NewService(st *ipam.State, journal Committer, opts ServiceOptions) *Service
 	if opts.RebuildHold <= 0 {
 		opts.RebuildHold = 5 * time.Minute
 	}
+	if opts.NetnsDirs == nil {
+		opts.NetnsDirs = DefaultNetnsDirs
+	}
 	return &Service{
 		node:        opts.Node,
 		journal:     journal,
@@ -97,6 +110,7 @@ func NewService(st *ipam.State, journal Committer, opts ServiceOptions) *Service
 		gcDryRun:    opts.GCDryRun,
 		rebuildHold: opts.RebuildHold,
 		holdDir:     opts.HoldDir,
+		netnsDirs:   opts.NetnsDirs,
 		gcr:         newGCReporter(opts.Log.WithName("gc"), opts.Metrics),
 		log:         opts.Log,
 		metrics:     opts.Metrics,
@@ -104,6 +118,7 @@ func NewService(st *ipam.State, journal Committer, opts ServiceOptions) *Service
 		changed:     make(chan struct{}),
 		kickFn:      func() {},
 		conflicts:   map[ipam.Address]ipam.Key{},
+		gate:        gate{node: opts.Node, leaseNS: opts.LeaseNamespace, enforce: opts.Gated},
 	}
 }
 
@@ -486,6 +501,9 @@ func (s *Service) handle(ctx context.Context, req cniproto.Request) *cniproto.Re
 	}
 	switch req.Op {
 	case cniproto.OpAdd:
+		if r := s.gate.refuseAdd(); r != nil {
+			return r
+		}
 		resp, _ := s.addRequest(ctx, req)
 		return resp
 	case cniproto.OpDel:
@@ -497,6 +515,9 @@ func (s *Service) handle(ctx context.Context, req cniproto.Request) *cniproto.Re
 	case cniproto.OpStatus:
 		return s.status()
 	case cniproto.OpList:
+		if r := s.gate.refuseList(); r != nil {
+			return r
+		}
 		return s.list()
 	}
 	return errResp(cniproto.CodeInternal, fmt.Sprintf("unknown operation %q", cniproto.Truncate(string(req.Op), 16)), "")
@@ -543,7 +564,7 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 	unlock := s.keys.lock(key)
 	defer unlock()
 
-	areq := ipam.AddRequest{Key: key, Network: req.Network, Pools: req.Pools,
+	areq := ipam.AddRequest{Key: key, Network: req.Network, Netns: req.Netns, Pools: req.Pools,
 		Pod: ipam.PodRef{Namespace: req.Pod.Namespace, Name: req.Pod.Name, UID: req.Pod.UID}}
 	start := s.now()
 	deadline := start.Add(s.addressWait)
@@ -843,6 +864,9 @@ func (s *Service) status() *cniproto.Response {
 	if !s.Ready() {
 		return errResp(cniproto.CodeNotAvailable, "the ipwarden agent on node "+s.node+" is starting and not serving yet", "")
 	}
+	if r := s.gate.refuseAdd(); r != nil {
+		return errResp(cniproto.CodeNotAvailable, r.Error.Msg, r.Error.Details)
+	}
 	resp := &cniproto.Response{Node: s.node, Pools: s.poolStatus()}
 	s.mu.Lock()
 	served := s.st.Served()
@@ -885,6 +909,7 @@ func (s *Service) list() *cniproto.Response {
 			ContainerID: a.Key.ContainerID, IfName: a.Key.IfName, Network: a.Network,
 			Pod: cniproto.Pod{Namespace: a.Pod.Namespace, Name: a.Pod.Name, UID: a.Pod.UID},
 			IPs: r.IPs, Created: a.Created, Rebuilt: a.Rebuilt, Conflicts: conflicts,
+			Netns: a.Netns, Sandbox: lookSandbox(a.Netns, s.netnsDirs).String(),
 		})
 	}
 	resp.Hold = s.holdStatusLocked()

@@ -171,10 +171,10 @@ func TestServiceAddWaitsForController(t *testing.T) {
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
-	h.hold(map[string]string{"v4": "10.1.0.0/30"})
+	h.hold(map[string]string{"v4": "10.1.1.0/30"})
 	select {
 	case resp := <-done:
-		if resp.Error != nil || resp.IPs[0].Address != "10.1.0.0/16" {
+		if resp.Error != nil || resp.IPs[0].Address != "10.1.1.0/16" {
 			t.Fatalf("ADD after fill: %+v %v", resp.IPs, resp.Error)
 		}
 	case <-time.After(5 * time.Second):
@@ -222,7 +222,7 @@ func TestServiceConfigErrorAndNotReady(t *testing.T) {
 
 func TestServiceConcurrentAdds(t *testing.T) {
 	h := newSvc(t, time.Second, testV4)
-	h.hold(map[string]string{"v4": "10.1.0.0/26"})
+	h.hold(map[string]string{"v4": "10.1.1.0/26"})
 	var mu sync.Mutex
 	byKey := map[string]map[string]bool{}
 	owner := map[string]string{}
@@ -309,7 +309,7 @@ func TestServiceGC(t *testing.T) {
 	clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
 	h := newSvc(t, time.Second, testV4)
 	h.svc.now = clock
-	h.hold(map[string]string{"v4": "10.1.0.0/28"})
+	h.hold(map[string]string{"v4": "10.1.1.0/28"})
 	for _, cid := range []string{"keep", "gone1", "gone2"} {
 		h.do(addReq(cid))
 	}
@@ -339,7 +339,7 @@ func TestServiceGC(t *testing.T) {
 // addresses are already in the journal when the spec is published.
 func TestMonitorJournalsReleasingBeforePublishing(t *testing.T) {
 	h := newSvc(t, time.Second, testV4)
-	h.hold(map[string]string{"v4": "10.1.0.0/28"}) // 16 held, target 4
+	h.hold(map[string]string{"v4": "10.1.1.0/28"}) // 16 held, target 4
 	h.pub.check = func(reqs []ipam.PoolRequest) {
 		journaled := map[netip.Addr]bool{}
 		for _, r := range h.j.snapshot().Releasing {
@@ -362,7 +362,7 @@ func TestMonitorJournalsReleasingBeforePublishing(t *testing.T) {
 	}
 	// A failed journal write publishes nothing new and keeps the addresses usable.
 	h2 := newSvc(t, time.Second, testV4)
-	h2.hold(map[string]string{"v4": "10.1.0.0/28"})
+	h2.hold(map[string]string{"v4": "10.1.1.0/28"})
 	h2.j.setFail(errors.New("disk full"))
 	if err := h2.mon.Round(context.Background()); err == nil {
 		t.Fatal("round succeeded with a failing journal")
@@ -384,7 +384,7 @@ func TestMonitorRoundWhenCooldownEnds(t *testing.T) {
 	pool := testV4
 	pool.Cooldown = 100 * time.Millisecond
 	h := newSvc(t, time.Second, pool)
-	h.hold(map[string]string{"v4": "10.1.0.0/28"})
+	h.hold(map[string]string{"v4": "10.1.1.0/28"})
 	for i := range 8 {
 		if resp := h.do(addReq(fmt.Sprint(i))); resp.Error != nil {
 			t.Fatal(resp.Error)

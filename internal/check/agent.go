@@ -14,7 +14,7 @@ func FromAgent(node string, atts []cniproto.Attachment) []Attachment {
 	out := make([]Attachment, 0, len(atts))
 	for _, a := range atts {
 		at := Attachment{Node: node, ContainerID: a.ContainerID, IfName: a.IfName, PodNamespace: a.Pod.Namespace,
-			PodName: a.Pod.Name, PodUID: a.Pod.UID, Created: a.Created}
+			PodName: a.Pod.Name, PodUID: a.Pod.UID, Created: a.Created, Sandbox: a.Sandbox, Netns: a.Netns}
 		for _, ip := range a.IPs {
 			s := ip.Address
 			if i := strings.IndexByte(s, '/'); i >= 0 {

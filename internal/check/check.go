@@ -32,6 +32,10 @@ type Attachment struct {
 	PodUID       string
 	Addrs        []netip.Addr
 	Created      time.Time
+	// Sandbox is what the agent sees of the network namespace recorded at ADD: "gone",
+	// "exists", "unknown" or "unrecorded" ("" from an agent that does not say).
+	Sandbox string
+	Netns   string
 }
 
 // Input is one snapshot. List pods before NodeIPAllocations and NodeIPAllocations before Nodes,
@@ -68,6 +72,12 @@ const (
 	OrphanAllocation  = "OrphanAllocation"  // a NodeIPAllocation whose Node is gone (invariant 5)
 	LeakedAttachment  = "LeakedAttachment"  // an attachment whose pod is gone (invariant 5)
 	UnknownPool       = "UnknownPool"       // a node holds addresses of a pool that does not exist
+	// PodAddressNotAttached: a running pod's address has no attachment on its node (its agent
+	// would hand it out again: what comes before a duplicate).
+	PodAddressNotAttached = "PodAddressNotAttached"
+	// SandboxGone: an attachment whose sandbox's network namespace is gone (the runtime never
+	// called DEL); its address is held for nothing.
+	SandboxGone = "SandboxGone"
 	// ClaimConflict (claims.go): a node's pods use an address another node holds.
 )
 
@@ -188,6 +198,7 @@ func Check(in Input) Report {
 
 	// Agents' attachments.
 	var attached addr.Set
+	attachedOn := map[string]addr.Set{}
 	nodesAsked := make([]string, 0, len(in.Attachments))
 	for n := range in.Attachments {
 		nodesAsked = append(nodesAsked, n)
@@ -202,6 +213,11 @@ func Check(in Input) Report {
 				add(Finding{Kind: AttachedTwice, Addresses: dup.String(), Nodes: []string{node}, Pod: who, Detail: "on two attachments"})
 			}
 			attached = attached.Union(s)
+			attachedOn[node] = attachedOn[node].Union(s)
+			if at.Sandbox == "gone" && in.Now.Sub(at.Created) >= in.Grace {
+				add(Finding{Kind: SandboxGone, Addresses: s.String(), Nodes: []string{node}, Pod: who,
+					Detail: fmt.Sprintf("the sandbox's network namespace %s is gone but the address is still attached: the runtime never called DEL (leak collection frees it once the pod is gone)", at.Netns)})
+			}
 			if out := s.Subtract(nodeHeld[node]); !out.IsEmpty() {
 				add(Finding{Kind: PodAddressNotHeld, Addresses: out.String(), Nodes: []string{node}, Pod: who,
 					Detail: "attached but not in the node's NodeIPAllocation status"})
@@ -209,6 +225,19 @@ func Check(in Input) Report {
 			if at.PodUID != "" && !podUIDs[at.PodUID] && in.Now.Sub(at.Created) >= in.Grace {
 				add(Finding{Kind: LeakedAttachment, Addresses: s.String(), Nodes: []string{node}, Pod: who,
 					Detail: fmt.Sprintf("pod UID %s no longer exists", at.PodUID)})
+			}
+		}
+	}
+	// Running pods on the nodes whose agents answered: each address has an attachment there.
+	for _, p := range in.Pods {
+		_, asked := in.Attachments[p.Node]
+		if !p.Running || !asked {
+			continue
+		}
+		for _, ip := range p.IPs {
+			if poolCIDRs.Contains(ip) && !attachedOn[p.Node].Contains(ip) {
+				add(Finding{Kind: PodAddressNotAttached, Addresses: ip.String(), Pod: p.Namespace + "/" + p.Name, Nodes: []string{p.Node},
+					Detail: "the running pod's address has no attachment on its node: the agent may hand it to another pod"})
 			}
 		}
 	}

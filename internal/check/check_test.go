@@ -76,7 +76,21 @@ func TestCheck(t *testing.T) {
 			in.Attachments["n1"][0].Created = now.Add(-10 * time.Second)
 		}, nil},
 		{"attachment outside the node's holding", func(in *Input) { in.Attachments["n1"][0].Addrs = ips("10.0.0.40") },
-			map[string]int{PodAddressNotHeld: 1}},
+			map[string]int{PodAddressNotHeld: 1, PodAddressNotAttached: 1}},
+		{"running pod's address has no attachment (freed while the pod runs)", func(in *Input) { in.Attachments["n1"] = []Attachment{} },
+			map[string]int{PodAddressNotAttached: 1}},
+		{"a pod on a node whose agent was not asked is not judged", func(in *Input) { delete(in.Attachments, "n1") }, nil},
+		{"attachment whose sandbox is gone", func(in *Input) { in.Attachments["n1"][0].Sandbox = "gone" },
+			map[string]int{SandboxGone: 1}},
+		{"young attachment whose sandbox is gone is not judged", func(in *Input) {
+			in.Attachments["n1"][0].Sandbox = "gone"
+			in.Attachments["n1"][0].Created = now.Add(-10 * time.Second)
+		}, nil},
+		{"attachment whose sandbox exists or cannot be seen", func(in *Input) {
+			in.Attachments["n1"][0].Sandbox = "exists"
+			in.Attachments["n1"] = append(in.Attachments["n1"], Attachment{Node: "n1", ContainerID: "c2", IfName: "eth1", PodUID: "u1",
+				Addrs: ips("10.0.0.18"), Created: now.Add(-time.Hour), Sandbox: "unknown"})
+		}, nil},
 		{"two attachments share an address", func(in *Input) {
 			in.Attachments["n1"] = append(in.Attachments["n1"], Attachment{Node: "n1", ContainerID: "c2", IfName: "eth0", PodUID: "u1", Addrs: ips("10.0.0.17"), Created: now})
 		}, map[string]int{AttachedTwice: 1}},

@@ -142,6 +142,10 @@ type Attachment struct {
 	Created     time.Time `json:"created"`
 	// Rebuilt is set for attachments rebuilt from a pod's status.podIPs (container ID unknown).
 	Rebuilt bool `json:"rebuilt,omitempty"`
+	// Netns is the network namespace path recorded at ADD; Sandbox is what the agent sees of it
+	// now: "gone", "exists", "unknown" (it cannot tell) or "unrecorded".
+	Netns   string `json:"netns,omitempty"`
+	Sandbox string `json:"sandbox,omitempty"`
 	// Conflicts lists addresses of the attachment that the node no longer holds.
 	Conflicts []string `json:"conflicts,omitempty"`
 }

@@ -262,7 +262,10 @@ func (x *chaos) startNode(ctx context.Context, name string) *chaosNode {
 	n.agent, err = localcluster.Start("agent "+name, x.bins.Ipwarden, filepath.Join(x.dir, name+".log"),
 		"agent", "--node-name", name, "--kubeconfig", x.kc, "--socket", n.socket, "--state-dir", filepath.Join(dir, "state"),
 		"--metrics-bind-address=0", "--health-probe-bind-address=0", "--resync=5s", "--address-wait=5s",
-		"--gc-grace=3s", "--gc-full-check-interval=5s")
+		"--gc-grace=3s", "--gc-full-check-interval=5s",
+		// IPAM only: CNI_NETNS is /proc/self/ns/net, which the agent cannot check, so a deleted
+		// pod's address is freed --gc-sandbox-grace after the pod is gone.
+		"--gc-sandbox-grace=3s")
 	if err != nil {
 		t.Fatal(err)
 	}

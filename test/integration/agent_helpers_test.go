@@ -92,7 +92,8 @@ func (a *agentProcess) start(t *testing.T, args ...string) {
 		t.Fatal(err)
 	}
 	base := []string{"agent", "--kubeconfig", kubeconfigPath, "--node-name", a.node, "--socket", a.socket,
-		"--state-dir", a.stateDir, "--metrics-bind-address", a.metrics, "--health-probe-bind-address=0", "--zap-log-level=debug"}
+		"--state-dir", a.stateDir, "--metrics-bind-address", a.metrics, "--health-probe-bind-address=0", "--zap-log-level=debug",
+		"--netns-dirs", netnsDir}
 	a.cmd = exec.Command(ipwardenBinary(t), append(base, args...)...)
 	a.cmd.Stdout, a.cmd.Stderr = logf, logf
 	a.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
@@ -155,7 +156,8 @@ func (a *agentProcess) list(t *testing.T) (*cniproto.Response, error) {
 	return resp, resp.AsError()
 }
 
-// waitServing waits until the agent answers on its socket (it listens only once reconciled).
+// waitServing waits until the agent serves ADD: it answers on its socket (at once, from its
+// journal) and STATUS no longer says that it waits for the API server or another agent's Lease.
 func (a *agentProcess) waitServing(t *testing.T) {
 	t.Helper()
 	eventually(t, 60*time.Second, "agent "+a.node+" to serve on its socket", func() error {
@@ -164,9 +166,27 @@ func (a *agentProcess) waitServing(t *testing.T) {
 			t.Fatalf("agent %s exited", a.node)
 		default:
 		}
-		_, err := a.list(t)
-		return err
+		if _, err := a.list(t); err != nil {
+			return err
+		}
+		return a.addGate(t)
 	})
+}
+
+// addGate returns the agent's STATUS error if it says that ADD is refused for now (waiting for
+// the API server, or another agent holds the node's Lease).
+func (a *agentProcess) addGate(t *testing.T) error {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	resp, err := cniproto.Call(ctx, a.socket, cniproto.Request{Op: cniproto.OpStatus})
+	if err != nil {
+		return err
+	}
+	if e := resp.AsError(); e != nil && (strings.Contains(e.Error(), "does not serve ADD") || strings.Contains(e.Error(), "Lease")) {
+		return e
+	}
+	return nil
 }
 
 // pool returns the agent's view of one pool.
@@ -214,11 +234,18 @@ func pluginConf(version, socket string, pools ...string) string {
 	return string(b)
 }
 
-// cni runs the real plugin binary for one verb and returns its result or its CNI error.
+// cni runs the real plugin binary for one verb and returns its result or its CNI error. Its
+// CNI_NETNS is a namespace path that does not exist.
 func cni(t *testing.T, verb, conf, containerID string, podArgs string) (*cniResult, *cnitypes.Error) {
 	t.Helper()
+	return cniIn(t, verb, conf, containerID, podArgs, filepath.Join(netnsDir, "none"))
+}
+
+// cniIn is cni with the network namespace path netns as CNI_NETNS.
+func cniIn(t *testing.T, verb, conf, containerID, podArgs, netns string) (*cniResult, *cnitypes.Error) {
+	t.Helper()
 	cmd := exec.Command(cniBinary(t))
-	cmd.Env = []string{"CNI_COMMAND=" + verb, "CNI_CONTAINERID=" + containerID, "CNI_NETNS=/var/run/netns/none",
+	cmd.Env = []string{"CNI_COMMAND=" + verb, "CNI_CONTAINERID=" + containerID, "CNI_NETNS=" + netns,
 		"CNI_NETNS_OVERRIDE=1", "CNI_IFNAME=eth0", "CNI_PATH=/opt/cni/bin", "CNI_ARGS=" + podArgs}
 	cmd.Stdin = strings.NewReader(conf)
 	var out, errOut bytes.Buffer

@@ -106,8 +106,13 @@ func TestAgentServesThroughPlugin(t *testing.T) {
 		}
 		return nil
 	})
-	if _, err := os.Stat(ag.socket); err == nil {
-		t.Fatal("the agent listens before it has reconciled")
+	// It answers at once (DEL, CHECK, LIST from its journal) but refuses ADD and says why.
+	if _, e := cni(t, "ADD", pluginConf("1.1.0", ag.socket), "early", podArgs("default", "early", "uid-early")); e == nil ||
+		e.Code != 11 || !strings.Contains(e.Msg, "waiting for the controller to create NodeIPAllocation agent-serve") {
+		t.Fatalf("ADD before the agent has reconciled: %v", e)
+	}
+	if _, e := cni(t, "DEL", pluginConf("1.1.0", ag.socket), "early", podArgs("default", "early", "uid-early")); e != nil {
+		t.Fatalf("DEL before the agent has reconciled: %v", e)
 	}
 	startController(t)
 	ag.waitServing(t)

@@ -5,11 +5,14 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
+	coordinationv1 "k8s.io/api/coordination/v1"
+	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/rest"
@@ -48,6 +51,30 @@ func TestDeployManifests(t *testing.T) {
 	var ds appsv1.DaemonSet
 	if err := k8s.Get(ctx, client.ObjectKey{Namespace: "ipwarden-system", Name: "ipwarden-agent"}, &ds); err != nil {
 		t.Fatalf("agent DaemonSet: %v", err)
+	}
+	// The agent sees the host's network namespaces (read-only, later mounts propagated), the
+	// check that a deleted pod's sandbox is gone; and knows its pod name and namespace (the
+	// node's Lease).
+	mounts := map[string]bool{}
+	var env []string
+	for _, c := range ds.Spec.Template.Spec.Containers {
+		if c.Name != "agent" {
+			continue
+		}
+		for _, m := range c.VolumeMounts {
+			if m.ReadOnly && m.MountPropagation != nil && *m.MountPropagation == corev1.MountPropagationHostToContainer {
+				mounts[m.MountPath] = true
+			}
+		}
+		for _, e := range c.Env {
+			env = append(env, e.Name)
+		}
+	}
+	if !mounts["/var/run/netns"] || !mounts["/run/netns"] {
+		t.Errorf("agent mounts %v: want /var/run/netns and /run/netns read-only with HostToContainer propagation", mounts)
+	}
+	if !slices.Contains(env, "POD_NAME") || !slices.Contains(env, "POD_NAMESPACE") {
+		t.Errorf("agent env %v: want POD_NAME and POD_NAMESPACE", env)
 	}
 	var dep appsv1.Deployment
 	if err := k8s.Get(ctx, client.ObjectKey{Namespace: "ipwarden-system", Name: "ipwarden-controller"}, &dep); err != nil {
@@ -151,5 +178,25 @@ func TestDeployManifests(t *testing.T) {
 	}
 	if err := agentA.Create(ctx, &ipwardenv1.IPPool{ObjectMeta: metav1.ObjectMeta{Name: "agent-pool"}, Spec: ipwardenv1.IPPoolSpec{CIDRs: []ipwardenv1.CIDR{"10.200.0.0/24"}}}); !apierrors.IsForbidden(err) {
 		t.Errorf("agent created a pool: %v", err)
+	}
+	// The node's Lease (one agent per node): get, create and renew in its own namespace only.
+	id := "agent-a"
+	lease := &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Namespace: "ipwarden-system", Name: "ipwarden-agent-vap-a"},
+		Spec: coordinationv1.LeaseSpec{HolderIdentity: &id}}
+	if err := agentA.Create(ctx, lease); err != nil {
+		t.Fatalf("agent cannot create its Lease: %v", err)
+	}
+	t.Cleanup(func() { _ = k8s.Delete(context.Background(), lease) })
+	if err := agentA.Get(ctx, client.ObjectKeyFromObject(lease), lease); err != nil {
+		t.Fatalf("agent cannot read its Lease: %v", err)
+	}
+	if err := agentA.Update(ctx, lease); err != nil {
+		t.Fatalf("agent cannot renew its Lease: %v", err)
+	}
+	if err := agentA.Delete(ctx, lease); !apierrors.IsForbidden(err) {
+		t.Errorf("agent deleted a Lease: %v", err)
+	}
+	if err := agentA.Create(ctx, &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "x"}}); !apierrors.IsForbidden(err) {
+		t.Errorf("agent created a Lease outside its namespace: %v", err)
 	}
 }

@@ -19,6 +19,10 @@ import (
 )
 
 var (
+	// netnsDir stands for the host's /var/run/netns: agents look for pods' network namespaces
+	// there (--netns-dirs) and the plugin passes CNI_NETNS=<netnsDir>/none, a namespace that is
+	// gone, unless a test passes a real one (see cniIn).
+	netnsDir string
 	// controlPlane is the package's etcd + kube-apiserver; kubeconfigPath its admin kubeconfig.
 	controlPlane   *controlplane.ControlPlane
 	kubeconfigPath string
@@ -38,6 +42,12 @@ func run(m *testing.M) int {
 	if err := ipwardenv1.AddToScheme(scheme); err != nil {
 		panic(err)
 	}
+	dir, err := os.MkdirTemp("", "ipw-netns-")
+	if err != nil {
+		panic(err)
+	}
+	defer os.RemoveAll(dir)
+	netnsDir = dir
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
 	defer cancel()
 	cp, err := controlplane.Start(ctx, controlplane.Options{Log: os.Stderr})

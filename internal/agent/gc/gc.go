@@ -42,6 +42,25 @@
 //  4. The shell frees by key and only if the attachment is still the one selected (same pod,
 //     same creation time) and not in flight, so an ADD racing the collector is never undone.
 //
+// # When a pod is gone but its sandbox may not be
+//
+// A deleted Pod object is not a stopped sandbox: after a force delete the kubelet may take
+// seconds, or minutes if it is down, to stop the sandbox and call DEL. So once Judge says the
+// pod is gone, Decide frees the attachment only when its sandbox is provably gone too, or after a
+// grace period counted from when the API server first showed the pod gone:
+//
+//   - the network namespace path recorded at ADD no longer exists (SandboxGone): free now;
+//   - it still exists (SandboxExists): never freed by the collector; the runtime's DEL (or its CNI
+//     GC, or the namespace's removal) frees it. A namespace that outlives its pod by
+//     --gc-sandbox-grace is itself a leak, and is reported (Outlived), not freed: freeing it
+//     would hand its address to a second pod while the first sandbox still uses it;
+//   - the agent cannot tell (SandboxUnknown: a path outside the namespace directories it sees,
+//     such as /proc/<pid>/ns/net, a directory not mounted into the agent's container, a
+//     permission error): treated as "may still exist" for --gc-sandbox-grace (default 10m), then
+//     freed, so a node whose agent lacks the mount still gets its addresses back;
+//   - no path was recorded (SandboxUnrecorded: a journal written before the agent kept it, or a
+//     rebuilt attachment): freed --gc-grace after the pod was gone, as before.
+//
 // The property test in this package drives these functions through random interleavings of pod
 // creation and deletion, name reuse, early ADDs, lagging and lossy caches, missed, late and
 // duplicated events and API errors, with a truthful API server, and checks that no attachment is
@@ -50,6 +69,10 @@ package gc
 
 import (
 	"cmp"
+	"errors"
+	"fmt"
+	"io/fs"
+	"path/filepath"
 	"slices"
 	"time"
 
@@ -83,6 +106,9 @@ type Attachment struct {
 	Created time.Time
 	// Pending is set while the attachment's ADD is still being journaled: never a candidate.
 	Pending bool
+	// Netns is the network namespace path the runtime passed in CNI_NETNS at ADD; empty for
+	// attachments recorded before the agent kept it, and for rebuilt ones.
+	Netns string
 }
 
 // Same reports whether a and b are the same recorded attachment (not just the same key).
@@ -297,6 +323,141 @@ func Judge(owner ipam.PodRef, l Lookup) Verdict {
 		return Verdict{Reason: ReasonAPIError}
 	default:
 		return Verdict{Free: true, Reason: ReasonNameReused}
+	}
+}
+
+// Sandbox is what the agent can tell about an attachment's sandbox from the network namespace
+// path the runtime passed in CNI_NETNS at ADD.
+type Sandbox int
+
+// Sandbox states.
+const (
+	// SandboxUnrecorded: no path was recorded.
+	SandboxUnrecorded Sandbox = iota
+	// SandboxGone: the path does not exist in a namespace directory the agent sees.
+	SandboxGone
+	// SandboxExists: the path exists.
+	SandboxExists
+	// SandboxUnknown: the agent cannot tell; treated as "may still exist".
+	SandboxUnknown
+)
+
+func (s Sandbox) String() string {
+	switch s {
+	case SandboxUnrecorded:
+		return "unrecorded"
+	case SandboxGone:
+		return "gone"
+	case SandboxExists:
+		return "exists"
+	case SandboxUnknown:
+		return "unknown"
+	}
+	return fmt.Sprintf("Sandbox(%d)", int(s))
+}
+
+// NetnsDir returns the directory among dirs that directly contains the network namespace path
+// netns, and false when there is none: the agent can check only a path it sees, and runtimes put
+// a pod's namespace directly under /var/run/netns (containerd: cni-<uuid>; CRI-O: <uuid>). A
+// relative path, one with "..", or one below a subdirectory is not checkable.
+func NetnsDir(netns string, dirs []string) (string, bool) {
+	if netns == "" || !filepath.IsAbs(netns) || filepath.Clean(netns) != netns {
+		return "", false
+	}
+	parent := filepath.Dir(netns)
+	for _, d := range dirs {
+		if d != "" && filepath.Clean(d) == parent {
+			return parent, true
+		}
+	}
+	return "", false
+}
+
+// ClassifySandbox turns what the agent saw into a Sandbox: netns is the recorded path, checkable
+// whether NetnsDir found its directory, dirErr the result of reading that directory (an error
+// means it is not there, e.g. not mounted into the agent's container) and pathErr the result of
+// reading the path itself. Only a definite "does not exist" inside a directory that exists is
+// SandboxGone; every other failure is SandboxUnknown.
+func ClassifySandbox(netns string, checkable bool, dirErr, pathErr error) Sandbox {
+	switch {
+	case netns == "":
+		return SandboxUnrecorded
+	case !checkable || dirErr != nil:
+		return SandboxUnknown
+	case pathErr == nil:
+		return SandboxExists
+	case errors.Is(pathErr, fs.ErrNotExist):
+		return SandboxGone
+	}
+	return SandboxUnknown
+}
+
+// Timing holds the collector's waits for pods that are gone.
+type Timing struct {
+	// Grace: how long after its pod is gone an attachment without a recorded namespace is
+	// freed (--gc-grace).
+	Grace time.Duration
+	// SandboxGrace: how long after its pod is gone an attachment whose namespace the agent
+	// cannot check is freed, and after which a namespace that still exists is reported
+	// (--gc-sandbox-grace).
+	SandboxGrace time.Duration
+	// Poll: how often a namespace that still exists is looked at again; after SandboxGrace,
+	// every SlowPoll.
+	Poll, SlowPoll time.Duration
+}
+
+// Reasons of a Release.
+const (
+	// ReasonSandboxGone: the pod and its network namespace are gone.
+	ReasonSandboxGone = "sandbox-gone"
+	// ReasonSandboxExists: the pod is gone but its network namespace still exists; kept.
+	ReasonSandboxExists = "sandbox-exists"
+	// ReasonSandboxUnknownGrace: the agent cannot check the namespace, and SandboxGrace has
+	// passed since the pod was gone.
+	ReasonSandboxUnknownGrace = "sandbox-unknown-grace-elapsed"
+	// ReasonUnrecordedGrace: no namespace was recorded, and Grace has passed since the pod was
+	// gone.
+	ReasonUnrecordedGrace = "no-netns-grace-elapsed"
+	// ReasonWaiting: within the wait; look again at RecheckAt.
+	ReasonWaiting = "waiting"
+)
+
+// Release is Decide's answer for a candidate whose pod the API server shows gone.
+type Release struct {
+	Free   bool
+	Reason string
+	// RecheckAt, when not zero, is when to look again (the candidate was kept).
+	RecheckAt time.Time
+	// Outlived is set when the namespace still exists SandboxGrace after the pod was gone: a
+	// sandbox the runtime did not stop, to report.
+	Outlived bool
+}
+
+// Decide says whether to free, at now, an attachment whose pod Judge showed gone since goneSince
+// (when the API server first showed it gone, which is never before the true deletion), given
+// what the agent can tell of its sandbox (see the package documentation).
+func Decide(sb Sandbox, goneSince, now time.Time, t Timing) Release {
+	gone := now.Sub(goneSince)
+	switch sb {
+	case SandboxGone:
+		return Release{Free: true, Reason: ReasonSandboxGone}
+	case SandboxExists:
+		r := Release{Reason: ReasonSandboxExists, RecheckAt: now.Add(t.Poll)}
+		if gone >= t.SandboxGrace {
+			r.Outlived = true
+			r.RecheckAt = now.Add(max(t.Poll, t.SlowPoll))
+		}
+		return r
+	case SandboxUnknown:
+		if gone >= t.SandboxGrace {
+			return Release{Free: true, Reason: ReasonSandboxUnknownGrace}
+		}
+		return Release{Reason: ReasonWaiting, RecheckAt: goneSince.Add(t.SandboxGrace)}
+	default:
+		if gone >= t.Grace {
+			return Release{Free: true, Reason: ReasonUnrecordedGrace}
+		}
+		return Release{Reason: ReasonWaiting, RecheckAt: goneSince.Add(t.Grace)}
 	}
 }
 

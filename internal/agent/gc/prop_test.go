@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -17,8 +18,13 @@ import (
 // lost, late (after the name was reused), duplicated or replayed for a pod that still exists, an
 // API server that fails reads at random, and the collector's shell played step by step with the
 // package's decisions, the API read and the free being separate steps so that the world moves
-// in between. The one assumption, the grace period's contract: a pod the runtime asked an address
-// for exists in the API server before the attachment is grace old.
+// in between. Every attachment has a sandbox that runs from its ADD until the runtime stops it (a
+// DEL, or a kubelet that stops a gone pod's sandbox late, or not before the run settles); its
+// network namespace path was recorded and is visible to the agent, or recorded where the agent
+// cannot see it, or not recorded. The assumptions, the grace periods' contracts: a pod the
+// runtime asked an address for exists in the API server before the attachment is grace old; the
+// sandbox of a gone pod whose namespace the agent cannot check stops within the sandbox grace
+// (unrecorded: within grace) of the pod's deletion. A visible namespace needs no contract.
 
 type podState int
 
@@ -29,13 +35,25 @@ const (
 )
 
 type mPod struct {
-	ref   ipam.PodRef
-	state podState
+	ref    ipam.PodRef
+	state  podState
+	goneAt time.Time
 }
 
 type mAtt struct {
 	a     Attachment
 	owner *mPod
+	// sb is how the agent sees the sandbox's namespace while it runs; live is set while it runs.
+	sb   Sandbox
+	live bool
+}
+
+// seen is what the agent's shell reads of the sandbox now.
+func (a *mAtt) seen() Sandbox {
+	if a.sb == SandboxExists && !a.live {
+		return SandboxGone
+	}
+	return a.sb
 }
 
 type inFlight struct {
@@ -43,6 +61,8 @@ type inFlight struct {
 	sel    Selection
 	dels   []Deletion
 	lookup Lookup
+	sbs    []Sandbox
+	readAt time.Time
 }
 
 type model struct {
@@ -61,10 +81,14 @@ type model struct {
 	flights   []inFlight
 	rechecks  map[Name]time.Time
 
+	goneSince map[ipam.Key]time.Time
+	timing    Timing
+
 	nextID         int
 	apiErrorRate   float64
 	freed, kept    int
 	freedByReason  map[string]int
+	keptByReason   map[string]int
 	stepsWithFrees int
 }
 
@@ -72,7 +96,9 @@ var names = []Name{{"ns", "a"}, {"ns", "b"}, {"ns", "c"}, {"other", "a"}}
 
 func newModel(t *testing.T, seed uint64) *model {
 	return &model{t: t, rng: rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15)), now: t0, grace: grace,
-		atts: map[ipam.Key]*mAtt{}, rechecks: map[Name]time.Time{}, apiErrorRate: 0.2, freedByReason: map[string]int{}}
+		atts: map[ipam.Key]*mAtt{}, rechecks: map[Name]time.Time{}, apiErrorRate: 0.2, freedByReason: map[string]int{},
+		keptByReason: map[string]int{}, goneSince: map[ipam.Key]time.Time{},
+		timing: Timing{Grace: grace, SandboxGrace: 5 * grace, Poll: grace / 10, SlowPoll: grace}}
 }
 
 func (m *model) id(prefix string) string {
@@ -99,6 +125,7 @@ func (m *model) create(p *mPod) {
 
 func (m *model) delete(p *mPod) {
 	p.state = gone
+	p.goneAt = m.now
 	switch r := m.rng.Float64(); {
 	case r < 0.3: // the watch missed it
 	case r < 0.45: // delivered twice
@@ -201,7 +228,26 @@ func (m *model) step() {
 			m.apply(f)
 		}
 	default:
+		if m.rng.IntN(2) == 0 {
+			m.stopSandbox()
+			return
+		}
 		m.advance(time.Duration(m.rng.Int64N(int64(m.grace / 2))))
+	}
+}
+
+// stopSandbox is the kubelet stopping a gone pod's sandbox without a DEL (its namespace is
+// removed; the DEL may never come).
+func (m *model) stopSandbox() {
+	var c []*mAtt
+	for _, a := range m.atts {
+		if a.live && a.owner.state == gone {
+			c = append(c, a)
+		}
+	}
+	if len(c) > 0 {
+		slices.SortFunc(c, func(a, b *mAtt) int { return strings.Compare(a.a.Key.ContainerID, b.a.Key.ContainerID) })
+		c[m.rng.IntN(len(c))].live = false
 	}
 }
 
@@ -246,7 +292,16 @@ func (m *model) add() {
 		ref = ipam.PodRef{}
 	}
 	k := ipam.Key{ContainerID: m.id("c"), IfName: "eth0"}
-	m.atts[k] = &mAtt{a: Attachment{Key: k, Pod: ref, Created: m.now, Pending: m.rng.IntN(4) == 0}, owner: p}
+	ma := &mAtt{a: Attachment{Key: k, Pod: ref, Created: m.now, Pending: m.rng.IntN(4) == 0}, owner: p, live: true}
+	switch r := m.rng.IntN(100); {
+	case r < 60:
+		ma.sb, ma.a.Netns = SandboxExists, "/var/run/netns/cni-"+k.ContainerID
+	case r < 80:
+		ma.sb, ma.a.Netns = SandboxUnknown, "/proc/1/ns/net"
+	default:
+		ma.sb = SandboxUnrecorded
+	}
+	m.atts[k] = ma
 }
 
 func (m *model) deliver(d Deletion) {
@@ -259,7 +314,14 @@ func (m *model) deliver(d Deletion) {
 func (m *model) selectAndRead(n Name) {
 	dels := m.deletions.Of(n)
 	sel := Select(n, m.snapshot(), NewCache(m.cache), dels, m.now, m.grace)
-	f := inFlight{name: n, sel: sel, dels: dels}
+	f := inFlight{name: n, sel: sel, dels: dels, readAt: m.now}
+	for _, c := range sel.Candidates {
+		sb := SandboxGone // DEL'd meanwhile: its sandbox is gone
+		if a, ok := m.atts[c.Key]; ok {
+			sb = a.seen()
+		}
+		f.sbs = append(f.sbs, sb)
+	}
 	if len(sel.Candidates) > 0 {
 		f.lookup = m.get(n)
 	}
@@ -268,13 +330,31 @@ func (m *model) selectAndRead(n Name) {
 
 func (m *model) apply(f inFlight) {
 	retry := false
-	for _, c := range f.sel.Candidates {
+	recheck := f.sel.RecheckAt
+	for i, c := range f.sel.Candidates {
 		v := Judge(c.Pod, f.lookup)
 		if !v.Free {
 			if v.Reason == ReasonAPIError {
 				retry = true
+			} else {
+				delete(m.goneSince, c.Key)
 			}
 			m.kept++
+			m.keptByReason[v.Reason]++
+			continue
+		}
+		since, ok := m.goneSince[c.Key]
+		if !ok {
+			since = f.readAt
+			m.goneSince[c.Key] = since
+		}
+		rel := Decide(f.sbs[i], since, f.readAt, m.timing)
+		if !rel.Free {
+			m.kept++
+			m.keptByReason[rel.Reason]++
+			if recheck.IsZero() || rel.RecheckAt.Before(recheck) {
+				recheck = rel.RecheckAt
+			}
 			continue
 		}
 		cur, ok := m.atts[c.Key]
@@ -285,16 +365,22 @@ func (m *model) apply(f inFlight) {
 			m.t.Fatalf("freed attachment %s of pod %+v, which is %v (reason %s, lookup %+v, selected with deletion %+v)",
 				c.Key, cur.owner.ref, map[podState]string{unborn: "not created yet", alive: "alive"}[cur.owner.state], v.Reason, f.lookup, c.Deletion)
 		}
+		if cur.live {
+			m.t.Fatalf("freed attachment %s of gone pod %+v while its sandbox runs (namespace %s, reason %s, pod gone at %v, read at %v)",
+				c.Key, cur.owner.ref, cur.sb, rel.Reason, cur.owner.goneAt.Sub(t0), f.readAt.Sub(t0))
+		}
 		delete(m.atts, c.Key)
+		delete(m.goneSince, c.Key)
 		m.freed++
 		m.freedByReason[v.Reason]++
+		m.freedByReason[rel.Reason]++
 	}
 	switch {
 	case retry:
 		m.queue = append(m.queue, f.name)
-	case !f.sel.RecheckAt.IsZero():
-		if t, ok := m.rechecks[f.name]; !ok || f.sel.RecheckAt.Before(t) {
-			m.rechecks[f.name] = f.sel.RecheckAt
+	case !recheck.IsZero():
+		if t, ok := m.rechecks[f.name]; !ok || recheck.Before(t) {
+			m.rechecks[f.name] = recheck
 		}
 	default:
 		m.deletions.Forget(f.name, f.dels)
@@ -302,12 +388,22 @@ func (m *model) apply(f inFlight) {
 }
 
 // advance moves the clock; the API server creates every pod the runtime ran ahead of before its
-// attachment is grace old (the grace contract), and due rechecks enter the queue.
+// attachment is grace old, the runtime stops the sandboxes the agent cannot check within their
+// grace of their pod's deletion (the contracts), and due rechecks enter the queue.
 func (m *model) advance(d time.Duration) {
 	to := m.now.Add(d)
 	for _, a := range m.atts {
 		if a.owner.state == unborn && !a.a.Created.Add(m.grace).After(to) {
 			m.create(a.owner)
+		}
+	}
+	for _, a := range m.atts {
+		if !a.live || a.owner.state != gone {
+			continue
+		}
+		if (a.sb == SandboxUnrecorded && !a.owner.goneAt.Add(m.timing.Grace).After(to)) ||
+			(a.sb == SandboxUnknown && !a.owner.goneAt.Add(m.timing.SandboxGrace).After(to)) {
+			a.live = false
 		}
 	}
 	m.now = to
@@ -320,12 +416,16 @@ func (m *model) advance(d time.Duration) {
 }
 
 // settle ends the run: events are delivered, the API server answers, the cache tells the truth,
-// time passes the grace period, and the collector drains. Then every attachment whose pod is gone
-// must be freed, except those it cannot or must not judge.
+// the runtime stops every gone pod's sandbox, time passes the grace period, and the collector
+// drains. Then every attachment whose pod is gone must be freed, except those it cannot or must
+// not judge.
 func (m *model) settle() {
 	m.apiErrorRate = 0
 	for _, a := range m.atts {
 		a.a.Pending = false
+		if a.owner.state == gone {
+			a.live = false
+		}
 	}
 	for _, d := range m.events {
 		m.deliver(d)
@@ -354,6 +454,11 @@ func (m *model) settle() {
 		}
 		if len(m.rechecks) > 0 {
 			m.advance(m.grace)
+			for _, a := range m.atts {
+				if a.owner.state == gone {
+					a.live = false // a pod the advance replaced (a StatefulSet's next pod)
+				}
+			}
 		}
 	}
 	for _, a := range m.atts {
@@ -388,7 +493,7 @@ func runModel(t *testing.T, seed uint64, steps int) *model {
 // or is yet to be created, and once the world settles every gone pod's attachment is freed.
 func TestNeverFreesALivePod(t *testing.T) {
 	freed, kept := 0, 0
-	reasons := map[string]int{}
+	reasons, keptReasons := map[string]int{}, map[string]int{}
 	for seed := range uint64(400) {
 		m := runModel(t, seed, 600)
 		freed += m.freed
@@ -396,12 +501,18 @@ func TestNeverFreesALivePod(t *testing.T) {
 		for r, n := range m.freedByReason {
 			reasons[r] += n
 		}
+		for r, n := range m.keptByReason {
+			keptReasons[r] += n
+		}
 	}
-	// The model must exercise both outcomes and both ways of being gone.
-	if freed < 1000 || kept < 1000 || reasons[ReasonNameReused] == 0 || reasons[ReasonPodGone] == 0 {
-		t.Fatalf("weak model: freed %d (%v), kept %d", freed, reasons, kept)
+	// The model must exercise both outcomes, both ways of being gone, every way a sandbox is
+	// seen, and keep attachments whose pod is gone because their sandbox still runs.
+	if freed < 1000 || kept < 1000 || reasons[ReasonNameReused] == 0 || reasons[ReasonPodGone] == 0 ||
+		reasons[ReasonSandboxGone] == 0 || reasons[ReasonSandboxUnknownGrace] == 0 || reasons[ReasonUnrecordedGrace] == 0 ||
+		keptReasons[ReasonSandboxExists] == 0 || keptReasons[ReasonWaiting] == 0 {
+		t.Fatalf("weak model: freed %d (%v), kept %d (%v)", freed, reasons, kept, keptReasons)
 	}
-	t.Logf("freed %d (%v), kept %d", freed, reasons, kept)
+	t.Logf("freed %d (%v), kept %d (%v)", freed, reasons, kept, keptReasons)
 }
 
 func FuzzNeverFreesALivePod(f *testing.F) {

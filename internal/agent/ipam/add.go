@@ -13,7 +13,9 @@ import (
 type AddRequest struct {
 	Key     Key
 	Network string
-	Pod     PodRef
+	// Netns is CNI_NETNS, recorded in the attachment.
+	Netns string
+	Pod   PodRef
 	// Pools to draw one address each from, in order; empty means the pools that select the node.
 	Pools []string
 }
@@ -76,7 +78,10 @@ func (s *State) resolvePools(names []string) ([]string, error) {
 		if !slices.Contains(s.served, n) {
 			p, ok := s.pools[n]
 			what := "is not an IPPool the agent knows"
-			if ok && p.known {
+			switch {
+			case ok && p.gone:
+				what = "was deleted (the IPPool no longer exists; running pods keep their addresses, new pods need another pool)"
+			case ok && p.known:
 				what = "is not served on node " + s.node + " (its nodeSelector does not select the node, or the agent runs with --pools)"
 			}
 			return nil, &ConfigError{Field: "pools", Msg: fmt.Sprintf("pool %q %s (pools serving this node: %s)",
@@ -171,7 +176,7 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 			ch.DeleteAttachments = append(ch.DeleteAttachments, ph.Key)
 		}
 	}
-	att := &Attachment{Key: req.Key, Network: req.Network, Pod: req.Pod, Addresses: picks, Created: now}
+	att := &Attachment{Key: req.Key, Network: req.Network, Pod: req.Pod, Addresses: picks, Created: now, Netns: req.Netns}
 	s.putAttachment(att)
 	s.pending[req.Key] = u
 	delete(s.waiters, req.Key)
@@ -240,6 +245,12 @@ func (s *State) PlanDel(k Key, now time.Time) (DelPlan, error) {
 		if _, rel := p.releasing[ad.Addr]; rel || (p.heldKnown && !p.held.Contains(ad.Addr)) {
 			continue
 		}
+		if !p.isUsable(ad.Addr) {
+			// The pool's spec no longer covers it (shrunk, or a new exclusion): it drains, given
+			// back to the controller instead of cooling for reuse.
+			plan.Change.PutReleasing = append(plan.Change.PutReleasing, Releasing{Pool: ad.Pool, Addr: ad.Addr, Since: now})
+			continue
+		}
 		plan.Change.PutCooling = append(plan.Change.PutCooling, Cooling{Pool: ad.Pool, Addr: ad.Addr, FreedAt: now})
 	}
 	return plan, nil
@@ -254,9 +265,16 @@ func (s *State) ApplyDel(plan DelPlan) {
 	}
 	for _, ad := range a.Addresses {
 		p := s.pools[ad.Pool]
-		if p.inUse[ad.Addr] == plan.Key {
-			p.free(ad.Addr, plan.At)
+		if p.inUse[ad.Addr] != plan.Key {
+			continue
 		}
+		if slices.ContainsFunc(plan.Change.PutReleasing, func(r Releasing) bool { return r.Pool == ad.Pool && r.Addr == ad.Addr }) {
+			delete(p.inUse, ad.Addr)
+			p.releasing[ad.Addr] = plan.At
+			p.relSet = p.relSet.Union(setOf(ad.Addr))
+			continue
+		}
+		p.free(ad.Addr, plan.At)
 	}
 	s.dropAttachment(plan.Key)
 	delete(s.waiters, plan.Key)

@@ -13,7 +13,7 @@ func TestDecideHold(t *testing.T) {
 	until := t0.Add(5 * time.Minute)
 	web := PodRef{"ns", "web", "u-web"}
 	db := PodRef{"ns", "db", "u-db"}
-	reported := Pod{Ref: web, IPs: []netip.Addr{ip("10.0.0.5")}}
+	reported := Pod{Ref: web, IPs: []netip.Addr{ip("10.0.0.13")}}
 	unreported := Pod{Ref: db}
 	withADD := map[string]bool{"u-db": true}
 	tests := []struct {
@@ -48,19 +48,19 @@ func TestDecideHold(t *testing.T) {
 	}
 }
 
-// The lost-journal case: pod web's ADD was answered (10.0.0.0), the journal is lost before its
-// status.podIPs is written. After the rebuild nothing records 10.0.0.0; the hold keeps every
+// The lost-journal case: pod web's ADD was answered (10.0.0.8), the journal is lost before its
+// status.podIPs is written. After the rebuild nothing records 10.0.0.8; the hold keeps every
 // unattributed address out of use, counts it as demand (so the node asks for more), never
 // releases it, serves new pods from addresses granted later, attributes web's address once web
 // reports it, and frees the rest only then.
 func TestHoldAfterLostJournal(t *testing.T) {
 	h := newHarness(t, poolV4)
-	h.hold("v4", "10.0.0.0/30")
+	h.hold("v4", "10.0.0.8/30")
 	web := PodRef{"ns", "web", "u-web"}
 	// The journal is lost: a new state knows the pool and the holding, not the attachment.
 	h.s = New("node-a")
 	h.s.SetPools([]Pool{poolV4}, []string{"v4"})
-	h.s.SetHolding("v4", set(t, "10.0.0.0/30"))
+	h.s.SetHolding("v4", set(t, "10.0.0.8/30"))
 	pods := []Pod{{Ref: web}}
 	h.s.SetPods(pods)
 	if ch, _ := h.s.Rebuild(pods, h.now); !ch.IsEmpty() {
@@ -84,12 +84,12 @@ func TestHoldAfterLostJournal(t *testing.T) {
 		t.Fatalf("released unattributed addresses: %+v", plan.Marked)
 	}
 	// The controller grants more: those are free at once.
-	h.s.SetHolding("v4", set(t, "10.0.0.0/29"))
-	if got := h.mustAdd("other"); got[0] != "10.0.0.4" {
+	h.s.SetHolding("v4", set(t, "10.0.0.8/29"))
+	if got := h.mustAdd("other"); got[0] != "10.0.0.12" {
 		t.Fatalf("ADD from a new grant got %v", got)
 	}
 	// web reports its address: attributed, and the hold ends.
-	pods = []Pod{{Ref: web, IPs: []netip.Addr{ip("10.0.0.0")}}, {Ref: PodRef{"ns", "other", "uid-other"}}}
+	pods = []Pod{{Ref: web, IPs: []netip.Addr{ip("10.0.0.8")}}, {Ref: PodRef{"ns", "other", "uid-other"}}}
 	h.s.SetPods(pods)
 	if ch, _ := h.s.Rebuild(pods, h.now); len(ch.PutAttachments) != 1 {
 		t.Fatalf("rebuild after web reported: %+v", ch)
@@ -105,7 +105,7 @@ func TestHoldAfterLostJournal(t *testing.T) {
 		if err != nil {
 			break
 		}
-		if a.Addresses[0].Addr == ip("10.0.0.0") {
+		if a.Addresses[0].Addr == ip("10.0.0.8") {
 			t.Fatal("handed out web's address")
 		}
 	}
@@ -120,7 +120,7 @@ func TestHoldEndsAtDeadlineAndNotWithoutAddresses(t *testing.T) {
 	if on, _ := h.s.Hold(); on {
 		t.Fatal("a hold over nothing")
 	}
-	h.hold("v4", "10.0.0.0/30")
+	h.hold("v4", "10.0.0.8/30")
 	h.s.StartHold(h.now.Add(time.Minute))
 	if d := h.s.EvaluateHold(h.now.Add(59 * time.Second)); d.Release {
 		t.Fatalf("released early: %+v", d)
@@ -128,7 +128,7 @@ func TestHoldEndsAtDeadlineAndNotWithoutAddresses(t *testing.T) {
 	if d := h.s.EvaluateHold(h.now.Add(time.Minute)); !d.Release || d.Reason != HoldReasonDeadline {
 		t.Fatalf("at the deadline: %+v", d)
 	}
-	if got := h.mustAdd("a"); got[0] != "10.0.0.0" {
+	if got := h.mustAdd("a"); got[0] != "10.0.0.8" {
 		t.Fatalf("after the hold got %v", got)
 	}
 }

@@ -143,6 +143,10 @@ func randomRun(t testing.TB, seed, seed2 uint64, steps int) {
 				if !held.Contains(ad.Addr) {
 					t.Fatalf("step %d: handed out %s, not held (%v)", step, ad.Addr, held)
 				}
+				cfg, _ := h.s.PoolConfig(ad.Pool)
+				if u, ok := cfg.Usable(); ok && !u.Contains(ad.Addr) {
+					t.Fatalf("step %d: handed out %s, outside pool %s's current spec (exclude %v)", step, ad.Addr, ad.Pool, cfg.Exclude)
+				}
 				for _, req := range h.s.Spec() {
 					if req.Releasing.Contains(ad.Addr) {
 						t.Fatalf("step %d: handed out releasing %s", step, ad.Addr)
@@ -192,6 +196,16 @@ func randomRun(t testing.TB, seed, seed2 uint64, steps int) {
 				h.commit(h.s.SetHolding(pool, held))
 			}
 		case op < 9:
+			if rng.IntN(4) == 0 { // the operator edits the v4 pool's exclusions
+				v4.Exclude = nil
+				for _, e := range []string{"10.0.0.16/30", "10.0.0.20/31", "10.0.0.25/32", "10.0.0.28/30"} {
+					if rng.IntN(3) == 0 {
+						v4.Exclude = append(v4.Exclude, netip.MustParsePrefix(e))
+					}
+				}
+				h.commit(h.s.SetPools([]Pool{v4, v6}, []string{"v4", "v6"}))
+				continue
+			}
 			h.now = h.now.Add(time.Duration(rng.IntN(20)) * time.Second)
 			if len(unreported) > 0 && rng.IntN(3) == 0 { // a pod reports its status.podIPs
 				for cid, as := range unreported {

@@ -108,12 +108,18 @@ func (s *State) Release(now time.Time) ReleasePlan {
 			continue
 		}
 		holding := p.held.Subtract(p.relSet)
-		excess := count(holding) - s.Target(name)
-		if excess <= 0 {
-			continue
-		}
 		free := holding.Subtract(p.inUseSet()).Subtract(p.unattributed)
-		rel := scaling.ChooseRelease(holding, free, excess)
+		// Free addresses the pool's current spec no longer covers are given back at once
+		// (they are never handed out); addresses in use drain as their pods go (see PlanDel).
+		// Addresses of unknown owner (the hold after a rebuild) are neither.
+		var rel addr.Set
+		if p.usableKnown {
+			rel = free.Subtract(p.usable)
+			holding, free = holding.Subtract(rel), free.Subtract(rel)
+		}
+		if excess := count(holding) - s.Target(name); excess > 0 {
+			rel = rel.Union(scaling.ChooseRelease(holding, free, excess))
+		}
 		if rel.IsEmpty() {
 			continue
 		}
@@ -205,7 +211,10 @@ type PoolStats struct {
 	Demand int
 	// Conflicts counts addresses in use that the node does not hold.
 	Conflicts int
-	Exhausted bool
+	// OutsidePool counts addresses the node holds or uses that the pool's current spec no longer
+	// covers (a shrunk pool, a new exclusion): never handed out, they drain as they are freed.
+	OutsidePool int
+	Exhausted   bool
 	// Unattributed counts held addresses kept out of use by the hold after a rebuild.
 	Unattributed int
 }
@@ -227,11 +236,15 @@ func (s *State) Stats(now time.Time) []PoolStats {
 			Exhausted:    p.cfg.Exhausted,
 			Unattributed: count(p.unattributed),
 		}
+		st.OutsidePool = count(p.outside())
 		if p.heldKnown {
 			st.Free = count(p.fresh)
 			st.Conflicts = count(p.inUseSet().Subtract(p.held))
 		}
 		for _, c := range p.coolq {
+			if !p.isUsable(c.Addr) {
+				continue
+			}
 			if p.heldKnown && p.cooled(c.FreedAt, now) {
 				st.Free++
 			} else {

@@ -52,9 +52,32 @@ type poolState struct {
 	inUse     map[netip.Addr]Key
 	cooling   map[netip.Addr]time.Time // freed-at, mirrors coolq
 	coolq     []Cooling                // oldest freed first
-	fresh     addr.Set                 // held - releasing - inUse - cooling - unattributed
+	fresh     addr.Set                 // (held - releasing - inUse - cooling - unattributed) within usable
 	// unattributed: held addresses kept out of use by the hold after a rebuild (hold.go).
 	unattributed addr.Set
+	// usable is what the pool's current spec lets the node hand out (see Pool.Usable); when
+	// !usableKnown nothing is ruled out. gone is set once the IPPool no longer exists.
+	usable      addr.Set
+	usableKnown bool
+	gone        bool
+}
+
+// setConfig sets the pool's configuration and what it lets the node hand out.
+func (p *poolState) setConfig(cfg Pool) {
+	p.cfg, p.known = cfg, true
+	p.usable, p.usableKnown = cfg.Usable()
+}
+
+// isUsable reports whether the pool's current spec lets the node hand out a.
+func (p *poolState) isUsable(a netip.Addr) bool { return !p.usableKnown || p.usable.Contains(a) }
+
+// outside returns the addresses the node holds or uses from the pool that its current spec
+// no longer covers (a shrunk pool, a new exclusion).
+func (p *poolState) outside() addr.Set {
+	if !p.usableKnown {
+		return addr.Set{}
+	}
+	return p.held.Union(p.inUseSet()).Subtract(p.usable)
 }
 
 // waiter is an ADD waiting for addresses; it counts as demand.
@@ -104,10 +127,15 @@ func (s *State) pool(name string) *poolState {
 // wins, nothing is handed out twice) and reported as problems.
 func (s *State) Restore(snap Snapshot) (problems []string) {
 	s.mark = snap.Mark
+	var served []string
 	for _, pc := range snap.Pools {
 		p := s.pool(pc.Name)
-		p.cfg, p.known = pc, true
+		p.setConfig(pc)
+		if pc.Served {
+			served = append(served, pc.Name)
+		}
 	}
+	s.setServed(served)
 	for _, h := range snap.Holdings {
 		p := s.pool(h.Pool)
 		p.held, p.heldKnown = h.Addresses, true
@@ -163,6 +191,9 @@ func (p *poolState) recompute() {
 	p.relSet = addr.SetOfAddrs(rel...)
 	p.unattributed = p.unattributed.Intersect(p.held).Subtract(p.relSet).Subtract(p.inUseSet())
 	p.fresh = p.held.Subtract(p.relSet).Subtract(p.inUseSet()).Subtract(p.coolingSet()).Subtract(p.unattributed)
+	if p.usableKnown {
+		p.fresh = p.fresh.Intersect(p.usable)
+	}
 }
 
 func (p *poolState) inUseSet() addr.Set {
@@ -217,14 +248,18 @@ func (s *State) SetPools(pools []Pool, served []string) Change {
 	seen := map[string]bool{}
 	for _, pc := range pools {
 		seen[pc.Name] = true
+		pc.Served = slices.Contains(served, pc.Name)
 		p := s.pool(pc.Name)
 		if !p.known || !poolEqual(p.cfg, pc) {
 			ch.PutPools = append(ch.PutPools, pc)
 		}
-		p.cfg, p.known = pc, true
+		p.setConfig(pc)
+		p.gone = false
+		p.recompute()
 	}
 	for name, p := range s.pools {
 		if !seen[name] && p.known {
+			p.gone = true
 			// The IPPool is gone: keep its last configuration for the addresses still in use,
 			// but forget it from the journal once nothing refers to it.
 			if p.empty() {
@@ -233,6 +268,12 @@ func (s *State) SetPools(pools []Pool, served []string) Change {
 			}
 		}
 	}
+	s.setServed(served)
+	return ch
+}
+
+// setServed sets the pools ADD draws from by default: IPv4 pools first, then by name.
+func (s *State) setServed(served []string) {
 	srv := slices.Clone(served)
 	slices.SortFunc(srv, func(a, b string) int {
 		a4, b4 := s.pool(a).cfg.Is4(), s.pool(b).cfg.Is4()
@@ -245,13 +286,24 @@ func (s *State) SetPools(pools []Pool, served []string) Change {
 		return cmp.Compare(a, b)
 	})
 	s.served = slices.Compact(srv)
-	return ch
 }
 
 func poolEqual(a, b Pool) bool {
-	return a.Name == b.Name && slices.Equal(a.CIDRs, b.CIDRs) && a.Gateway == b.Gateway &&
+	return a.Name == b.Name && slices.Equal(a.CIDRs, b.CIDRs) && a.Gateway == b.Gateway && slices.Equal(a.Exclude, b.Exclude) &&
 		slices.Equal(a.Routes, b.Routes) && a.Scaling == b.Scaling && a.Cooldown == b.Cooldown &&
-		a.Exhausted == b.Exhausted
+		a.Exhausted == b.Exhausted && a.Served == b.Served
+}
+
+// CanServeOffline reports whether the state, restored from the journal, can serve ADD before the
+// agent has heard from the API server: some pool the node served has a holding the journal kept.
+// A new or lost journal cannot (the addresses of running pods are known only from the API).
+func (s *State) CanServeOffline() bool {
+	for _, name := range s.served {
+		if p := s.pools[name]; p != nil && p.heldKnown && !p.held.IsEmpty() {
+			return true
+		}
+	}
+	return false
 }
 
 // empty reports whether the pool holds nothing the node must remember.
@@ -377,8 +429,13 @@ func (p *poolState) next(now time.Time) (a netip.Addr, fromCooling bool, ok bool
 	if !p.fresh.IsEmpty() {
 		return p.fresh.Ranges()[0].First, false, true
 	}
-	if len(p.coolq) > 0 && p.cooled(p.coolq[0].FreedAt, now) && p.held.Contains(p.coolq[0].Addr) {
-		return p.coolq[0].Addr, true, true
+	for _, c := range p.coolq {
+		if !p.cooled(c.FreedAt, now) {
+			break
+		}
+		if p.held.Contains(c.Addr) && p.isUsable(c.Addr) {
+			return c.Addr, true, true
+		}
 	}
 	return netip.Addr{}, false, false
 }

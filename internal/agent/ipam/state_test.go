@@ -2,6 +2,7 @@ package ipam
 
 import (
 	"errors"
+	"fmt"
 	"net/netip"
 	"reflect"
 	"slices"
@@ -305,7 +306,7 @@ func TestReleasingSurvivesRestartUntilTaken(t *testing.T) {
 
 func TestUnmarkReleasingKeepsCooldown(t *testing.T) {
 	h := newHarness(t, poolV4)
-	h.hold("v4", "10.0.0.0/29")
+	h.hold("v4", "10.0.0.8/29")
 	for _, c := range []string{"a", "b", "c", "d", "e", "f", "g", "h"} {
 		h.mustAdd(c)
 	}
@@ -481,8 +482,9 @@ func TestRebuildFromPodsAndAdopt(t *testing.T) {
 	if ch2, _ := h.s.Rebuild(pods, h.now); !ch2.IsEmpty() {
 		t.Fatalf("second Rebuild changed %+v", ch2)
 	}
-	// No one else gets the pod's addresses.
-	for i := range 15 {
+	// No one else gets the pod's addresses (14 usable v4 addresses: not the network address
+	// 10.0.0.0 nor the gateway 10.0.0.1).
+	for i := range 13 {
 		got := h.mustAdd("x" + string(rune('a'+i)))
 		if got[0] == "10.0.0.5" || got[1] == "fd00::5" {
 			t.Fatalf("handed out the running pod's address: %v", got)
@@ -506,7 +508,7 @@ func TestRebuildFromPodsAndAdopt(t *testing.T) {
 		t.Fatal("rebuilt attachment still there after adoption")
 	}
 	h.restart()
-	if got := h.s.Attachments(); len(got) != 16 {
+	if got := h.s.Attachments(); len(got) != 14 { // 13 new ones and the adopting sandbox
 		t.Fatalf("after restart %d attachments", len(got))
 	}
 }
@@ -564,5 +566,61 @@ func TestCoolingCountsAsDemand(t *testing.T) {
 	h.s.Stats(h.now) // any call with the time moves the state's clock
 	if d, tg := h.s.Demand("v4"), h.s.Target("v4"); d != 2 || tg != 4 {
 		t.Fatalf("after the cooldown: demand %d target %d, want 2 and 4", d, tg)
+	}
+}
+
+// An exclusion added under running pods: the excluded addresses are never handed out again, the
+// free ones are released at once, the ones in use drain (released, not cooled) when freed, and the
+// stats count what lies outside the pool's spec.
+func TestPoolEditDrainsAddressesOutsideTheSpec(t *testing.T) {
+	h := newHarness(t, poolV4)
+	h.hold("v4", "10.0.0.8/29") // .8-.15
+	for _, c := range []string{"a", "b", "c", "d"} {
+		h.mustAdd(c) // .8-.11
+	}
+	edited := poolV4
+	edited.Exclude = []netip.Prefix{netip.MustParsePrefix("10.0.0.10/31"), netip.MustParsePrefix("10.0.0.14/31")}
+	h.commit(h.s.SetPools([]Pool{edited}, []string{"v4"}))
+	if st := h.s.Stats(h.now)[0]; st.OutsidePool != 4 || st.Free != 2 {
+		t.Fatalf("after the edit: %+v; want 4 outside the pool (.10 .11 in use, .14 .15 free), 2 free", st)
+	}
+	if got := h.mustAdd("e")[0]; got != "10.0.0.12" {
+		t.Fatalf("ADD after the edit got %s", got)
+	}
+	plan := h.s.Release(h.now)
+	h.commit(plan.Change)
+	if !plan.Marked["v4"].ContainsSet(set(t, "10.0.0.14/31")) {
+		t.Fatalf("released %v; want the excluded free addresses among them", plan.Marked["v4"])
+	}
+	// The pod on .10 goes: .10 is released, not cooled for reuse.
+	h.del("c")
+	if spec := h.s.Spec(); !spec[0].Releasing.Contains(ip("10.0.0.10")) {
+		t.Fatalf("spec %+v: the freed excluded address is not released", spec)
+	}
+	h.restart()
+	h.hold("v4", "10.0.0.8/29")
+	h.now = h.now.Add(time.Hour)
+	for i := range 3 {
+		if a, _, err := h.s.Add(AddRequest{Key: key(fmt.Sprintf("x%d", i)), Network: "net"}, h.now); err == nil &&
+			(a.Addresses[0].Addr == ip("10.0.0.10") || a.Addresses[0].Addr == ip("10.0.0.14") || a.Addresses[0].Addr == ip("10.0.0.15")) {
+			t.Fatalf("handed out excluded %s after a restart", a.Addresses[0].Addr)
+		}
+	}
+}
+
+// A deleted pool: ADD naming it gets a clear configuration error; its running pods keep their
+// addresses.
+func TestDeletedPoolGivesAClearErrorAndKeepsPods(t *testing.T) {
+	h := newHarness(t, poolV4, poolV6)
+	h.hold("v4", "10.0.0.8/29")
+	h.mustAdd("a", "v4")
+	h.commit(h.s.SetPools([]Pool{poolV6}, []string{"v6"}))
+	_, _, err := h.s.Add(AddRequest{Key: key("b"), Network: "net", Pools: []string{"v4"}}, h.now)
+	var ce *ConfigError
+	if !errors.As(err, &ce) || !strings.Contains(ce.Error(), "was deleted") {
+		t.Fatalf("ADD naming a deleted pool: %v", err)
+	}
+	if _, ok := h.s.Attachment(key("a")); !ok {
+		t.Fatal("the deleted pool's running pod lost its attachment")
 	}
 }

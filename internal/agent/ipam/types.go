@@ -66,6 +66,10 @@ type Attachment struct {
 	// Rebuilt is set for attachments recorded from a pod's status.podIPs because the journal
 	// had lost them; their container ID is unknown (see RebuiltKey).
 	Rebuilt bool `json:"rebuilt,omitempty"`
+	// Netns is the network namespace path the runtime passed in CNI_NETNS: the leak collector
+	// frees a gone pod's attachment at once only when this path no longer exists (package gc).
+	// Empty in journals written before it was recorded.
+	Netns string `json:"netns,omitempty"`
 }
 
 // clone returns a deep copy of a.
@@ -85,17 +89,51 @@ type Route struct {
 type Pool struct {
 	Name string `json:"name"`
 	// CIDRs give each address its prefix length in the CNI result.
-	CIDRs    []netip.Prefix `json:"cidrs"`
-	Gateway  netip.Addr     `json:"gateway,omitzero"`
+	CIDRs   []netip.Prefix `json:"cidrs"`
+	Gateway netip.Addr     `json:"gateway,omitzero"`
+	// Exclude is spec.exclude: addresses never handed out.
+	Exclude  []netip.Prefix `json:"exclude,omitempty"`
 	Routes   []Route        `json:"routes,omitempty"`
 	Scaling  scaling.Params `json:"scaling"`
 	Cooldown time.Duration  `json:"cooldown"`
 	// Exhausted mirrors the IPPool's status.exhausted.
 	Exhausted bool `json:"exhausted,omitempty"`
+	// Served records that the pool selected the node when the agent last heard from the API
+	// server, so an agent restarted while the API server is away serves ADD from the same pools.
+	Served bool `json:"served,omitempty"`
 }
 
 // Is4 reports whether the pool is an IPv4 pool.
 func (p Pool) Is4() bool { return len(p.CIDRs) > 0 && p.CIDRs[0].Addr().Is4() }
+
+// Usable returns the addresses of the pool's current spec that may be handed out, and false when
+// the spec names no CIDR (unknown: nothing is ruled out). They are its CIDRs less spec.exclude,
+// the gateway, and the addresses the controller reserves: the network and broadcast address of
+// each IPv4 CIDR up to /30 and the subnet-router anycast address of each IPv6 CIDR up to /126.
+func (p Pool) Usable() (addr.Set, bool) {
+	if len(p.CIDRs) == 0 {
+		return addr.Set{}, false
+	}
+	var reserved []netip.Addr
+	for _, c := range p.CIDRs {
+		c = c.Masked()
+		r := addr.PrefixRange(c)
+		switch {
+		case c.Addr().Is4() && c.Bits() <= 30:
+			reserved = append(reserved, r.First, r.Last)
+		case c.Addr().Is6() && c.Bits() <= 126:
+			reserved = append(reserved, r.First)
+		}
+	}
+	if p.Gateway.IsValid() {
+		reserved = append(reserved, p.Gateway)
+	}
+	masked := make([]netip.Prefix, len(p.CIDRs))
+	for i, c := range p.CIDRs {
+		masked[i] = c.Masked()
+	}
+	return addr.SetOfPrefixes(masked...).Subtract(addr.SetOfPrefixes(p.Exclude...)).Subtract(addr.SetOfAddrs(reserved...)), true
+}
 
 // Prefix returns a with the prefix length of the pool CIDR that contains it, or a single-address
 // prefix if none does.

@@ -1,0 +1,111 @@
+package agent
+
+import (
+	"fmt"
+	"sync"
+
+	"github.com/ipwarden/ipwarden/internal/agent/nodelease"
+	"github.com/ipwarden/ipwarden/internal/cniproto"
+)
+
+// gate says whether the service may hand out addresses (ADD). DEL, CHECK and LIST are served from
+// the journal from the start. ADD is served:
+//
+//   - while the agent holds the node's Lease and has reconciled with the API server once;
+//   - before it has heard from the API server at all, from the addresses its journal holds, if
+//     the journal holds any (it then held the node's Lease when it last talked to the API server);
+//   - never while another agent holds the node's Lease.
+//
+// A Lease renewal that fails because the API server is away changes nothing: the agent keeps
+// serving from what it holds, as through any outage, and stops at once when the API server shows
+// another holder.
+type gate struct {
+	node, leaseNS string
+	enforce       bool // off: ADD is always allowed (tests of the request paths)
+
+	mu         sync.Mutex
+	offline    bool // the journal holds addresses to serve before the API server answers
+	leaseKnown bool // the agent has read the Lease at least once
+	leaseHeld  bool
+	holder     string // the other holder, when !leaseHeld
+	synced     bool   // reconciled with the API server once
+	apiErr     string // the last error talking to the API server before it synced
+	stage      string // what the agent waits for once the API server answers, before it synced
+}
+
+// setStage says what the agent waits for before it has reconciled, for the ADD error.
+func (g *gate) setStage(s string) { g.mu.Lock(); g.stage = s; g.mu.Unlock() }
+
+func (g *gate) setOffline(ok bool) { g.mu.Lock(); g.offline = ok; g.mu.Unlock() }
+
+func (g *gate) setLease(held bool, holder string) {
+	g.mu.Lock()
+	g.leaseKnown, g.leaseHeld, g.holder = true, held, holder
+	g.mu.Unlock()
+}
+
+func (g *gate) setSynced() { g.mu.Lock(); g.synced, g.apiErr = true, ""; g.mu.Unlock() }
+
+func (g *gate) setAPIError(err error) {
+	g.mu.Lock()
+	if err != nil && !g.synced {
+		g.apiErr = err.Error()
+		if len(g.apiErr) > 300 {
+			g.apiErr = g.apiErr[:300] + "..."
+		}
+	}
+	g.mu.Unlock()
+}
+
+func (g *gate) leaseIsHeld() bool { g.mu.Lock(); defer g.mu.Unlock(); return g.leaseHeld }
+
+// refuseList returns the error LIST gets now: only while the agent waits for the API server with
+// nothing to serve from (then it has nothing to list either, and tools that wait for LIST to
+// answer keep waiting until the agent serves ADD), never because another agent holds the Lease.
+func (g *gate) refuseList() *cniproto.Response {
+	r := g.refuseAdd()
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if r != nil && g.leaseKnown && !g.leaseHeld {
+		return nil
+	}
+	return r
+}
+
+// refuseAdd returns the CNI error an ADD gets now, or nil when ADD may be served.
+func (g *gate) refuseAdd() *cniproto.Response {
+	if !g.enforce {
+		return nil
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	why := g.stage
+	if why == "" {
+		why = waitingForAPI(g.apiErr)
+	}
+	return addRefusal(g.node, g.leaseNS, g.offline, g.leaseKnown, g.leaseHeld, g.holder, g.synced, why)
+}
+
+func waitingForAPI(apiErr string) string {
+	why := "waiting for the API server: it has not reconciled with it since it started"
+	if apiErr != "" {
+		why += " (last error: " + apiErr + ")"
+	}
+	return why
+}
+
+// addRefusal is the decision of refuseAdd (see gate).
+// waiting says what the agent waits for before it has reconciled.
+func addRefusal(node, leaseNS string, offline, leaseKnown, leaseHeld bool, holder string, synced bool, waiting string) *cniproto.Response {
+	if leaseKnown && !leaseHeld {
+		return errResp(cniproto.CodeTryAgainLater, "ipwarden: "+(&nodelease.HeldByOther{Node: node, Holder: holder, Namespace: leaseNS}).Error(), "")
+	}
+	if offline && (!leaseKnown || leaseHeld) {
+		return nil
+	}
+	if leaseHeld && synced {
+		return nil
+	}
+	return errResp(cniproto.CodeTryAgainLater, fmt.Sprintf("ipwarden: the agent on node %s does not serve ADD yet: %s; its journal holds no address to serve from until then",
+		node, waiting), "it serves DEL meanwhile; the runtime retries ADD")
+}

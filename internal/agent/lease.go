@@ -1,0 +1,193 @@
+package agent
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/go-logr/logr"
+	coordinationv1 "k8s.io/api/coordination/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/ipwarden/ipwarden/internal/agent/nodelease"
+)
+
+// Lease timing: a holder renews every leaseRetry; another agent takes a Lease not renewed for
+// leaseDuration.
+const (
+	leaseDuration = 15 * time.Second
+	leaseRetry    = 2 * time.Second
+)
+
+// NodeLease keeps the node's coordination.k8s.io Lease ipwarden-agent-<node> (package nodelease)
+// and tells the service whether it may serve ADD.
+type NodeLease struct {
+	api       client.Client
+	namespace string
+	node      string
+	identity  string
+	svc       *Service
+	log       logr.Logger
+	obs       nodelease.Observer
+
+	held    bool
+	holder  string
+	known   bool
+	heldCh  chan struct{} // closed the first time the Lease is held
+	lastLog time.Time
+}
+
+// NewNodeLease returns the Lease keeper of node for identity.
+func NewNodeLease(api client.Client, namespace, node, identity string, svc *Service, log logr.Logger) *NodeLease {
+	return &NodeLease{api: api, namespace: namespace, node: node, identity: identity, svc: svc, log: log, heldCh: make(chan struct{})}
+}
+
+// Held is closed once the agent has held the Lease.
+func (l *NodeLease) Held() <-chan struct{} { return l.heldCh }
+
+// Run keeps the Lease until ctx ends, then gives it up so a successor takes it at once.
+func (l *NodeLease) Run(ctx context.Context) {
+	t := time.NewTicker(leaseRetry)
+	defer t.Stop()
+	for {
+		l.round(ctx)
+		select {
+		case <-ctx.Done():
+			l.release()
+			return
+		case <-t.C:
+		}
+	}
+}
+
+func (l *NodeLease) round(ctx context.Context) {
+	rctx, cancel := context.WithTimeout(ctx, leaseRetry*2)
+	defer cancel()
+	held, holder, err := l.once(rctx)
+	if err != nil {
+		// The API server is away, or a race: change nothing (a holder keeps serving from what it
+		// holds, as through any outage); the next round tries again.
+		if ctx.Err() == nil && time.Since(l.lastLog) > 30*time.Second {
+			l.log.Info("cannot read or renew the node's Lease; keeping the current state", "lease", l.namespace+"/"+nodelease.Name(l.node),
+				"held", l.held, "error", err.Error())
+			l.lastLog = time.Now()
+		}
+		return
+	}
+	changed := !l.known || held != l.held || holder != l.holder
+	l.known, l.held, l.holder = true, held, holder
+	l.svc.gate.setLease(held, holder)
+	if held {
+		select {
+		case <-l.heldCh:
+		default:
+			close(l.heldCh)
+		}
+	}
+	switch {
+	case changed && held:
+		l.log.Info("holding the node's Lease: this agent serves the node", "lease", l.namespace+"/"+nodelease.Name(l.node), "identity", l.identity)
+	case !held && (changed || time.Since(l.lastLog) > 30*time.Second):
+		l.log.Error(&nodelease.HeldByOther{Node: l.node, Holder: holder, Namespace: l.namespace},
+			"refusing to serve ADD: another agent holds the node's Lease; waiting for it", "identity", l.identity)
+		l.lastLog = time.Now()
+	}
+}
+
+// once reads the Lease and does what nodelease.Decide says; it reports whether the agent holds
+// it, and the other holder if not.
+func (l *NodeLease) once(ctx context.Context) (bool, string, error) {
+	key := client.ObjectKey{Namespace: l.namespace, Name: nodelease.Name(l.node)}
+	var lease coordinationv1.Lease
+	var rec *nodelease.Record
+	err := l.api.Get(ctx, key, &lease)
+	switch {
+	case apierrors.IsNotFound(err):
+	case err != nil:
+		return false, "", err
+	default:
+		rec = &nodelease.Record{Version: lease.ResourceVersion}
+		if lease.Spec.HolderIdentity != nil {
+			rec.Holder = *lease.Spec.HolderIdentity
+		}
+	}
+	now := time.Now()
+	a := nodelease.Decide(rec, l.identity, l.obs.Observe(rec, now), now, leaseDuration)
+	id, secs, mt := l.identity, int32(leaseDuration/time.Second), metav1.NewMicroTime(now)
+	switch a.Kind {
+	case nodelease.Wait:
+		return false, a.Holder, nil
+	case nodelease.Create:
+		lease = coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Namespace: key.Namespace, Name: key.Name,
+			Labels: map[string]string{"app.kubernetes.io/name": "ipwarden", "app.kubernetes.io/component": "agent"}},
+			Spec: coordinationv1.LeaseSpec{HolderIdentity: &id, LeaseDurationSeconds: &secs, AcquireTime: &mt, RenewTime: &mt}}
+		if err := l.api.Create(ctx, &lease); err != nil {
+			return false, "", fmt.Errorf("create Lease %s: %w", key, err)
+		}
+		return true, "", nil
+	case nodelease.Take:
+		lease.Spec.HolderIdentity, lease.Spec.AcquireTime = &id, &mt
+	}
+	lease.Spec.LeaseDurationSeconds, lease.Spec.RenewTime = &secs, &mt
+	if err := l.api.Update(ctx, &lease); err != nil { // optimistic: carries the resourceVersion read
+		return false, "", fmt.Errorf("%s Lease %s: %w", a.Kind, key, err)
+	}
+	return true, "", nil
+}
+
+// release gives the Lease up (no holder) if the agent holds it.
+func (l *NodeLease) release() {
+	if !l.held {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	var lease coordinationv1.Lease
+	if err := l.api.Get(ctx, client.ObjectKey{Namespace: l.namespace, Name: nodelease.Name(l.node)}, &lease); err != nil {
+		return
+	}
+	if lease.Spec.HolderIdentity == nil || *lease.Spec.HolderIdentity != l.identity {
+		return
+	}
+	lease.Spec.HolderIdentity = nil
+	if err := l.api.Update(ctx, &lease); err == nil {
+		l.log.Info("gave up the node's Lease", "lease", l.namespace+"/"+nodelease.Name(l.node))
+	}
+}
+
+// Identity returns the agent's Lease identity: the pod's name (or the host name) and an ID kept
+// in the state directory, so an agent restarted on the same journal is the same holder, and two
+// agents with separate journals never are.
+func Identity(stateDir string) (string, error) {
+	base := os.Getenv("POD_NAME")
+	if base == "" {
+		base, _ = os.Hostname()
+	}
+	path := filepath.Join(stateDir, "agent-id")
+	b, err := os.ReadFile(path)
+	id := strings.TrimSpace(string(b))
+	if errors.Is(err, os.ErrNotExist) || (err == nil && id == "") {
+		r := make([]byte, 6)
+		if _, err := rand.Read(r); err != nil {
+			return "", err
+		}
+		id = hex.EncodeToString(r)
+		if err := os.WriteFile(path, []byte(id+"\n"), 0o600); err != nil {
+			return "", fmt.Errorf("write the agent's identity %s: %w", path, err)
+		}
+	} else if err != nil {
+		return "", fmt.Errorf("read the agent's identity %s: %w", path, err)
+	}
+	if len(id) > 64 {
+		id = id[:64]
+	}
+	return base + "-" + id, nil
+}
