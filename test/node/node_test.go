@@ -532,3 +532,95 @@ func freePorts(k int) ([]int, error) {
 	}
 	return ports, nil
 }
+
+// volatileDirs are the node paths a reboot empties (tmpfs on a real node).
+var volatileDirs = []string{"/run/netns", "/run/containerd", "/run/ipwarden"}
+
+// powerCycle simulates a node losing power and booting again: the kubelet, containerd, every
+// shim and container are SIGKILLed; what a reboot drops goes (mounts, /run, network namespaces,
+// the bridge and veths, iptables, cgroups); what is on disk stays (/var/lib/containerd,
+// /var/lib/kubelet, the agent's journal in /var/lib/ipwarden). The control plane lives on other
+// machines and keeps running. Then containerd and the kubelet start again.
+func (n *realNode) powerCycle(ctx context.Context) error {
+	n.kubelet.Kill()
+	n.containerd.Kill()
+	// Every container process: all of them live in the kubelet's cgroup root.
+	for i := 0; i < 3; i++ {
+		for _, d := range n.cgroupDirs {
+			_ = filepath.WalkDir(d, func(p string, e os.DirEntry, err error) error {
+				if err != nil || e.IsDir() || e.Name() != "cgroup.procs" {
+					return nil
+				}
+				b, _ := os.ReadFile(p)
+				for _, f := range strings.Fields(string(b)) {
+					if pid, err := strconv.Atoi(f); err == nil {
+						_ = syscall.Kill(pid, syscall.SIGKILL)
+					}
+				}
+				return nil
+			})
+		}
+		// The shims (their command lines name the containerd socket).
+		for pid := range processesMentioning(n.criSock) {
+			_ = syscall.Kill(pid, syscall.SIGKILL)
+		}
+	}
+	if err := localcluster.WaitFor(ctx, 30*time.Second, 100*time.Millisecond, func() error {
+		if left := processesMentioning(n.criSock); len(left) > 0 {
+			return fmt.Errorf("shims still running: %v", left)
+		}
+		return nil
+	}); err != nil {
+		return err
+	}
+	// Unmount everything below the node paths, deepest first (tmpfs volumes, rootfs overlays,
+	// sandbox shm, network namespace bind mounts).
+	mounts := mountsBelow(hostDirs)
+	sort.Slice(mounts, func(i, j int) bool { return len(mounts[i]) > len(mounts[j]) })
+	for _, m := range mounts {
+		if err := syscall.Unmount(m, syscall.MNT_DETACH); err != nil && !errors.Is(err, syscall.EINVAL) {
+			return fmt.Errorf("unmount %s: %w", m, err)
+		}
+	}
+	for _, d := range volatileDirs {
+		ents, _ := os.ReadDir(d)
+		for _, e := range ents {
+			if err := os.RemoveAll(filepath.Join(d, e.Name())); err != nil {
+				return fmt.Errorf("power cycle: clear %s: %w", d, err)
+			}
+		}
+	}
+	// Links and iptables of the node's network namespace (this one) go with a reboot.
+	links, _ := exec.Command("ip", "-o", "link", "show").Output()
+	for _, line := range strings.Split(string(links), "\n") {
+		f := strings.Fields(line)
+		if len(f) < 2 {
+			continue
+		}
+		name, _, _ := strings.Cut(strings.TrimSuffix(f[1], ":"), "@")
+		if name != "lo" {
+			_ = exec.Command("ip", "link", "del", name).Run()
+		}
+	}
+	for _, table := range []string{"filter", "nat", "mangle"} {
+		_ = exec.Command("iptables", "-t", table, "-F").Run()
+		_ = exec.Command("iptables", "-t", table, "-X").Run()
+	}
+	for i := len(n.cgroupDirs) - 1; i >= 0; i-- {
+		if err := removeCgroupTree(n.cgroupDirs[i]); err != nil {
+			return fmt.Errorf("power cycle: cgroups: %w", err)
+		}
+	}
+	n.cgroupDirs = nil
+	if err := n.makeCgroupRoot(); err != nil {
+		return err
+	}
+	n.logf("power cycle: everything on the node killed and volatile state dropped; booting")
+	if err := n.containerd.Restart(); err != nil {
+		return err
+	}
+	if err := n.waitContainerd(ctx); err != nil {
+		return err
+	}
+	return n.kubelet.Restart()
+}
