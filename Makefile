@@ -78,6 +78,11 @@ bench: tools
 	$(GO) run ./hack/bench all $(BENCH_FLAGS)
 .PHONY: bench
 
+# Pod startup on the real-node suite's kubelet and containerd, ipwarden vs host-local (root).
+bench-node: tools
+	IPWARDEN_NODE_BENCH=1 $(GO) test -count=1 -v -run TestPodStartupBench -timeout 30m ./test/node
+.PHONY: bench-node
+
 # kubectl from the same pinned Kubernetes release, to explore the demo (--keep).
 $(BIN)/kubectl: $(TOOLS_DIR)/go.mod $(TOOLS_DIR)/go.sum
 	$(GO) run ./hack/controlplane ensure kubectl >/dev/null

@@ -177,7 +177,7 @@ func prepare() (prepared, error) {
 	if p.Node, err = controlplane.EnsureNodeBinaries(p.Root, p.BinDir, os.Stderr); err != nil {
 		return p, err
 	}
-	lc, err := localcluster.Build(p.Root, p.BinDir, os.Stderr)
+	lc, err := localcluster.Build(p.Root, filepath.Join(p.BinDir, "node"), os.Stderr)
 	if err != nil {
 		return p, err
 	}

@@ -25,6 +25,7 @@ import (
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
+	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/controlplane"
 	"github.com/ipwarden/ipwarden/internal/localcluster"
 )
@@ -61,6 +62,7 @@ type realNode struct {
 	criSock    string
 	cgroupRoot string
 	cgroupDirs []string
+	pool       ipwardenv1.IPPoolSpec // scaling and cooldown of the pool deployIpwarden creates
 }
 
 func (n *realNode) logf(format string, args ...any) {
@@ -345,8 +347,15 @@ func (n *realNode) teardown() {
 	if n.cp != nil {
 		_ = n.cp.Stop()
 	}
-	if left := processesMentioning(prep.Scratch); len(left) > 0 {
-		t.Errorf("teardown: processes left: %v", left)
+	// A shim exits on its own once its sandbox is removed; on a loaded machine that takes a
+	// moment.
+	if err := localcluster.WaitFor(ctx, time.Minute, 200*time.Millisecond, func() error {
+		if left := processesMentioning(prep.Scratch); len(left) > 0 {
+			return fmt.Errorf("processes left: %v", left)
+		}
+		return nil
+	}); err != nil {
+		t.Errorf("teardown: %v", err)
 	}
 	// Nothing may remain mounted below the node paths but the suite's own bind mounts.
 	if extra := mountsBelow(hostDirs); len(extra) > 0 {

@@ -52,6 +52,7 @@ func TestRealNode(t *testing.T) {
 	defer cancel()
 	began := time.Now()
 	n := startNode(t, ctx)
+	n.pool = suitePool
 	n.deployIpwarden(ctx)
 	n.createWorkload(ctx, 5)
 
@@ -247,17 +248,19 @@ patches:
 	n.logf("ipwarden deployed and the node Ready in %s", time.Since(start).Round(time.Millisecond))
 }
 
+// suitePool is the pool of TestRealNode: the node fills up at 8 pods, and a freed address is
+// reused at once (the worst case for a double hand-out).
+var suitePool = ipwardenv1.IPPoolSpec{
+	Scaling:       ipwardenv1.Scaling{BatchSize: 4, BufferPercent: 50, MaxPerNode: 8},
+	ReuseCooldown: metav1.Duration{Duration: 0},
+}
+
 func (n *realNode) createPool(ctx context.Context) {
-	pool := &ipwardenv1.IPPool{
-		ObjectMeta: metav1.ObjectMeta{Name: poolName},
-		Spec: ipwardenv1.IPPoolSpec{
-			CIDRs:         []ipwardenv1.CIDR{poolCIDR},
-			Exclude:       []ipwardenv1.IPOrCIDR{"10.244.0.0", "10.244.0.1", "10.244.0.255"},
-			Gateway:       "10.244.0.1",
-			Scaling:       ipwardenv1.Scaling{BatchSize: 4, BufferPercent: 50, MaxPerNode: 8},
-			ReuseCooldown: metav1.Duration{Duration: 0}, // the worst case for a double hand-out
-		},
-	}
+	spec := n.pool
+	spec.CIDRs = []ipwardenv1.CIDR{poolCIDR}
+	spec.Exclude = []ipwardenv1.IPOrCIDR{"10.244.0.0", "10.244.0.1", "10.244.0.255"}
+	spec.Gateway = "10.244.0.1"
+	pool := &ipwardenv1.IPPool{ObjectMeta: metav1.ObjectMeta{Name: poolName}, Spec: spec}
 	if err := n.k8s.Create(ctx, pool); err != nil {
 		n.t.Fatal(err)
 	}
