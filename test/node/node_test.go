@@ -337,6 +337,16 @@ func (n *realNode) teardown() {
 		if err := n.removeSandboxes(ctx); err != nil {
 			t.Errorf("teardown: %v", err)
 		}
+		// Each shim exits once containerd has removed its sandbox; on a loaded machine that
+		// takes a moment.
+		if err := localcluster.WaitFor(ctx, time.Minute, 200*time.Millisecond, func() error {
+			if left := processesMentioning(n.criSock); len(left) > 0 {
+				return fmt.Errorf("%d shims still running", len(left))
+			}
+			return nil
+		}); err != nil {
+			t.Errorf("teardown: %v", err)
+		}
 	}
 	if n.criConn != nil {
 		n.criConn.Close()
@@ -347,15 +357,8 @@ func (n *realNode) teardown() {
 	if n.cp != nil {
 		_ = n.cp.Stop()
 	}
-	// A shim exits on its own once its sandbox is removed; on a loaded machine that takes a
-	// moment.
-	if err := localcluster.WaitFor(ctx, time.Minute, 200*time.Millisecond, func() error {
-		if left := processesMentioning(prep.Scratch); len(left) > 0 {
-			return fmt.Errorf("processes left: %v", left)
-		}
-		return nil
-	}); err != nil {
-		t.Errorf("teardown: %v", err)
+	if left := processesMentioning(prep.Scratch); len(left) > 0 {
+		t.Errorf("teardown: processes left: %v", left)
 	}
 	// Nothing may remain mounted below the node paths but the suite's own bind mounts.
 	if extra := mountsBelow(hostDirs); len(extra) > 0 {
