@@ -127,6 +127,9 @@ type CoolingBlock struct {
 
 // IPPoolStatus is the pool's usage as the controller sees it.
 type IPPoolStatus struct {
+	// Fence names the controller that wrote this status.
+	// +optional
+	Fence *Fence `json:"fence,omitempty"`
 	// ObservedGeneration is the spec generation this status describes.
 	// +optional
 	ObservedGeneration int64 `json:"observedGeneration,omitempty"`

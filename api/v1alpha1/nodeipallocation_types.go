@@ -30,6 +30,14 @@ type NodePoolRequest struct {
 	// +listType=atomic
 	// +optional
 	Releasing []AddressBlock `json:"releasing,omitempty"`
+	// Claimed lists addresses the node's pods use that its status does not show (the record
+	// rewound: etcd restored from a backup, the object deleted and re-created, or a controller
+	// mistake). The controller grants a claimed address back when no other node holds it and
+	// never grants it to another node; a claim it cannot grant is reported as a conflict.
+	// +kubebuilder:validation:MaxItems=1024
+	// +listType=atomic
+	// +optional
+	Claimed []AddressBlock `json:"claimed,omitempty"`
 }
 
 // NodeIPAllocationSpec is written only by the node's agent.
@@ -62,8 +70,27 @@ type NodePoolStatus struct {
 	Held int32 `json:"held"`
 }
 
+// Fence names the controller that wrote a status: the holder of the controller's leader
+// election Lease and the Lease's leaderTransitions when it acquired it (its epoch). The
+// ipwarden-controller-fence ValidatingAdmissionPolicy rejects a status write whose fence does
+// not match the Lease as the API server sees it, so a controller that lost its lease (paused
+// past it, partitioned) can never land a write.
+type Fence struct {
+	// Holder is the Lease holder identity of the writing controller.
+	// +kubebuilder:validation:MaxLength=253
+	// +required
+	Holder string `json:"holder"`
+	// Epoch is the Lease's leaderTransitions when the writer acquired it.
+	// +kubebuilder:validation:Minimum=0
+	// +required
+	Epoch int64 `json:"epoch"`
+}
+
 // NodeIPAllocationStatus is written only by the controller.
 type NodeIPAllocationStatus struct {
+	// Fence names the controller that wrote this status.
+	// +optional
+	Fence *Fence `json:"fence,omitempty"`
 	// ObservedGeneration is the spec generation this status answers.
 	// +optional
 	ObservedGeneration int64 `json:"observedGeneration,omitempty"`
@@ -126,4 +153,7 @@ const (
 	ConditionReady     = "Ready"
 	ConditionExhausted = "Exhausted"
 	ConditionInvalid   = "Invalid"
+	// ConditionAddressConflict is True on a NodeIPAllocation when the node's pods use an
+	// address another node holds (both nodes get it); an operator must decide which pod keeps it.
+	ConditionAddressConflict = "AddressConflict"
 )

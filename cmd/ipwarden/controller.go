@@ -10,9 +10,12 @@ import (
 
 	"github.com/spf13/cobra"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/uuid"
+	"k8s.io/client-go/kubernetes"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/tools/leaderelection/resourcelock"
 	"k8s.io/klog/v2"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
@@ -38,6 +41,7 @@ type controllerFlags struct {
 	leaseDuration    time.Duration
 	renewDeadline    time.Duration
 	retryPeriod      time.Duration
+	skipLocalFence   bool
 	opts             controller.Options
 	zap              zap.Options
 }
@@ -66,6 +70,9 @@ to their pools, and reports pool usage in IPPool status. Run two replicas; one l
 	fs.DurationVar(&f.leaseDuration, "leader-election-lease-duration", 15*time.Second, "how long a standby waits before taking over a Lease that was not renewed")
 	fs.DurationVar(&f.renewDeadline, "leader-election-renew-deadline", 10*time.Second, "how long the leader keeps trying to renew before it steps down")
 	fs.DurationVar(&f.retryPeriod, "leader-election-retry-period", 2*time.Second, "interval of Lease acquire and renew attempts")
+	fs.DurationVar(&f.opts.ClaimSettle, "claim-settle", 10*time.Second, "after it starts leading, how long the controller serves only claims (addresses nodes' pods use that their status lost) and take-backs before it fills nodes from the free pool")
+	fs.BoolVar(&f.skipLocalFence, "unsafe-skip-local-lease-check", false, "testing only: do not check the lease's expiry before each write, leaving only the API server's fence policy")
+	_ = fs.MarkHidden("unsafe-skip-local-lease-check")
 	fs.IntVar(&f.opts.Workers, "workers", 4, "node syncs run in parallel")
 	fs.DurationVar(&f.opts.MinSyncInterval, "min-sync-interval", 100*time.Millisecond, "least time between two syncs of one node; events in between coalesce")
 	fs.DurationVar(&f.opts.ResyncPeriod, "resync-period", time.Minute, "period of the full pass that repairs anything an event missed")
@@ -139,17 +146,46 @@ func runController(f *controllerFlags) error {
 	if ns == "" {
 		ns = "kube-system"
 	}
+	// The leader election lock reports every renewal to the fence, which stamps each status
+	// write with the holder and epoch the fence policy checks (docs/design.md, "Fencing").
+	var lock resourcelock.Interface
+	f.opts.Fence = controller.NoFence()
+	if f.leaderElect {
+		if f.leaseDuration < time.Second {
+			return fmt.Errorf("--leader-election-lease-duration %s: must be at least 1s (the Lease stores whole seconds)", f.leaseDuration)
+		}
+		id, err := leaderIdentity()
+		if err != nil {
+			return err
+		}
+		cs, err := kubernetes.NewForConfig(rest.CopyConfig(cfg))
+		if err != nil {
+			return fmt.Errorf("leader election client: %w", err)
+		}
+		inner, err := resourcelock.New(resourcelock.LeasesResourceLock, ns, f.leaderElectionID, cs.CoreV1(), cs.CoordinationV1(),
+			resourcelock.ResourceLockConfig{Identity: id})
+		if err != nil {
+			return fmt.Errorf("leader election lock: %w", err)
+		}
+		f.opts.Fence = controller.NewFence(f.leaseDuration, time.Now)
+		if f.skipLocalFence {
+			f.opts.Fence.SkipLocalCheck()
+		}
+		lock = &controller.LeaseObserver{Interface: inner, Fence: f.opts.Fence, Now: time.Now}
+		log.Info("leader election", "identity", id, "lease", ns+"/"+f.leaderElectionID)
+	}
 	mgr, err := ctrl.NewManager(cfg, ctrl.Options{
-		Scheme:                        scheme,
-		Metrics:                       metricsserver.Options{BindAddress: "0"}, // serveMetrics below
-		HealthProbeBindAddress:        f.probeAddr,
-		LeaderElection:                f.leaderElect,
-		LeaderElectionID:              f.leaderElectionID,
-		LeaderElectionNamespace:       ns,
-		LeaderElectionReleaseOnCancel: true,
-		LeaseDuration:                 &f.leaseDuration,
-		RenewDeadline:                 &f.renewDeadline,
-		RetryPeriod:                   &f.retryPeriod,
+		Scheme:                              scheme,
+		Metrics:                             metricsserver.Options{BindAddress: "0"}, // serveMetrics below
+		HealthProbeBindAddress:              f.probeAddr,
+		LeaderElection:                      f.leaderElect,
+		LeaderElectionID:                    f.leaderElectionID,
+		LeaderElectionNamespace:             ns,
+		LeaderElectionResourceLockInterface: lock,
+		LeaderElectionReleaseOnCancel:       true,
+		LeaseDuration:                       &f.leaseDuration,
+		RenewDeadline:                       &f.renewDeadline,
+		RetryPeriod:                         &f.retryPeriod,
 	})
 	if err != nil {
 		return fmt.Errorf("create manager: %w", err)
@@ -188,4 +224,18 @@ func runController(f *controllerFlags) error {
 		return err
 	}
 	return mgr.Start(ctx)
+}
+
+// leaderIdentity is this process's Lease holder identity: the pod (or host) name and a random
+// suffix, so a restarted process never passes for the one before it.
+func leaderIdentity() (string, error) {
+	name := os.Getenv("POD_NAME")
+	if name == "" {
+		h, err := os.Hostname()
+		if err != nil {
+			return "", fmt.Errorf("leader election identity: %w", err)
+		}
+		name = h
+	}
+	return name + "_" + string(uuid.NewUUID()), nil
 }

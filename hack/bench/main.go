@@ -1,4 +1,4 @@
-// Command bench measures ipwarden against its targets (DESIGN.md "Targets") on this machine, with
+// Command bench measures ipwarden against its targets (docs/design.md "Targets") on this machine, with
 // the reference measured in the same run where one exists, and prints each figure next to its
 // goal. `make bench` runs it all.
 //
@@ -58,7 +58,7 @@ func newEnv(ctx context.Context, root string, bins localcluster.Binaries, withCo
 	if withController {
 		env.ctrlMetrics = freeAddr()
 		env.controller, err = localcluster.Start("controller", bins.Ipwarden, filepath.Join(cp.Dir, "controller.log"),
-			"controller", "--kubeconfig", cp.Kubeconfig, "--leader-elect=false",
+			"controller", "--kubeconfig", cp.Kubeconfig, "--leader-elect=false", "--claim-settle=100ms",
 			"--metrics-bind-address", env.ctrlMetrics, "--health-probe-bind-address=0")
 		if err != nil {
 			cp.Stop()

@@ -1,8 +1,9 @@
 // Command demo is ipwarden's local demonstration (make demo): a real kube-apiserver and etcd on
 // loopback, a real controller, one real agent per demo node, and pods started through the real
 // CNI plugin binary: in network namespaces with the bridge plugin when run as root, as plain IPAM
-// calls otherwise. It plays a scripted scenario (burst, churn, a pod deleted without CNI DEL, a
-// node deleted, a pool driven to exhaustion and back), then reports and checks the invariants.
+// calls otherwise. It plays a scripted scenario (burst, churn, the leading controller paused past
+// its lease while the standby works, a pod deleted without CNI DEL, a node deleted, a pool driven
+// to exhaustion and back), then reports and checks the invariants.
 //
 //	go run ./hack/demo [--keep] [--nodes 3]
 package main
@@ -16,10 +17,14 @@ import (
 	"os/signal"
 	"path/filepath"
 	"sort"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
 
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/ipwarden/ipwarden/internal/check"
 	"github.com/ipwarden/ipwarden/internal/controlplane"
 	"github.com/ipwarden/ipwarden/internal/localcluster"
 )
@@ -51,6 +56,8 @@ type demo struct {
 	cp               *controlplane.ControlPlane
 	kube             *kube
 	controller       *localcluster.Process
+	standby          *localcluster.Process
+	standbyMetrics   string
 	nodes            []*node
 	waits            []time.Duration
 	mu               sync.Mutex
@@ -109,11 +116,23 @@ func (d *demo) run(ctx context.Context, keep bool) error {
 		return err
 	}
 	say("IPPool demo-v4: 10.244.0.0/24, gateway 10.244.0.1, batch 16, buffer 50%%, reuse cooldown 3s")
-	d.ctrlMetrics = freeAddr()
-	d.controller, err = localcluster.Start("controller", d.bins.Ipwarden, filepath.Join(d.dir, "controller.log"),
-		"controller", "--kubeconfig", d.cp.Kubeconfig, "--leader-elect=false",
-		"--metrics-bind-address", d.ctrlMetrics, "--health-probe-bind-address=0", "--resync-period=10s")
-	if err != nil {
+	d.ctrlMetrics, d.standbyMetrics = freeAddr(), freeAddr()
+	// Two replicas with leader election, as the Deployment runs them; every status write is
+	// fenced by the policy the control plane installs (docs/design.md, "Fencing").
+	startCtrl := func(name, metrics string) (*localcluster.Process, error) {
+		return localcluster.Start(name, d.bins.Ipwarden, filepath.Join(d.dir, name+".log"),
+			"controller", "--kubeconfig", d.cp.Kubeconfig, "--claim-settle=1s",
+			"--leader-elect=true", "--leader-election-namespace="+controlplane.ControllerNamespace, "--leader-election-id="+controlplane.ControllerLease,
+			"--leader-election-lease-duration=3s", "--leader-election-renew-deadline=2s", "--leader-election-retry-period=500ms",
+			"--metrics-bind-address", metrics, "--health-probe-bind-address=0", "--resync-period=10s")
+	}
+	if d.controller, err = startCtrl("controller-a", d.ctrlMetrics); err != nil {
+		return err
+	}
+	if err := waitFor(ctx, 30*time.Second, func() (bool, error) { return serving(d.controller), nil }); err != nil {
+		return fmt.Errorf("the controller did not start leading: %w", err)
+	}
+	if d.standby, err = startCtrl("controller-b", d.standbyMetrics); err != nil {
 		return err
 	}
 	for i := 1; i <= d.nodeCount; i++ {
@@ -123,7 +142,7 @@ func (d *demo) run(ctx context.Context, keep bool) error {
 		}
 		d.nodes = append(d.nodes, n)
 	}
-	say("%d Nodes, a controller process and %d agent processes running; each node holds:", d.nodeCount, d.nodeCount)
+	say("%d Nodes, two controller processes (one leads, one stands by) and %d agent processes running; each node holds:", d.nodeCount, d.nodeCount)
 	d.printNodes(ctx)
 
 	step(fmt.Sprintf("burst: %d pods start at once on %s", d.burst, d.nodes[0].name))
@@ -165,6 +184,10 @@ func (d *demo) run(ctx context.Context, keep bool) error {
 	}
 	d.printNodes(ctx)
 	say("API writes during the churn: %.0f for %d pod starts", d.apiWrites()-churnWrites, d.started-churnStarts)
+
+	if err := d.splitBrain(ctx); err != nil {
+		return err
+	}
 
 	step("a pod is deleted but its runtime never calls CNI DEL")
 	victim := d.nodes[1].anyPod()
@@ -416,7 +439,7 @@ func (d *demo) report(ctx context.Context) error {
 		}
 		fmt.Printf("  %-8s %6d %6d %8d\n", n.name, len(n.pods), ps.Held, ps.InUse)
 	}
-	writes := localcluster.ScrapeSum("http://"+d.ctrlMetrics+"/metrics", "ipwarden_controller_api_writes_total")
+	writes := d.controllerWrites()
 	var specWrites, collected float64
 	for _, n := range d.nodes {
 		specWrites += localcluster.ScrapeSum("http://"+n.metrics+"/metrics", "ipwarden_agent_spec_writes_total")
@@ -444,7 +467,7 @@ func (d *demo) report(ctx context.Context) error {
 
 // apiWrites is what the controller and the live agents have written to the API server so far.
 func (d *demo) apiWrites() float64 {
-	w := localcluster.ScrapeSum("http://"+d.ctrlMetrics+"/metrics", "ipwarden_controller_api_writes_total")
+	w := d.controllerWrites()
 	for _, n := range d.nodes {
 		w += localcluster.ScrapeSum("http://"+n.metrics+"/metrics", "ipwarden_agent_spec_writes_total")
 	}
@@ -461,8 +484,10 @@ func (d *demo) cleanup() {
 		}
 		n.net.Close()
 	}
-	if d.controller != nil {
-		d.controller.Stop()
+	for _, c := range []*localcluster.Process{d.controller, d.standby} {
+		if c != nil {
+			c.Stop()
+		}
 	}
 	if d.cp != nil {
 		_ = d.cp.Stop()
@@ -491,4 +516,71 @@ func waitFor(ctx context.Context, timeout time.Duration, cond func() (bool, erro
 		}
 		return err
 	})
+}
+
+// controllerWrites adds up both controller replicas' API writes (a restarted one starts at 0
+// again, so a phase's difference can undercount by what the paused one wrote before it).
+func (d *demo) controllerWrites() float64 {
+	return localcluster.ScrapeSum("http://"+d.ctrlMetrics+"/metrics", "ipwarden_controller_api_writes_total") +
+		localcluster.ScrapeSum("http://"+d.standbyMetrics+"/metrics", "ipwarden_controller_api_writes_total")
+}
+
+// serving says whether a controller process has started leading (since its last start).
+func serving(p *localcluster.Process) bool {
+	return p.Running() && strings.Contains(p.LogTail(1<<20), `"msg":"controller serving"`)
+}
+
+// splitBrain pauses the leading controller past its lease while the standby takes over and moves
+// addresses, then resumes it: every write it attempts is refused (by its own lease check or by the
+// API server's fence policy), it exits and restarts as the standby, and no address is ever in two
+// nodes' statuses (a watcher sees every change).
+func (d *demo) splitBrain(ctx context.Context) error {
+	step("split brain: the leading controller is paused (SIGSTOP) past its 3s lease")
+	leader, standby := d.controller, d.standby
+	if serving(standby) {
+		leader, standby = standby, leader
+	}
+	tracker := check.NewTracker()
+	wctx, stopWatch := context.WithCancel(ctx)
+	defer stopWatch()
+	wc, err := client.NewWithWatch(d.cp.Config, client.Options{Scheme: d.kube.c.Scheme()})
+	if err != nil {
+		return err
+	}
+	go tracker.Watch(wctx, wc, nil)
+	leader.Pause()
+	paused := time.Now()
+	if err := waitFor(ctx, 60*time.Second, func() (bool, error) { return serving(standby), nil }); err != nil {
+		leader.Resume()
+		return fmt.Errorf("the standby did not take over: %w", err)
+	}
+	say("%s paused; %s took over the Lease after %s and serves", leader.Name, standby.Name, time.Since(paused).Round(100*time.Millisecond))
+	for _, n := range d.nodes {
+		if err := d.startPods(ctx, n, 6); err != nil {
+			return err
+		}
+		if err := d.stopPods(ctx, n, 6); err != nil {
+			return err
+		}
+	}
+	say("the new leader served churn on every node (fills and take-backs) while the old one slept")
+	leader.Resume()
+	if err := waitFor(ctx, 60*time.Second, func() (bool, error) { return !leader.Running(), nil }); err != nil {
+		return fmt.Errorf("the resumed controller did not stop: %w", err)
+	}
+	log := leader.LogTail(1 << 22)
+	refused := strings.Count(log, "write refused: this controller no longer holds its lease")
+	byServer := strings.Count(log, `"refusedBy":"apiserver"`)
+	say("%s resumed after %s: %d write(s) refused (%d by the API server's fence policy, %d by its own lease check), none landed; it exited",
+		leader.Name, time.Since(paused).Round(100*time.Millisecond), refused, byServer, refused-byServer)
+	if err := leader.Restart(); err != nil {
+		return err
+	}
+	say("restarted as the standby, as its Deployment would")
+	if v := tracker.Violations(); len(v) > 0 {
+		return fmt.Errorf("an address was held twice during the split brain: %v", v)
+	}
+	say("a watcher over every NodeIPAllocation change saw no address in two nodes' statuses")
+	d.printNodes(ctx)
+	return nil
 }

@@ -3,7 +3,10 @@ module github.com/ipwarden/ipwarden/hack/tools
 go 1.24.0
 
 require (
+	go.etcd.io/etcd/client/v3 v3.6.4
+	go.etcd.io/etcd/etcdutl/v3 v3.6.4
 	go.etcd.io/etcd/server/v3 v3.6.4
+	go.uber.org/zap v1.27.0
 	k8s.io/component-base v0.34.4
 	k8s.io/kubectl v0.0.0
 	k8s.io/kubernetes v1.34.4
@@ -120,7 +123,6 @@ require (
 	go.etcd.io/bbolt v1.4.2 // indirect
 	go.etcd.io/etcd/api/v3 v3.6.4 // indirect
 	go.etcd.io/etcd/client/pkg/v3 v3.6.4 // indirect
-	go.etcd.io/etcd/client/v3 v3.6.4 // indirect
 	go.etcd.io/etcd/pkg/v3 v3.6.4 // indirect
 	go.etcd.io/raft/v3 v3.6.0 // indirect
 	go.opentelemetry.io/auto/sdk v1.1.0 // indirect
@@ -135,7 +137,6 @@ require (
 	go.opentelemetry.io/otel/trace v1.35.0 // indirect
 	go.opentelemetry.io/proto/otlp v1.5.0 // indirect
 	go.uber.org/multierr v1.11.0 // indirect
-	go.uber.org/zap v1.27.0 // indirect
 	go.yaml.in/yaml/v2 v2.4.2 // indirect
 	go.yaml.in/yaml/v3 v3.0.4 // indirect
 	golang.org/x/crypto v0.41.0 // indirect

@@ -140,8 +140,15 @@ func (k *Kube) WaitForAllocation(ctx context.Context) error {
 		if !apierrors.IsNotFound(err) {
 			return fmt.Errorf("read NodeIPAllocation %s: %w", k.node, err)
 		}
+		// Deleted while the agent was down, and its pods still use addresses: re-create it.
+		var node corev1.Node
+		if err := k.cache.Get(ctx, client.ObjectKey{Name: k.node}, &node); err == nil {
+			if err := k.recreate(ctx, &node); err != nil {
+				k.log.Error(err, "cannot re-create this node's NodeIPAllocation", "nodeIPAllocation", k.node)
+			}
+		}
 		if time.Since(lastLog) > 10*time.Second {
-			k.log.Info("waiting for the controller to create this node's NodeIPAllocation; the agent never creates it. "+
+			k.log.Info("waiting for the controller to create this node's NodeIPAllocation (the agent re-creates it only when it had one and its pods use addresses). "+
 				"Is ipwarden controller running, and does an IPPool's nodeSelector select this node?",
 				"nodeIPAllocation", k.node, "waited", time.Since(start).Round(time.Second).String())
 			lastLog = time.Now()
@@ -190,7 +197,21 @@ func (k *Kube) Push(ctx context.Context) ([]ipam.Pod, error) {
 	k.svc.SetPools(pools, served)
 
 	var nipa ipwardenv1.NodeIPAllocation
-	if err := k.cache.Get(ctx, client.ObjectKey{Name: k.node}, &nipa); err == nil {
+	err := k.cache.Get(ctx, client.ObjectKey{Name: k.node}, &nipa)
+	rec := RecordOf{}
+	switch {
+	case err == nil && k.svc.Rewound(string(nipa.UID), nipa.Generation),
+		apierrors.IsNotFound(err):
+		// The cache shows an object older than the node's own last write, or none: confirm
+		// with the API server (the cache may just lag) before acting on it.
+		nipa = ipwardenv1.NodeIPAllocation{}
+		err = k.api.Get(ctx, client.ObjectKey{Name: k.node}, &nipa)
+		if err == nil {
+			rec.Rewound = k.svc.Rewound(string(nipa.UID), nipa.Generation)
+		}
+	}
+	if err == nil {
+		rec.UID, rec.Generation = string(nipa.UID), nipa.Generation
 		holdings := map[string]addr.Set{}
 		for _, ps := range nipa.Status.Pools {
 			s, err := addr.ParseSet(ps.Addresses)
@@ -201,8 +222,13 @@ func (k *Kube) Push(ctx context.Context) ([]ipam.Pod, error) {
 			}
 			holdings[ps.Pool] = s
 		}
-		k.svc.SetHoldings(holdings)
-	} else if !apierrors.IsNotFound(err) {
+		k.svc.SetHoldings(holdings, rec)
+	} else if apierrors.IsNotFound(err) {
+		k.svc.SetRecordMissing(true)
+		if err := k.recreate(ctx, &node); err != nil {
+			k.log.Error(err, "cannot re-create this node's NodeIPAllocation; retrying on the next event", "nodeIPAllocation", k.node)
+		}
+	} else {
 		return nil, fmt.Errorf("read NodeIPAllocation %s: %w", k.node, err)
 	}
 
@@ -314,6 +340,7 @@ func (k *Kube) PublishSpec(ctx context.Context, reqs []ipam.PoolRequest) (bool, 
 		nipa.Spec.Pools = desired
 		err := k.api.Patch(ctx, &nipa, client.MergeFromWithOptions(base, client.MergeFromWithOptimisticLock{}), fieldOwner)
 		if err == nil {
+			k.svc.NoteSpecWritten(string(nipa.UID), nipa.Generation)
 			k.mu.Lock()
 			k.lastWritten = writtenSpec{pools: desired, baseRV: base.ResourceVersion, newRV: nipa.ResourceVersion}
 			k.mu.Unlock()
@@ -329,12 +356,50 @@ func (k *Kube) PublishSpec(ctx context.Context, reqs []ipam.PoolRequest) (bool, 
 	}
 }
 
+// recreate creates the node's NodeIPAllocation after it was deleted by hand while the node's
+// pods use addresses (docs/design.md, "Claims and rewinds"): with the controller down, nothing
+// else would, and a controller that restarts must see the node's claims before it fills others.
+// It creates the object only when the node had one before (its record mark), its Node exists,
+// and its pods use addresses; the controller creates new nodes' objects and deletes those of
+// nodes that are gone. The admission policy lets an agent create only its own node's object.
+func (k *Kube) recreate(ctx context.Context, node *corev1.Node) error {
+	var mark ipam.RecordMark
+	uses := 0
+	k.svc.With(func(st *ipam.State) {
+		mark = st.Mark()
+		uses = st.NumAttachments()
+	})
+	if mark.UID == "" || uses == 0 || node.UID == "" {
+		return nil
+	}
+	obj := &ipwardenv1.NodeIPAllocation{ObjectMeta: metav1.ObjectMeta{
+		Name:            k.node,
+		Labels:          map[string]string{"app.kubernetes.io/managed-by": "ipwarden"},
+		OwnerReferences: []metav1.OwnerReference{{APIVersion: "v1", Kind: "Node", Name: node.Name, UID: node.UID}},
+	}}
+	err := k.api.Create(ctx, obj, fieldOwner)
+	switch {
+	case apierrors.IsAlreadyExists(err):
+		return nil
+	case err != nil:
+		return fmt.Errorf("create NodeIPAllocation %s: %w", k.node, err)
+	}
+	k.svc.metrics.RecordRecreated.Inc()
+	k.log.Info("re-created this node's NodeIPAllocation, deleted while its pods use addresses; they are claimed back from the controller",
+		"nodeIPAllocation", k.node, "attachments", uses)
+	k.Trigger()
+	return nil
+}
+
 func specPools(reqs []ipam.PoolRequest) []ipwardenv1.NodePoolRequest {
 	out := make([]ipwardenv1.NodePoolRequest, 0, len(reqs))
 	for _, r := range reqs {
 		pr := ipwardenv1.NodePoolRequest{Pool: r.Pool, Requested: int32(min(r.Requested, 65536))}
 		for _, s := range r.Releasing.Strings() {
 			pr.Releasing = append(pr.Releasing, ipwardenv1.AddressBlock(s))
+		}
+		for _, s := range r.Claimed.Strings() {
+			pr.Claimed = append(pr.Claimed, ipwardenv1.AddressBlock(s))
 		}
 		out = append(out, pr)
 	}
@@ -343,7 +408,7 @@ func specPools(reqs []ipam.PoolRequest) []ipwardenv1.NodePoolRequest {
 
 func poolsEqual(a, b []ipwardenv1.NodePoolRequest) bool {
 	return slices.EqualFunc(a, b, func(x, y ipwardenv1.NodePoolRequest) bool {
-		return x.Pool == y.Pool && x.Requested == y.Requested && slices.Equal(x.Releasing, y.Releasing)
+		return x.Pool == y.Pool && x.Requested == y.Requested && slices.Equal(x.Releasing, y.Releasing) && slices.Equal(x.Claimed, y.Claimed)
 	})
 }
 

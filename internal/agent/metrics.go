@@ -24,6 +24,10 @@ type Metrics struct {
 	Errors       *prometheus.CounterVec
 	SpecWrites   *prometheus.CounterVec
 	Conflicts    prometheus.Counter
+	// RecordRewinds counts reads of the node's NodeIPAllocation older than its own last write.
+	RecordRewinds prometheus.Counter
+	// RecordRecreated counts re-creations of the node's NodeIPAllocation by the agent.
+	RecordRecreated prometheus.Counter
 
 	// Leak collection, by path (PathEvent, PathFullCheck, PathCNIGC).
 	GCCandidates   *prometheus.CounterVec
@@ -71,6 +75,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Writes of the node's NodeIPAllocation spec, by result."}, []string{"result"}),
 		Conflicts: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "conflicts_total",
 			Help: "Attachments found using an address the node no longer holds."}),
+		RecordRewinds: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "record_rewinds_total",
+			Help: "Times the node's NodeIPAllocation was found older than the node's own last write (etcd restored from a backup, or the object re-created)."}),
+		RecordRecreated: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "record_recreated_total",
+			Help: "Times the agent re-created its node's NodeIPAllocation after it was deleted while its pods used addresses."}),
 
 		GCCandidates: gcCounter("gc_candidates_total",
 			"Attachments the leak collector considered freeing: re-checked against the API server (event, full-check) or missing from the runtime's valid list (cni-gc)."),
@@ -95,7 +103,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	}
 	if reg != nil {
 		reg.MustRegister(m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict,
-			m.Attachments, m.OpDuration, m.IPWait, m.JournalWrite, m.Errors, m.SpecWrites, m.Conflicts,
+			m.Attachments, m.OpDuration, m.IPWait, m.JournalWrite, m.Errors, m.SpecWrites, m.Conflicts, m.RecordRewinds, m.RecordRecreated,
 			m.GCCandidates, m.GCCollected, m.GCKept, m.GCFailed, m.GCDryRun, m.GCDeleteToFree, m.GCFullChecks, m.GCQueueDepth)
 	}
 	return m

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net/netip"
 	"slices"
 	"strings"
@@ -144,11 +145,66 @@ func (s *Service) SetPools(pools []ipam.Pool, served []string) {
 	s.kick()
 }
 
+// RecordOf identifies the NodeIPAllocation a holding was read from: its UID and generation,
+// and whether it is older than the node's own record mark (ipam.IsRewound), confirmed by a fresh
+// read from the API server.
+type RecordOf struct {
+	UID        string
+	Generation int64
+	Rewound    bool
+}
+
+// Rewound says whether an object (uid, generation) is older than the node's record mark.
+func (s *Service) Rewound(uid string, generation int64) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.st.Rewound(uid, generation)
+}
+
+// SetRecordMissing tells the service whether the node's NodeIPAllocation is missing; while it
+// is, no address is handed out of the free set.
+func (s *Service) SetRecordMissing(missing bool) {
+	s.mu.Lock()
+	was := s.st.RecordMissing()
+	s.st.SetRecordMissing(missing)
+	s.notifyLocked()
+	s.mu.Unlock()
+	if missing && !was {
+		s.log.Info("the node's NodeIPAllocation is missing: no new address is handed out until it is back", "nodeIPAllocation", s.node)
+	}
+}
+
+// NoteSpecWritten records that the agent wrote its spec to the object uid, producing
+// generation: the record mark that later reads are compared with.
+func (s *Service) NoteSpecWritten(uid string, generation int64) {
+	s.mu.Lock()
+	ch := ipam.Change{}
+	if m := s.st.Mark(); m.UID != uid || generation > m.Generation {
+		ch = s.st.SetMark(ipam.RecordMark{UID: uid, Generation: generation})
+	}
+	s.mu.Unlock()
+	s.commitBestEffort(ch, "record mark")
+}
+
 // SetHoldings hands the service what the controller reports the node holds, per pool; pools
-// missing from holdings but known to the state hold nothing.
-func (s *Service) SetHoldings(holdings map[string]addr.Set) {
+// missing from holdings but known to the state hold nothing. rec says which object it came
+// from: a rewound one's extra addresses are distrusted first (ipam.State.Distrust), and the
+// record mark moves to it.
+func (s *Service) SetHoldings(holdings map[string]addr.Set, rec RecordOf) {
 	s.mu.Lock()
 	var ch ipam.Change
+	now := s.now()
+	if rec.Rewound {
+		dch, marked := s.st.Distrust(holdings, now)
+		ch.Merge(dch)
+		ch.Merge(s.st.SetMark(ipam.RecordMark{UID: rec.UID, Generation: rec.Generation}))
+		s.metrics.RecordRewinds.Inc()
+		s.log.Info("the node's NodeIPAllocation is older than this node's last write (etcd restored, or the object re-created): "+
+			"addresses it shows that the node had given back are released again, and addresses its pods use are claimed",
+			"uid", rec.UID, "generation", rec.Generation, "released", fmtSets(marked))
+	} else if m := s.st.Mark(); rec.UID != "" && (m.UID == "" || (m.UID == rec.UID && rec.Generation > m.Generation)) {
+		ch.Merge(s.st.SetMark(ipam.RecordMark{UID: rec.UID, Generation: rec.Generation}))
+	}
 	names := slices.Sorted(func(yield func(string) bool) {
 		for n := range holdings {
 			if !yield(n) {
@@ -164,6 +220,7 @@ func (s *Service) SetHoldings(holdings map[string]addr.Set) {
 	for _, n := range names {
 		ch.Merge(s.st.SetHolding(n, holdings[n]))
 	}
+	s.st.SetRecordMissing(false)
 	s.reportConflictsLocked()
 	s.notifyLocked()
 	s.mu.Unlock()
@@ -619,4 +676,15 @@ func (l *keyLocks) lock(k ipam.Key) (unlock func()) {
 		}
 		l.mu.Unlock()
 	}
+}
+
+func fmtSets(m map[string]addr.Set) string {
+	out := ""
+	for _, k := range slices.Sorted(maps.Keys(m)) {
+		if out != "" {
+			out += "; "
+		}
+		out += k + ": " + m[k].String()
+	}
+	return out
 }

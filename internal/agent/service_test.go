@@ -118,7 +118,7 @@ func (h *svcHarness) hold(holdings map[string]string) {
 	for p, s := range holdings {
 		m[p] = addr.MustParseSetString(s)
 	}
-	h.svc.SetHoldings(m)
+	h.svc.SetHoldings(m, RecordOf{})
 }
 
 func addReq(cid string, pools ...string) cniproto.Request {

@@ -1,6 +1,6 @@
 // Package check is ipwarden's consistency checker: given a snapshot of the API objects (and, where
 // reachable, the agents' attachment lists) it reports every violation of the invariants in
-// DESIGN.md. It is pure; `ipwarden check` and the chaos suite feed it.
+// docs/design.md. It is pure; `ipwarden check` and the chaos suite feed it.
 package check
 
 import (
@@ -68,6 +68,7 @@ const (
 	OrphanAllocation  = "OrphanAllocation"  // a NodeIPAllocation whose Node is gone (invariant 5)
 	LeakedAttachment  = "LeakedAttachment"  // an attachment whose pod is gone (invariant 5)
 	UnknownPool       = "UnknownPool"       // a node holds addresses of a pool that does not exist
+	// ClaimConflict (claims.go): a node's pods use an address another node holds.
 )
 
 // Report is the checker's result.
@@ -210,6 +211,9 @@ func Check(in Input) Report {
 					Detail: fmt.Sprintf("pod UID %s no longer exists", at.PodUID)})
 			}
 		}
+	}
+	for _, f := range claimConflicts(in, nodeHeld) {
+		add(f)
 	}
 	return r
 }

@@ -2,6 +2,7 @@ package check
 
 import (
 	"net/netip"
+	"strings"
 	"testing"
 	"time"
 
@@ -109,5 +110,30 @@ func TestCheckCounts(t *testing.T) {
 	r := Check(healthy())
 	if r.Pools != 1 || r.Nodes != 2 || r.Held != 32 || r.RunningPods != 3 || r.Attachments != 1 || r.AgentsAsked != 1 {
 		t.Fatalf("report %+v", r)
+	}
+}
+
+// A node claims an address (its pods use it) that another node holds: a finding naming both
+// nodes and the pods on each whose status shows it.
+func TestClaimConflictNamesBothPods(t *testing.T) {
+	in := healthy()
+	a := alloc("n3", "v4", "10.0.0.64")
+	a.Spec.Pools = []ipwardenv1.NodePoolRequest{{Pool: "v4", Claimed: []ipwardenv1.AddressBlock{"10.0.0.17"}}}
+	in.Allocs = append(in.Allocs, a)
+	in.Nodes = append(in.Nodes, "n3")
+	in.Pods = append(in.Pods, Pod{Namespace: "default", Name: "other", UID: "u9", Node: "n3", IPs: ips("10.0.0.17"), Running: true})
+	r := Check(in)
+	found := false
+	for _, f := range r.Findings {
+		if f.Kind == ClaimConflict {
+			found = true
+			if f.Addresses != "10.0.0.17" || len(f.Nodes) != 2 || f.Nodes[0] != "n3" || f.Nodes[1] != "n1" ||
+				!strings.Contains(f.Pod, "default/other on n3") || !strings.Contains(f.Pod, "a/p1 on n1") {
+				t.Fatalf("finding %+v", f)
+			}
+		}
+	}
+	if !found {
+		t.Fatalf("no ClaimConflict finding: %+v", r.Findings)
 	}
 }

@@ -21,7 +21,6 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
-	"github.com/ipwarden/ipwarden/internal/addr"
 )
 
 // Options tune the controller. Zero values take the defaults in brackets.
@@ -44,6 +43,11 @@ type Options struct {
 	Exhaustion ExhaustionMarks
 	// Now is the clock [time.Now].
 	Now func() time.Time
+	// Fence is the write permit from leader election [NoFence: unfenced, no leader election].
+	Fence *Fence
+	// ClaimSettle is how long after it starts leading the controller serves only claims and
+	// take-backs before it fills nodes from the free pool [10s].
+	ClaimSettle time.Duration
 }
 
 func (o *Options) setDefaults() {
@@ -74,6 +78,14 @@ func (o *Options) setDefaults() {
 	if o.Now == nil {
 		o.Now = time.Now
 	}
+	if o.Fence == nil {
+		o.Fence = NoFence()
+	}
+	if o.ClaimSettle < 0 {
+		o.ClaimSettle = 0
+	} else if o.ClaimSettle == 0 {
+		o.ClaimSettle = 10 * time.Second
+	}
 }
 
 // Controller is the IO shell around State: it watches Nodes (metadata only), IPPools and
@@ -96,6 +108,8 @@ type Controller struct {
 	poolWake    chan struct{}
 	workersWG   sync.WaitGroup
 	registered  bool
+	fence       *Fence
+	stop        context.CancelCauseFunc // ends Start with ErrFenced
 }
 
 // New returns a controller reading through c (an informer cache), reader (the API server,
@@ -108,7 +122,7 @@ func New(c cache.Cache, reader client.Reader, writer client.Client, events recor
 	return &Controller{
 		opts: opts, cache: c, reader: reader, writer: writer, events: events, metrics: m, log: log,
 		sched: s, state: NewState(opts.Exhaustion), nodeFlags: map[string][2]bool{},
-		poolWake: make(chan struct{}, 1),
+		poolWake: make(chan struct{}, 1), fence: opts.Fence,
 	}
 }
 
@@ -125,6 +139,14 @@ func nodeMeta() *metav1.PartialObjectMetadata {
 // allocation state from a fresh LIST (not the cache, which may lag the previous leader's last
 // writes), then serves events, a periodic full pass and the pool status writer.
 func (c *Controller) Start(ctx context.Context) error {
+	ctx, stop := context.WithCancelCause(ctx)
+	defer stop(nil)
+	c.stop = stop
+	if err := c.fence.Allow(); err != nil {
+		return err
+	}
+	c.metrics.Epoch.Set(float64(c.fence.Epoch()))
+	c.log.Info("leading", "holder", c.fence.Holder(), "epoch", c.fence.Epoch())
 	nodeInf, err := c.cache.GetInformer(ctx, nodeMeta())
 	if err != nil {
 		return fmt.Errorf("node informer: %w", err)
@@ -191,11 +213,53 @@ func (c *Controller) Start(ctx context.Context) error {
 	go c.every(ctx, c.opts.ResyncPeriod, func() { c.resync(ctx) })
 	go c.every(ctx, c.opts.AuditPeriod, func() { c.runAudit(ctx) })
 	c.enqueueAll(ctx)
-	c.log.Info("controller serving", "workers", c.opts.Workers, "resync", c.opts.ResyncPeriod)
+	c.workersWG.Add(1)
+	go func() {
+		// Claims first: after the settle time, every node is synced again and fills resume.
+		defer c.workersWG.Done()
+		select {
+		case <-ctx.Done():
+		case <-time.After(c.opts.ClaimSettle):
+			c.enqueueAll(ctx)
+		}
+	}()
+	c.log.Info("controller serving", "workers", c.opts.Workers, "resync", c.opts.ResyncPeriod, "claimSettle", c.opts.ClaimSettle)
 	<-ctx.Done()
 	c.sched.ShutDown()
 	c.workersWG.Wait()
+	if cause := context.Cause(ctx); errors.Is(cause, ErrFenced) {
+		return cause
+	}
 	return nil
+}
+
+// guard is called before every write: it refuses (and stops the controller) once the lease
+// this process holds has run out by its own clock.
+func (c *Controller) guard() error {
+	if err := c.fence.Allow(); err != nil {
+		c.fenced("local", err)
+		return err
+	}
+	return nil
+}
+
+// written inspects a write's error: a rejection by the fence policy stops the controller.
+func (c *Controller) written(err error) error {
+	if err != nil && IsFenceRejection(err) {
+		c.fenced("apiserver", err)
+		return fmt.Errorf("%w: %v", ErrFenced, err)
+	}
+	return err
+}
+
+// fenced stops the controller at once: another controller leads.
+func (c *Controller) fenced(by string, err error) {
+	c.metrics.FencedWrites.WithLabelValues(by).Inc()
+	c.log.Error(err, "write refused: this controller no longer holds its lease; stopping so it restarts as a follower",
+		"refusedBy", by, "holder", c.fence.Holder(), "epoch", c.fence.Epoch())
+	if c.stop != nil {
+		c.stop(ErrFenced)
+	}
 }
 
 // rebuild loads the state from the API server.
@@ -208,8 +272,18 @@ func (c *Controller) rebuild(ctx context.Context) error {
 	if err := c.reader.List(ctx, &allocs); err != nil {
 		return fmt.Errorf("list NodeIPAllocations: %w", err)
 	}
+	ours := c.fence.Stamp()
+	for i := range allocs.Items {
+		if seen := allocs.Items[i].Status.Fence; c.fence.Outranked(seen) {
+			err := fmt.Errorf("%w: NodeIPAllocation %s was written by %s at epoch %d, after this controller's epoch %d",
+				ErrFenced, allocs.Items[i].Name, seen.Holder, seen.Epoch, ours.Epoch)
+			c.fenced("local", err)
+			return err
+		}
+	}
 	c.mu.Lock()
 	twice := c.state.Rebuild(pools.Items, allocs.Items, c.opts.Now())
+	c.state.SettleUntil(c.opts.Now().Add(c.opts.ClaimSettle))
 	c.mu.Unlock()
 	n, _ := twice.Size().Uint64()
 	c.metrics.AddressesTwice.Set(float64(n))
@@ -431,6 +505,9 @@ func (c *Controller) syncNode(ctx context.Context, name string) error {
 	case lc.Create:
 		return c.createAllocation(ctx, name, node)
 	case lc.DeleteOrphan:
+		if err := c.guard(); err != nil {
+			return err
+		}
 		err := c.writer.Delete(ctx, alloc, client.Preconditions{UID: &alloc.UID, ResourceVersion: &alloc.ResourceVersion})
 		c.countWrite("nodeipallocations", "delete", err)
 		if err != nil && !apierrors.IsNotFound(err) {
@@ -443,6 +520,9 @@ func (c *Controller) syncNode(ctx context.Context, name string) error {
 		return nil
 	}
 	if lc.FixOwner {
+		if err := c.guard(); err != nil {
+			return err
+		}
 		patch := client.MergeFrom(alloc.DeepCopy())
 		alloc.OwnerReferences = replaceNodeOwner(alloc.OwnerReferences, node)
 		err := c.writer.Patch(ctx, alloc, patch)
@@ -482,6 +562,9 @@ func (c *Controller) createAllocation(ctx context.Context, name string, node *me
 		OwnerReferences: replaceNodeOwner(nil, node),
 		Labels:          map[string]string{"app.kubernetes.io/managed-by": "ipwarden"},
 	}}
+	if err := c.guard(); err != nil {
+		return err
+	}
 	err := c.writer.Create(ctx, obj)
 	c.countWrite("nodeipallocations", "create", err)
 	if err != nil && !apierrors.IsAlreadyExists(err) {
@@ -505,26 +588,12 @@ func (c *Controller) confirmGone(ctx context.Context, name string, allocExists b
 	}
 	now := c.opts.Now()
 	c.mu.Lock()
-	held := c.state.HeldBy(name)
-	for pool, set := range held {
-		c.state.RecordCooling(pool, set, now.Add(c.state.CooldownOf(pool)))
-	}
+	released := c.state.HeldBy(name)
+	q := c.state.StartNodeGone(name, allocExists, now)
 	c.mu.Unlock()
-	for pool := range held {
-		if err := c.flushPool(ctx, pool); err != nil {
-			return fmt.Errorf("record cooling addresses of deleted node: %w", err)
-		}
+	if err := c.run(ctx, q, alloc); err != nil {
+		return fmt.Errorf("return the addresses of deleted node %s: %w", name, err)
 	}
-	if allocExists {
-		err := c.writer.Delete(ctx, alloc, client.Preconditions{UID: &alloc.UID})
-		c.countWrite("nodeipallocations", "delete", err)
-		if err != nil && !apierrors.IsNotFound(err) {
-			return fmt.Errorf("delete NodeIPAllocation of deleted node: %w", err)
-		}
-	}
-	c.mu.Lock()
-	released := c.state.ReleaseNode(name, now)
-	c.mu.Unlock()
 	total := 0
 	for pool, set := range released {
 		n := count(set)
@@ -545,11 +614,11 @@ func (c *Controller) confirmGone(ctx context.Context, name string, allocExists b
 	return nil
 }
 
-// fill writes one node's status: released addresses leave, new ones arrive. On a conflict it
-// retries from a fresh read; on an unknown outcome it keeps the new addresses reserved.
+// fill writes one node's status: released addresses leave, new ones arrive. The order of the
+// writes and what each outcome means come from the step machine (State.StartFill, steps.go); this
+// loop only performs them. On a conflict it starts over from a fresh read.
 func (c *Controller) fill(ctx context.Context, alloc *ipwardenv1.NodeIPAllocation) error {
 	name := alloc.Name
-	fresh := false
 	// Addresses left pending by a write whose outcome was unknown are settled against a fresh
 	// read first: planning from the record alone would write a status without them even if the
 	// earlier write landed and the node already hands them out.
@@ -561,68 +630,131 @@ func (c *Controller) fill(ctx context.Context, alloc *ipwardenv1.NodeIPAllocatio
 		if err := c.reader.Get(ctx, client.ObjectKey{Name: name}, alloc); err != nil {
 			return fmt.Errorf("re-read NodeIPAllocation to settle an unknown write: %w", err)
 		}
-		fresh = true
+		c.mu.Lock()
+		c.state.ResolvePending(name, alloc.Status)
+		c.mu.Unlock()
 	}
 	for attempt := 0; ; attempt++ {
-		now := c.opts.Now()
 		c.mu.Lock()
-		if fresh {
-			c.state.ResolvePending(name, alloc.Status)
-		}
-		f := c.state.PlanFill(name, alloc.Spec, now)
-		status := NodeStatus(alloc.Status, alloc.Spec, alloc.Generation, f)
-		if !f.Changed() && equality.Semantic.DeepEqual(status, alloc.Status) {
-			c.state.Abort(f, true)
-			c.mu.Unlock()
-			c.updateNodeMetrics(name, alloc.Spec, f)
-			return nil
-		}
-		removals := map[string]addr.Set{}
-		for pool, pf := range f.Pools {
-			if !pf.Removed.IsEmpty() {
-				removals[pool] = pf.Removed
-				c.state.RecordCooling(pool, pf.Removed, now.Add(c.state.CooldownOf(pool)))
-			}
-		}
+		q := c.state.StartFill(name, alloc, c.opts.Now())
 		c.mu.Unlock()
-
-		// Write-ahead: the pools record the released addresses as cooling before the node's
-		// status drops them.
-		for pool := range removals {
-			if err := c.flushPool(ctx, pool); err != nil {
-				c.mu.Lock()
-				c.state.Abort(f, true)
-				c.mu.Unlock()
-				return fmt.Errorf("record cooling addresses in pool %s: %w", pool, err)
-			}
-		}
-		obj := alloc.DeepCopy()
-		obj.Status = status
-		err := c.writer.Status().Update(ctx, obj)
-		c.countWrite("nodeipallocations/status", "update", err)
-		if err == nil {
-			c.mu.Lock()
-			c.state.Commit(f, now)
-			c.mu.Unlock()
-			c.afterFill(alloc, f)
+		err := c.run(ctx, q, alloc)
+		switch q.Result() {
+		case NoChange:
+			c.updateNodeMetrics(name, alloc.Spec, q.Fill())
 			return nil
-		}
-		if apierrors.IsConflict(err) && attempt < 3 {
-			c.mu.Lock()
-			c.state.Abort(f, true)
-			c.mu.Unlock()
+		case Committed:
+			c.afterFill(alloc, q.Fill())
+			return nil
+		case Retry:
+			if attempt >= 3 {
+				return fmt.Errorf("write NodeIPAllocation status: %w", err)
+			}
 			alloc = &ipwardenv1.NodeIPAllocation{}
 			if err := c.reader.Get(ctx, client.ObjectKey{Name: name}, alloc); err != nil {
 				return fmt.Errorf("re-read NodeIPAllocation after a conflict: %w", err)
 			}
-			fresh = true
+			if c.fence.Outranked(alloc.Status.Fence) {
+				err := fmt.Errorf("%w: NodeIPAllocation %s was written by %s at epoch %d", ErrFenced, name, alloc.Status.Fence.Holder, alloc.Status.Fence.Epoch)
+				c.fenced("local", err)
+				return err
+			}
 			continue
+		default:
+			c.events.Eventf(alloc, corev1.EventTypeWarning, "FillFailed", "could not write the node's addresses: %v", err)
+			return err
 		}
+	}
+}
+
+// run performs a sequence's steps in order and reports each outcome back to it; it returns the
+// error of the step that ended it, if any.
+func (c *Controller) run(ctx context.Context, q *Sequence, alloc *ipwardenv1.NodeIPAllocation) error {
+	for {
 		c.mu.Lock()
-		c.state.Abort(f, apierrors.IsConflict(err) || apierrors.IsInvalid(err) || apierrors.IsNotFound(err))
+		step, ok := q.Next()
 		c.mu.Unlock()
-		c.events.Eventf(alloc, corev1.EventTypeWarning, "FillFailed", "could not write the node's addresses: %v", err)
-		return fmt.Errorf("write NodeIPAllocation status: %w", err)
+		if !ok {
+			return nil
+		}
+		err := c.perform(ctx, step, alloc)
+		c.mu.Lock()
+		q.Advance(OutcomeOf(err))
+		c.mu.Unlock()
+		if err != nil {
+			return fmt.Errorf("%s of %s: %w", step.Kind, step.Node, err)
+		}
+	}
+}
+
+// perform does one step's write.
+func (c *Controller) perform(ctx context.Context, step Step, alloc *ipwardenv1.NodeIPAllocation) error {
+	if err := c.guard(); err != nil {
+		return err
+	}
+	switch step.Kind {
+	case StepPoolStatus:
+		return c.flushPool(ctx, step.Pool)
+	case StepNodeStatus:
+		obj := alloc.DeepCopy()
+		obj.Status = step.Status
+		obj.Status.Fence = c.fence.Stamp()
+		err := c.written(c.writer.Status().Update(ctx, obj))
+		c.countWrite("nodeipallocations/status", "update", err)
+		return err
+	case StepDeleteAllocation:
+		err := c.writer.Delete(ctx, alloc, client.Preconditions{UID: &alloc.UID})
+		c.countWrite("nodeipallocations", "delete", err)
+		if apierrors.IsNotFound(err) {
+			return nil
+		}
+		return err
+	}
+	return fmt.Errorf("unknown step %v", step.Kind)
+}
+
+// OutcomeOf maps a write's error to the step machine's outcome: a conflict, a definite
+// refusal (invalid, not found, forbidden, fenced), or an unknown outcome (timeouts, lost
+// connections, server errors after the request may have been applied).
+func OutcomeOf(err error) Outcome {
+	switch {
+	case err == nil:
+		return Landed
+	case apierrors.IsConflict(err):
+		return Conflict
+	case errors.Is(err, ErrFenced), apierrors.IsInvalid(err), apierrors.IsNotFound(err), apierrors.IsForbidden(err),
+		apierrors.IsBadRequest(err), apierrors.IsAlreadyExists(err):
+		return Rejected
+	default:
+		return Unknown
+	}
+}
+
+// reportConflicts makes a claim the controller cannot grant visible: a Warning event on the
+// node's NodeIPAllocation (the status carries the AddressConflict condition), the conflict gauge,
+// and a sync of the other node so its status shows the condition too.
+func (c *Controller) reportConflicts(alloc *ipwardenv1.NodeIPAllocation, f *Fill) {
+	c.mu.Lock()
+	total := 0
+	for _, cf := range c.state.Conflicts() {
+		total += count(cf.Addrs)
+	}
+	c.mu.Unlock()
+	c.metrics.ClaimConflicts.Set(float64(total))
+	others := map[string]bool{}
+	for _, cf := range f.Conflicts {
+		if cf.Claimant == alloc.Name {
+			c.events.Eventf(alloc, corev1.EventTypeWarning, "AddressConflict", "%s: an operator must decide which pod keeps it (ipwarden check names both pods)", cf.String())
+			others[cf.Holder] = true
+		} else {
+			others[cf.Claimant] = true
+		}
+	}
+	if len(f.Conflicts) > 0 {
+		c.log.Error(nil, "addresses used by pods on two nodes", "node", alloc.Name, "conflicts", conflictMessage(f.Conflicts))
+	}
+	for n := range others {
+		c.sched.Add(n, Need{Claims: 1}, c.opts.Now())
 	}
 }
 
@@ -642,8 +774,22 @@ func (c *Controller) afterFill(alloc *ipwardenv1.NodeIPAllocation, f *Fill) {
 	for pool, pf := range f.Pools {
 		if !pf.Removed.IsEmpty() {
 			c.refillPool(pool)
+			c.mu.Lock()
+			claimants := c.state.Claimants(pool)
+			c.mu.Unlock()
+			for _, n := range claimants {
+				c.enqueue(n)
+			}
 		}
 	}
+	for pool, pf := range f.Pools {
+		if n := count(pf.Granted); n > 0 {
+			c.metrics.ClaimsGranted.WithLabelValues(pool).Add(float64(n))
+			c.log.Info("granted claimed addresses back: the node's pods use them but its status had lost them",
+				"node", alloc.Name, "pool", pool, "addresses", pf.Granted.String())
+		}
+	}
+	c.reportConflicts(alloc, f)
 	for _, pool := range f.Starved {
 		c.events.Eventf(alloc, corev1.EventTypeWarning, "PoolExhausted", "cannot fill this node's request: %s: %s", f.Pools[pool].Reason, f.Pools[pool].Detail)
 	}
@@ -788,7 +934,14 @@ func (c *Controller) flushPool(ctx context.Context, name string) error {
 		wasExhausted := obj.Status.Exhausted
 		upd := obj.DeepCopy()
 		upd.Status = st
-		err := c.writer.Status().Update(ctx, upd)
+		upd.Status.Fence = c.fence.Stamp()
+		if err := c.guard(); err != nil {
+			c.mu.Lock()
+			c.state.MarkPoolDirty(name)
+			c.mu.Unlock()
+			return err
+		}
+		err := c.written(c.writer.Status().Update(ctx, upd))
 		c.countWrite("ippools/status", "update", err)
 		if err == nil {
 			c.poolWritten.Store(name, c.opts.Now())

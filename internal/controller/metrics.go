@@ -33,6 +33,11 @@ type Metrics struct {
 	GCCandidates   prometheus.Counter
 	GCCollected    prometheus.Counter
 	GCFailed       prometheus.Counter
+
+	FencedWrites   *prometheus.CounterVec
+	Epoch          prometheus.Gauge
+	ClaimsGranted  *prometheus.CounterVec
+	ClaimConflicts prometheus.Gauge
 }
 
 // NewMetrics creates the metrics and registers them with reg (nil: not registered).
@@ -67,11 +72,17 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		GCCandidates:   prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "gc_candidates_total", Help: "Addresses the audit found out of step between the record and the API."}),
 		GCCollected:    prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "gc_collected_total", Help: "Allocations held by no node that the audit returned to their pool."}),
 		GCFailed:       prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "gc_failed_total", Help: "Audits that could not run (listing failed)."}),
+
+		FencedWrites:   prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "fenced_writes_total", Help: "Writes refused because this controller no longer holds its Lease, by who refused (local: its own lease check; apiserver: the fence policy)."}, []string{"by"}),
+		Epoch:          prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "leader_epoch", Help: "The leader election epoch (Lease leaderTransitions) this controller writes with; 0 until it leads."}),
+		ClaimsGranted:  prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "claims_granted_total", Help: "Claimed addresses (used by a node's pods, missing from its status) granted back to the node."}, pool),
+		ClaimConflicts: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "claim_conflict_addresses", Help: "Addresses a node's pods use while another node holds them (must be 0; see ipwarden check)."}),
 	}
 	if reg != nil {
 		reg.MustRegister(m.PoolCapacity, m.PoolAllocated, m.PoolFree, m.PoolCooling, m.PoolExhausted, m.PoolConflicts,
 			m.NodeHeld, m.NodeRequested, m.NodeDeficit, m.NodesInDeficit, m.NodesAtCapacity, m.Nodes,
-			m.Allocations, m.Releases, m.APIWrites, m.SyncDuration, m.SyncErrors, m.QueueDepth, m.AddressesTwice, m.NodesReleased, m.GCCandidates, m.GCCollected, m.GCFailed)
+			m.Allocations, m.Releases, m.APIWrites, m.SyncDuration, m.SyncErrors, m.QueueDepth, m.AddressesTwice, m.NodesReleased, m.GCCandidates, m.GCCollected, m.GCFailed,
+			m.FencedWrites, m.Epoch, m.ClaimsGranted, m.ClaimConflicts)
 	}
 	return m
 }

@@ -2,6 +2,9 @@ package controller
 
 // Need is how urgently a node needs a sync; the scheduler serves the greatest need first.
 type Need struct {
+	// Claims is the number of claimed addresses the node's status lacks: its pods use them.
+	// Claims are served before anything else.
+	Claims int
 	// Deficit is the number of addresses the node requested but does not hold (summed over
 	// pools). Nodes in deficit have pods waiting: they come first, largest first.
 	Deficit int
@@ -20,8 +23,11 @@ func NeedOf(plans map[string]PoolPlan) Need {
 	return n
 }
 
-// MoreUrgent orders needs: any deficit before none, larger deficit first, then larger surplus.
+// MoreUrgent orders needs: claims first, then any deficit before none, larger deficit first, then larger surplus.
 func MoreUrgent(a, b Need) bool {
+	if a.Claims != b.Claims {
+		return a.Claims > b.Claims
+	}
 	if a.Deficit != b.Deficit {
 		return a.Deficit > b.Deficit
 	}

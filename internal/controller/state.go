@@ -22,6 +22,9 @@ type State struct {
 
 	pools map[string]*poolState
 	nodes map[string]*nodeState
+	// settleUntil: until then no node is filled from the free pool; claims are served first
+	// (docs/design.md, "Claims"). Set when the controller starts leading.
+	settleUntil time.Time
 }
 
 type poolState struct {
@@ -33,11 +36,12 @@ type poolState struct {
 	deleted   bool   // IPPool object is gone; kept while nodes hold its addresses
 	alloc     *addr.Allocator
 	exhausted bool
-	starved   bool            // a fill fell short since the last status flush
-	cooling   []coolRecord    // persisted in status.cooling: written before nodes drop the addresses
-	holders   map[string]int  // node -> addresses held
-	waiting   map[string]bool // nodes left short because the pool ran out
-	dirty     bool            // status needs a write
+	starved   bool                // a fill fell short since the last status flush
+	cooling   []coolRecord        // persisted in status.cooling: written before nodes drop the addresses
+	holders   map[string]int      // node -> addresses held
+	waiting   map[string]bool     // nodes left short because the pool ran out
+	dirty     bool                // status needs a write
+	claims    map[string]addr.Set // node -> addresses it claims (spec.pools[].claimed), only nodes with claims
 }
 
 func (p *poolState) serving() bool { return !p.deleted && p.parseErr == nil && p.overlaps == "" }
@@ -50,6 +54,7 @@ type coolRecord struct {
 type nodeState struct {
 	held    map[string]addr.Set // the record: equals the node's status after each write
 	pending map[string]addr.Set // reserved for a write whose outcome is unknown
+	claims  map[string]addr.Set // pool -> addresses its pods use that it asked back (spec)
 	labels  labels.Set
 	deficit bool
 	atCap   bool
@@ -74,6 +79,7 @@ func (s *State) Rebuild(pools []ipwardenv1.IPPool, allocs []ipwardenv1.NodeIPAll
 	sort.Slice(allocs, func(i, j int) bool { return allocs[i].Name < allocs[j].Name })
 	for _, a := range allocs {
 		ns := s.node(a.Name)
+		s.SetClaims(a.Name, a.Spec)
 		for _, ps := range a.Status.Pools {
 			held, err := addr.ParseSet(ps.Addresses)
 			if err != nil || held.IsEmpty() {
@@ -120,7 +126,7 @@ func (s *State) Rebuild(pools []ipwardenv1.IPPool, allocs []ipwardenv1.NodeIPAll
 func (s *State) pool(name string) *poolState {
 	p, ok := s.pools[name]
 	if !ok {
-		p = &poolState{name: name, deleted: true, alloc: addr.NewAllocator(addr.Set{}, 0), holders: map[string]int{}, waiting: map[string]bool{}}
+		p = &poolState{name: name, deleted: true, alloc: addr.NewAllocator(addr.Set{}, 0), holders: map[string]int{}, waiting: map[string]bool{}, claims: map[string]addr.Set{}}
 		s.pools[name] = p
 	}
 	return p
@@ -129,7 +135,7 @@ func (s *State) pool(name string) *poolState {
 func (s *State) node(name string) *nodeState {
 	n, ok := s.nodes[name]
 	if !ok {
-		n = &nodeState{held: map[string]addr.Set{}, pending: map[string]addr.Set{}}
+		n = &nodeState{held: map[string]addr.Set{}, pending: map[string]addr.Set{}, claims: map[string]addr.Set{}}
 		s.nodes[name] = n
 	}
 	return n
@@ -148,7 +154,7 @@ func (s *State) SetPool(obj *ipwardenv1.IPPool) (nodesAffected bool) {
 func (s *State) setPool(obj *ipwardenv1.IPPool) (selectorChanged bool) {
 	p, existed := s.pools[obj.Name]
 	if !existed {
-		p = &poolState{name: obj.Name, holders: map[string]int{}, waiting: map[string]bool{}}
+		p = &poolState{name: obj.Name, holders: map[string]int{}, waiting: map[string]bool{}, claims: map[string]addr.Set{}}
 		s.pools[obj.Name] = p
 	}
 	oldSel := ""
@@ -262,12 +268,16 @@ type Fill struct {
 	Pools   map[string]*PoolFill
 	Need    Need
 	Starved []string // pools that could not fill the node's deficit in full
+	// Conflicts are claims that cannot be granted because another node holds the address,
+	// with this node as claimant or as holder.
+	Conflicts []ClaimConflict
 }
 
 // PoolFill is a Fill's change to one pool.
 type PoolFill struct {
 	Plan    PoolPlan
-	Added   addr.Set // reserved for the node
+	Added   addr.Set // reserved for the node (claims granted back included)
+	Granted addr.Set // the part of Added the node claimed
 	Removed addr.Set // released addresses leaving the node
 	Held    addr.Set // the node's holding after the write
 	Reason  string   // why a deficit remains, empty when none; stable while the cause lasts
@@ -326,13 +336,21 @@ func (s *State) ResolvePending(name string, status ipwardenv1.NodeIPAllocationSt
 }
 
 // PlanFill decides and reserves one node's fill and take-back for its spec. The reservation
-// holds until Commit or Abort.
+// holds until Commit or Abort. Claims come first: claimed addresses no other node holds are
+// granted back; then the deficit is filled from the free pool, never with an address another
+// node claims, and not at all while the controller settles after it started leading.
 func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now time.Time) *Fill {
 	n := s.node(name)
+	s.SetClaims(name, spec)
 	f := &Fill{Node: name, Pools: map[string]*PoolFill{}}
 	views := map[string]PoolView{}
 	for pool, held := range n.held {
 		views[pool] = PoolView{Held: held}
+	}
+	for pool := range n.claims {
+		if _, ok := views[pool]; !ok {
+			views[pool] = PoolView{}
+		}
 	}
 	for _, req := range spec.Pools {
 		rel, _ := addr.ParseSet(blocks(req.Releasing))
@@ -341,18 +359,29 @@ func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now 
 		v.Releasing = rel
 		views[req.Pool] = v
 	}
+	settling := s.Settling(now)
 	plans := map[string]PoolPlan{}
-	for pool, v := range views {
+	for _, pool := range sortedKeys(views) {
+		v := views[pool]
 		p := s.pool(pool)
+		granted, conflicts := s.grantClaims(name, pool, v.Held)
+		f.Conflicts = append(f.Conflicts, conflicts...)
+		f.Conflicts = append(f.Conflicts, s.heldConflicts(name, pool, v.Held)...)
+		held := v.Held.Union(granted)
+		v.Held = held
 		v.Serving = p.serving() && p.cfg.Selector.Matches(n.labels)
 		plan := Plan(v)
-		plans[pool] = plan
-		pf := &PoolFill{Plan: plan, Removed: plan.Remove, Held: v.Held.Subtract(plan.Remove)}
+		pf := &PoolFill{Plan: plan, Added: granted, Granted: granted, Removed: plan.Remove, Held: held.Subtract(plan.Remove)}
+		if plan.Add > 0 && settling {
+			pf.Reason = "the controller is settling after it started leading: claims are served before fills"
+			plan.Add = 0
+		}
 		if plan.Add > 0 {
 			// Never hand a node an address its spec still lists as releasing. The node may
 			// already have seen it leave and forgotten it; a re-add it reconciles before it
-			// republishes its list would be taken away again while a pod uses it.
-			withheld := p.alloc.Usable(now).Intersect(v.Releasing)
+			// republishes its list would be taken away again while a pod uses it. Never hand
+			// it an address another node's pods use (claimed) either.
+			withheld := p.alloc.Usable(now).Intersect(v.Releasing.Union(p.claimedByOthers(name)))
 			if !withheld.IsEmpty() {
 				_ = p.alloc.Reserve(withheld)
 			}
@@ -372,7 +401,7 @@ func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now 
 			if want > 0 {
 				got, err := p.alloc.Allocate(want, v.Held, now)
 				if err == nil {
-					pf.Added = got
+					pf.Added = pf.Added.Union(got)
 					pf.Held = pf.Held.Union(got)
 				}
 			}
@@ -382,6 +411,7 @@ func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now 
 		} else if v.Requested > count(v.Held.Subtract(plan.Remove)) && !v.Serving {
 			pf.Reason = notServingReason(p, pool)
 		}
+		plans[pool] = plan
 		f.Pools[pool] = pf
 	}
 	sort.Strings(f.Starved)
@@ -405,6 +435,7 @@ func notServingReason(p *poolState, pool string) string {
 // NeedOfNode is a node's current need without reserving anything, for the scheduler.
 func (s *State) NeedOfNode(name string, spec ipwardenv1.NodeIPAllocationSpec) Need {
 	n := s.node(name)
+	s.SetClaims(name, spec)
 	plans := map[string]PoolPlan{}
 	for _, req := range spec.Pools {
 		rel, _ := addr.ParseSet(blocks(req.Releasing))
@@ -412,7 +443,11 @@ func (s *State) NeedOfNode(name string, spec ipwardenv1.NodeIPAllocationSpec) Ne
 		plans[req.Pool] = Plan(PoolView{Held: n.held[req.Pool], Requested: int(req.Requested), Releasing: rel,
 			Serving: p.serving() && p.cfg.Selector.Matches(n.labels)})
 	}
-	return NeedOf(plans)
+	need := NeedOf(plans)
+	for pool, c := range n.claims {
+		need.Claims += count(c.Subtract(n.held[pool]))
+	}
+	return need
 }
 
 // Commit applies a fill whose status write succeeded: the node holds the new sets and the
@@ -546,6 +581,12 @@ func NodeStatus(prev ipwardenv1.NodeIPAllocationStatus, spec ipwardenv1.NodeIPAl
 		cond.Message = joinReasons(reasons)
 	}
 	meta.SetStatusCondition(&st.Conditions, cond)
+	if len(f.Conflicts) > 0 {
+		meta.SetStatusCondition(&st.Conditions, metav1.Condition{Type: ipwardenv1.ConditionAddressConflict, Status: metav1.ConditionTrue,
+			Reason: "HeldByTwoNodes", Message: conflictMessage(f.Conflicts), ObservedGeneration: generation})
+	} else {
+		meta.RemoveStatusCondition(&st.Conditions, ipwardenv1.ConditionAddressConflict)
+	}
 	st.Summary = ipwardenv1.Summarize(spec, st)
 	return st
 }
@@ -589,6 +630,7 @@ func (s *State) PoolStatus(name string, prev ipwardenv1.IPPoolStatus, generation
 		}
 	}
 	st := ipwardenv1.IPPoolStatus{
+		Fence:              prev.Fence,
 		ObservedGeneration: generation,
 		Capacity:           capacity.Int64Sat(),
 		Allocated:          allocated.Int64Sat(),

@@ -132,6 +132,9 @@ func Start(ctx context.Context, opts Options) (cp *ControlPlane, err error) {
 			return cp, err
 		}
 	}
+	if err := InstallFencePolicy(ctx, cp.Config, opts.Root); err != nil {
+		return cp, err
+	}
 	fmt.Fprintf(cp.log, "controlplane: ready at %s (kubeconfig %s)\n", cp.URL, cp.Kubeconfig)
 	return cp, nil
 }
@@ -426,4 +429,34 @@ func tail(path string, n int) string {
 		}
 	}
 	return string(b)
+}
+
+// SnapshotEtcd saves an etcd snapshot to path, as `etcdctl snapshot save` does (a backup).
+func (cp *ControlPlane) SnapshotEtcd(ctx context.Context, path string) error {
+	out, err := exec.CommandContext(ctx, cp.bins.Etcd, "snapshot", "save", cp.EtcdURL, path).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("etcd snapshot save: %v: %s", err, out)
+	}
+	return nil
+}
+
+// RestoreEtcd restores etcd from a snapshot the way Kubernetes documents it: stop kube-apiserver
+// and etcd, restore the snapshot into a new data directory with the revision bumped by
+// 1,000,000,000 and marked compacted (so every watcher relists rather than miss a change), start
+// etcd on it, start kube-apiserver. Everything written since the snapshot is gone.
+func (cp *ControlPlane) RestoreEtcd(ctx context.Context, path string) error {
+	_ = cp.apiserver.kill()
+	_ = cp.etcd.kill()
+	dataDir := filepath.Join(cp.Dir, "etcd")
+	if err := os.Rename(dataDir, dataDir+fmt.Sprintf(".before-restore-%d", time.Now().UnixNano())); err != nil {
+		return err
+	}
+	out, err := exec.CommandContext(ctx, cp.bins.Etcd, "snapshot", "restore", path, dataDir, cp.etcdPeer).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("etcd snapshot restore: %v: %s", err, out)
+	}
+	if err := cp.RestartEtcd(ctx); err != nil {
+		return err
+	}
+	return cp.RestartAPIServer(ctx)
 }

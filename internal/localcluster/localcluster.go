@@ -156,6 +156,24 @@ func (p *Process) signal(sig syscall.Signal, grace time.Duration) {
 	<-done
 }
 
+// Pause stops the process (SIGSTOP), as a long GC pause or a stalled VM would; Resume
+// continues it (SIGCONT).
+func (p *Process) Pause() { p.send(syscall.SIGSTOP) }
+
+// Resume continues a paused process.
+func (p *Process) Resume() { p.send(syscall.SIGCONT) }
+
+func (p *Process) send(sig syscall.Signal) {
+	p.mu.Lock()
+	cmd, done := p.cmd, p.done
+	p.mu.Unlock()
+	select {
+	case <-done:
+	default:
+		_ = syscall.Kill(-cmd.Process.Pid, sig)
+	}
+}
+
 // Restart starts the process again with the same arguments (after Kill or Stop).
 func (p *Process) Restart() error {
 	if p.Running() {
@@ -173,9 +191,12 @@ func (p *Process) LogTail(n int) string {
 	return string(b)
 }
 
+// scrapeClient bounds a scrape: a paused process accepts the connection and never answers.
+var scrapeClient = &http.Client{Timeout: 2 * time.Second}
+
 // ScrapeSum adds up the samples of one metric on a Prometheus text endpoint (0 when unreachable).
 func ScrapeSum(url, metric string) float64 {
-	resp, err := http.Get(url)
+	resp, err := scrapeClient.Get(url)
 	if err != nil {
 		return 0
 	}

@@ -43,7 +43,7 @@ func TestTarget(t *testing.T) {
 }
 
 // TestTargetMatchesFormula checks the integer arithmetic against the formula in floating point
-// over a grid of inputs where floats are exact enough, and the economy bounds of DESIGN.md.
+// over a grid of inputs where floats are exact enough, and the economy bounds of docs/design.md.
 func TestTargetMatchesFormula(t *testing.T) {
 	for _, batch := range []int{1, 2, 3, 7, 16, 32, 100} {
 		for _, pct := range []int{0, 1, 25, 33, 50, 99, 100} {

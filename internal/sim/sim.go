@@ -95,6 +95,7 @@ type node struct {
 // job is a controller worker's status write in flight.
 type job struct {
 	node   int32
+	seq    *controller.Sequence // the controller's step machine; its node status write is in flight
 	fill   *controller.Fill
 	status ipwardenv1.NodeIPAllocationStatus
 	at     time.Time
@@ -764,8 +765,10 @@ func (s *simulator) dispatch() {
 	}
 }
 
-// sync is Controller.fill for one node: plan, write-ahead the cooling record of removals,
-// write the status. A sync that changes nothing costs no write and no time.
+// sync is Controller.fill for one node, through the controller's own step machine
+// (State.StartFill): the writes it returns (the cooling record of removals first, then the
+// node's status) are performed in its order on the virtual clock, and each outcome is reported
+// back with Advance. A sync that changes nothing costs no write and no time.
 func (s *simulator) sync(i int32) {
 	n := s.nodes[i]
 	now := t(s.now)
@@ -782,7 +785,11 @@ func (s *simulator) sync(i int32) {
 		}
 		return
 	}
-	f := s.ctl.PlanFill(n.name, n.spec, now)
+	// The controller's own step machine decides the writes and their order (steps.go); the
+	// simulator performs them on its virtual clock, as Controller.run does on the API server.
+	q := s.ctl.StartFill(n.name, &ipwardenv1.NodeIPAllocation{ObjectMeta: metav1.ObjectMeta{Name: n.name, Generation: n.specGen},
+		Spec: n.spec, Status: n.status}, now)
+	f := q.Fill()
 	if len(f.Starved) > 0 {
 		s.pm.starved = true // PlanFill marked the pool starved and dirty, aborted or not
 		s.pm.dirty = true
@@ -790,9 +797,7 @@ func (s *simulator) sync(i int32) {
 	if pf := f.Pools[poolName]; pf != nil && pf.Plan.Add > 0 {
 		s.pm.expireBatches(s.now, s.cfg.ReuseCooldown) // PlanFill asked Available
 	}
-	status := controller.NodeStatus(n.status, n.spec, n.specGen, f)
-	if !f.Changed() && equality.Semantic.DeepEqual(status, n.status) {
-		s.ctl.Abort(f, true)
+	if q.Result() == controller.NoChange {
 		s.sched.Done(n.name, false, now)
 		if s.counting {
 			s.noopSyncs++
@@ -808,24 +813,27 @@ func (s *simulator) sync(i int32) {
 	// is busy throughout.
 	done := s.now
 	write := func() { done = max(s.limiter.take(s.now), done) + s.cfg.ControllerLatency }
-	for _, pool := range sortedPools(f) {
-		if pf := f.Pools[pool]; !pf.Removed.IsEmpty() {
-			until := now.Add(s.ctl.CooldownOf(pool))
-			s.ctl.RecordCooling(pool, pf.Removed, until)
-			s.pm.records = append(s.pm.records, until.Sub(epoch))
-			s.pm.recAdded++
-			s.pm.dirty = true
-			// Write-ahead: the pool's status gains the cooling record before the node's
-			// status drops the addresses.
-			if s.flushPool() {
-				write()
-			}
+	step, _ := q.Next()
+	for ; step.Kind == controller.StepPoolStatus; step, _ = q.Next() {
+		// Write-ahead: the pool's status gains the cooling record (StartFill recorded it)
+		// before the node's status drops the addresses.
+		until := now.Add(s.ctl.CooldownOf(step.Pool))
+		s.pm.records = append(s.pm.records, until.Sub(epoch))
+		s.pm.recAdded++
+		s.pm.dirty = true
+		if s.flushPool() {
+			write()
 		}
+		q.Advance(controller.Landed)
+	}
+	if step.Kind != controller.StepNodeStatus {
+		s.fail(fmt.Errorf("internal error: the fill's last step is %v, not the node status", step.Kind))
+		return
 	}
 	w := s.idle[len(s.idle)-1]
 	s.idle = s.idle[:len(s.idle)-1]
 	write()
-	s.jobs[w] = job{node: i, fill: f, status: status, at: now, added: added}
+	s.jobs[w] = job{node: i, seq: q, fill: f, status: step.Status, at: now, added: added}
 	s.q.push(done, evWriteDone, int32(w), 0)
 }
 
@@ -843,7 +851,7 @@ func (s *simulator) writeDone(w int) {
 	j := s.jobs[w]
 	s.jobs[w] = job{}
 	n := s.nodes[j.node]
-	s.ctl.Commit(j.fill, j.at)
+	j.seq.Advance(controller.Landed) // commits the fill
 	n.status = j.status
 	if s.counting {
 		s.nodeWrites++

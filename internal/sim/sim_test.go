@@ -285,7 +285,7 @@ func checkXML(t *testing.T, b []byte) {
 	}
 }
 
-// BenchmarkRun times whole simulations; the 5000-node hour is the one DESIGN.md quotes.
+// BenchmarkRun times whole simulations; the 5000-node hour is the one docs/design.md quotes.
 // go test -run '^$' -bench BenchmarkRun -benchtime 1x ./internal/sim/
 func BenchmarkRun(b *testing.B) {
 	for _, bc := range []struct {

@@ -104,7 +104,7 @@ type WriteSummary struct {
 	AgentPerSecond      float64 `json:"agentSpecPerSecond"`
 	NodeStatusPerSecond float64 `json:"nodeStatusPerSecond"`
 	PoolStatusPerSecond float64 `json:"poolStatusPerSecond"`
-	// PerPodStart is agent and node status writes per pod start (DESIGN.md's target: at most
+	// PerPodStart is agent and node status writes per pod start (docs/design.md's target: at most
 	// 1/batchSize).
 	PerPodStart float64 `json:"perPodStart"`
 }

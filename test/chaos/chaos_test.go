@@ -1,8 +1,12 @@
 // Package chaos runs many pod lifecycles on several real agents while faults are injected at
-// random: kill -9 of agents and the controller mid-operation, API server and etcd restarts,
-// watch connections cut by a loopback proxy, interleaved ADD and DEL for one container, repeated
-// DEL, pods deleted without DEL, and a node deleted mid-churn. After it quiesces, ipwarden's own
-// invariant checker (internal/check) must find nothing, and the run's own ledger must show no
+// random: kill -9 of agents and controllers mid-operation, the leading controller paused
+// (SIGSTOP) past its lease and resumed, NodeIPAllocations deleted by hand with the controllers up
+// and down, API server and etcd restarts, watch connections cut by a loopback proxy, interleaved
+// ADD and DEL for one container, repeated DEL, pods deleted without DEL, and a node deleted
+// mid-churn. Two controllers run with leader election and the fence policy; a supervisor
+// restarts one that exits, as a Deployment would. A watcher over every NodeIPAllocation change
+// (check.Tracker) flags any moment an address is in two statuses. After it quiesces, ipwarden's
+// own invariant checker (internal/check) must find nothing, and the run's own ledger must show no
 // address handed to two live pods and no running pod whose address changed.
 //
 //	go test ./test/chaos/                               short run (CI)
@@ -24,6 +28,7 @@ import (
 	"testing"
 	"time"
 
+	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -58,8 +63,11 @@ type chaos struct {
 	proxy    *localcluster.Proxy
 	bins     localcluster.Binaries
 	dir      string
-	kc       string // kubeconfig through the proxy
-	ctrl     *localcluster.Process
+	kc       string                  // kubeconfig through the proxy
+	ctrls    []*localcluster.Process // two replicas, leader-elected
+	ctrlDown atomic.Bool             // the supervisor leaves them down (a fault)
+	tracker  *check.Tracker
+	quiet    sync.RWMutex // held for reading by each lifecycle, for writing by the etcd rewind
 	nodes    []*chaosNode
 	nodesMu  sync.RWMutex
 	seq      atomic.Int64
@@ -203,20 +211,36 @@ func (x *chaos) setup() {
 	}}); err != nil {
 		t.Fatal(err)
 	}
-	x.ctrl, err = localcluster.Start("controller", x.bins.Ipwarden, filepath.Join(x.dir, "controller.log"),
-		"controller", "--kubeconfig", x.kc, "--leader-elect=false", "--metrics-bind-address=0", "--health-probe-bind-address=0",
-		"--min-sync-interval=20ms", "--resync-period=5s", "--audit-period=10s", "--backoff-base=50ms", "--backoff-max=2s")
+	for i := range 2 {
+		c, err := localcluster.Start(fmt.Sprintf("controller-%d", i), x.bins.Ipwarden, filepath.Join(x.dir, fmt.Sprintf("controller-%d.log", i)),
+			"controller", "--kubeconfig", x.kc, "--claim-settle=1s", "--metrics-bind-address=0", "--health-probe-bind-address=0",
+			"--leader-elect=true", "--leader-election-namespace="+controlplane.ControllerNamespace, "--leader-election-id="+controlplane.ControllerLease,
+			"--leader-election-lease-duration=2s", "--leader-election-renew-deadline=1500ms", "--leader-election-retry-period=250ms",
+			"--min-sync-interval=20ms", "--resync-period=5s", "--audit-period=10s", "--backoff-base=50ms", "--backoff-max=2s")
+		if err != nil {
+			t.Fatal(err)
+		}
+		x.ctrls = append(x.ctrls, c)
+		t.Cleanup(c.Kill)
+	}
+	superCtx, stopSuper := context.WithCancel(context.Background())
+	t.Cleanup(stopSuper)
+	go x.supervise(superCtx)
+	wc, err := client.NewWithWatch(x.cp.Config, client.Options{Scheme: scheme})
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { x.ctrl.Kill() })
+	x.tracker = check.NewTracker()
+	go x.tracker.Watch(superCtx, wc, nil)
 	localcluster.IPAMOnly()
 	for i := 1; i <= 3; i++ {
 		x.nodes = append(x.nodes, x.startNode(ctx, fmt.Sprintf("chaos-%d", i)))
 	}
 	t.Cleanup(func() {
 		if t.Failed() {
-			t.Logf("controller log tail:\n%s", x.ctrl.LogTail(4000))
+			for _, c := range x.ctrls {
+				t.Logf("%s log tail:\n%s", c.Name, c.LogTail(4000))
+			}
 			for _, n := range x.nodes {
 				t.Logf("agent %s log tail:\n%s", n.name, n.agent.LogTail(4000))
 			}
@@ -289,6 +313,8 @@ func (x *chaos) pickNode() *chaosNode {
 
 // lifecycle is one pod: bound to a node, ADD, running a while, then an ending.
 func (x *chaos) lifecycle(ctx context.Context) {
+	x.quiet.RLock() // an etcd rewind waits for lifecycles in flight
+	defer x.quiet.RUnlock()
 	n := x.pickNode()
 	id := x.seq.Add(1)
 	name := fmt.Sprintf("pod-%05d", id)
@@ -404,19 +430,31 @@ func (x *chaos) deletePod(name string) {
 
 // faults injects one fault every 1-3 s until ctx ends; halfway through, a node is deleted.
 func (x *chaos) faults(ctx context.Context) {
-	deletedNode := false
-	half := time.Now().Add(*duration / 2)
+	deletedNode, snapshotted, rewound := false, false, false
+	start := time.Now()
+	half := start.Add(*duration / 2)
+	snapshot := filepath.Join(x.dir, "etcd.snapshot")
 	for {
 		if !deletedNode && time.Now().After(half) {
 			deletedNode = true
 			x.deleteNode()
+		}
+		if !snapshotted && time.Since(start) > *duration/8 {
+			snapshotted = true
+			if err := x.cp.SnapshotEtcd(context.Background(), snapshot); err != nil {
+				x.problem("etcd snapshot: %v", err)
+			}
+		}
+		if snapshotted && !rewound && time.Since(start) > *duration/3 {
+			rewound = true
+			x.rewind(snapshot)
 		}
 		select {
 		case <-ctx.Done():
 			return
 		case <-time.After(x.between(time.Second, 3*time.Second)):
 		}
-		switch x.intn(6) {
+		switch x.intn(9) {
 		case 0:
 			n := x.pickNode()
 			x.inc("kill -9 agent")
@@ -427,11 +465,25 @@ func (x *chaos) faults(ctx context.Context) {
 			}
 		case 1:
 			x.inc("kill -9 controller")
-			x.ctrl.Kill()
-			time.Sleep(x.between(100*time.Millisecond, 1500*time.Millisecond))
-			if err := x.ctrl.Restart(); err != nil {
-				x.problem("restart controller: %v", err)
+			x.leader().Kill() // the supervisor restarts it
+		case 6:
+			x.inc("leader paused past its lease")
+			l := x.leader()
+			l.Pause()
+			time.Sleep(x.between(3*time.Second, 4*time.Second)) // the lease is 2 s
+			l.Resume()
+		case 7:
+			x.inc("NodeIPAllocation deleted (controllers up)")
+			x.deleteRecord()
+		case 8:
+			x.inc("NodeIPAllocation deleted (controllers down)")
+			x.ctrlDown.Store(true)
+			for _, c := range x.ctrls {
+				c.Kill()
 			}
+			x.deleteRecord()
+			time.Sleep(x.between(500*time.Millisecond, 2*time.Second))
+			x.ctrlDown.Store(false)
 		case 2:
 			x.inc("API server restart")
 			_ = x.cp.StopAPIServer()
@@ -450,6 +502,92 @@ func (x *chaos) faults(ctx context.Context) {
 			x.inc("watch connections cut")
 			x.proxy.Cut()
 		}
+	}
+}
+
+// rewind restores etcd from the snapshot taken earlier in the run, by Kubernetes' documented
+// procedure (revision bumped and compacted, API server restarted), under running agents whose
+// pods' addresses are newer than the snapshot. Pod objects rewind too; the harness then does what
+// kubelets would: pods the API no longer has are torn down (CNI DEL), pods it has again that no
+// longer run are deleted. Lifecycles in flight finish first, so the ledger stays exact.
+func (x *chaos) rewind(snapshot string) {
+	x.quiet.Lock()
+	defer x.quiet.Unlock()
+	x.inc("etcd restored from a snapshot")
+	if err := x.cp.RestoreEtcd(context.Background(), snapshot); err != nil {
+		x.problem("etcd restore: %v", err)
+		return
+	}
+	var pods corev1.PodList
+	if err := retry(60*time.Second, func() error { return x.c.List(context.Background(), &pods) }); err != nil {
+		x.problem("list pods after the restore: %v", err)
+		return
+	}
+	inAPI := map[string]bool{}
+	for _, p := range pods.Items {
+		inAPI[p.Name] = true
+		if _, running := x.running[p.Name]; !running {
+			x.deletePod(p.Name) // deleted after the snapshot: it came back, but nothing runs it
+		}
+	}
+	x.liveMu.Lock()
+	defer x.liveMu.Unlock()
+	for name, pr := range x.running {
+		if inAPI[name] {
+			continue
+		}
+		// Created after the snapshot: the API no longer has it, so its kubelet stops it.
+		_ = retry(20*time.Second, func() error { return pr.node.net.Del(context.Background(), pr.pod) })
+		for _, ip := range pr.ips {
+			delete(x.live, ip)
+		}
+		delete(x.running, name)
+		x.inc("running pods stopped by the rewind")
+	}
+}
+
+// supervise restarts a controller that exited (fenced, lease lost, killed), as a Deployment's
+// kubelet would, unless a fault keeps them down.
+func (x *chaos) supervise(ctx context.Context) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(200 * time.Millisecond):
+		}
+		if x.ctrlDown.Load() {
+			continue
+		}
+		for _, c := range x.ctrls {
+			if !c.Running() {
+				x.inc("controller restarts")
+				if err := c.Restart(); err != nil {
+					x.problem("restart %s: %v", c.Name, err)
+				}
+			}
+		}
+	}
+}
+
+// leader is the controller process that holds the Lease (a random one if none does).
+func (x *chaos) leader() *localcluster.Process {
+	var l coordinationv1.Lease
+	if err := x.c.Get(context.Background(), client.ObjectKey{Namespace: controlplane.ControllerNamespace, Name: controlplane.ControllerLease}, &l); err == nil && l.Spec.HolderIdentity != nil {
+		for _, c := range x.ctrls {
+			if strings.Contains(c.LogTail(1<<20), `"identity":"`+*l.Spec.HolderIdentity+`"`) {
+				return c
+			}
+		}
+	}
+	return x.ctrls[x.intn(len(x.ctrls))]
+}
+
+// deleteRecord deletes a live node's NodeIPAllocation by hand, as an operator might.
+func (x *chaos) deleteRecord() {
+	n := x.pickNode()
+	err := x.c.Delete(context.Background(), &ipwardenv1.NodeIPAllocation{ObjectMeta: metav1.ObjectMeta{Name: n.name}})
+	if err != nil && !apierrors.IsNotFound(err) {
+		x.inc("NodeIPAllocation deletes failed (API down)")
 	}
 }
 
@@ -499,9 +637,7 @@ func (x *chaos) quiesce() {
 			_ = n.agent.Restart()
 		}
 	}
-	if !x.ctrl.Running() {
-		_ = x.ctrl.Restart()
-	}
+	x.ctrlDown.Store(false)
 	// Leak collection needs grace (3 s) + a full check (5 s); the controller a resync (5 s).
 	var r check.Report
 	var last error
@@ -545,7 +681,9 @@ func (x *chaos) quiesce() {
 			x.problem("running pod %s (%v): its attachment is gone: a live address was freed", name, pr.ips)
 		}
 	}
-	faults := []string{"kill -9 agent", "kill -9 controller", "API server restart", "etcd restart", "watch connections cut", "node deleted mid-churn"}
+	faults := []string{"kill -9 agent", "kill -9 controller", "leader paused past its lease", "NodeIPAllocation deleted (controllers up)",
+		"NodeIPAllocation deleted (controllers down)", "API server restart", "etcd restart", "etcd restored from a snapshot",
+		"watch connections cut", "node deleted mid-churn"}
 	var total int64
 	for _, f := range faults {
 		total += x.count(f)
@@ -555,9 +693,16 @@ func (x *chaos) quiesce() {
 		x.count("lifecycles"), x.count("pods deleted without DEL"), x.count("repeated DELs"), x.count("interleaved ADD/DEL"), x.count("ADDs given up"))
 	t.Logf("  faults injected          %d", total)
 	for _, f := range faults {
-		t.Logf("    %-22s %d", f, x.count(f))
+		t.Logf("    %-44s %d", f, x.count(f))
 	}
 	t.Logf("  addresses held twice     %d", r.CountsByKind[check.HeldTwice]+r.CountsByKind[check.AttachedTwice])
+	violations := x.tracker.Violations()
+	t.Logf("  watcher: moments an address was in two statuses or a status dropped an unreleased address: %d", len(violations))
+	t.Logf("  controller exits (fenced or lease lost), restarted by the supervisor: %d", x.count("controller restarts"))
+	t.Logf("  running pods stopped because the etcd restore removed their Pod objects: %d", x.count("running pods stopped by the rewind"))
+	for _, v := range violations {
+		t.Errorf("status watcher: %s", v)
+	}
 	t.Logf("  leaked                   %d", r.CountsByKind[check.LeakedAttachment]+r.CountsByKind[check.OrphanAllocation])
 	t.Logf("  live addresses freed     %d (handed to a second live pod %d)", x.count("live address freed"), x.count("live address handed out again"))
 	t.Logf("  running pods whose address changed %d (of %d left running)", x.count("running pod's address changed"), len(x.running))

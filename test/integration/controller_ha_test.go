@@ -94,8 +94,10 @@ func TestControllerLeaderElectionWithShippedRBAC(t *testing.T) {
 	applyYAML(t, "deploy/kustomize/controller-rbac.yaml")
 	kc, sa := impersonating(t, "ipwarden-system", "ipwarden-controller")
 
+	// The fence policy checks writes against the Lease ipwarden-system/ipwarden-controller.
+	freeLease(t)
 	ha := []string{"--kubeconfig", kc, "--leader-elect=true", "--leader-election-namespace=ipwarden-system",
-		"--leader-election-id=ipwarden-controller-ha-test",
+		"--leader-election-id=ipwarden-controller", "--claim-settle=100ms",
 		"--leader-election-lease-duration=2s", "--leader-election-renew-deadline=1500ms", "--leader-election-retry-period=200ms"}
 	a := startController(t, ha...)
 	b := startController(t, ha...)

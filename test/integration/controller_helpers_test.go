@@ -74,7 +74,7 @@ func startController(t *testing.T, args ...string) *controllerProcess {
 	}
 	base := []string{"controller", "--kubeconfig", kubeconfigPath, "--leader-elect=false",
 		"--metrics-bind-address=0", "--health-probe-bind-address=0",
-		"--min-sync-interval=20ms", "--pool-status-interval=200ms", "--backoff-base=50ms", "--backoff-max=2s"}
+		"--min-sync-interval=20ms", "--pool-status-interval=200ms", "--backoff-base=50ms", "--backoff-max=2s", "--claim-settle=100ms"}
 	cmd := exec.Command(ipwardenBinary(t), append(base, args...)...)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}

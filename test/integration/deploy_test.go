@@ -90,8 +90,8 @@ func TestDeployManifests(t *testing.T) {
 		}
 	}
 	want := map[string]int{"CustomResourceDefinition": 2, "Namespace": 1, "ServiceAccount": 2, "ClusterRole": 2,
-		"ClusterRoleBinding": 2, "Role": 1, "RoleBinding": 1, "ValidatingAdmissionPolicy": 1,
-		"ValidatingAdmissionPolicyBinding": 1, "Deployment": 1, "Service": 1, "ConfigMap": 1, "DaemonSet": 1}
+		"ClusterRoleBinding": 2, "Role": 1, "RoleBinding": 1, "ValidatingAdmissionPolicy": 2,
+		"ValidatingAdmissionPolicyBinding": 2, "Deployment": 1, "Service": 1, "ConfigMap": 1, "DaemonSet": 1}
 	for k, n := range want {
 		if kinds[k] != n {
 			t.Errorf("kustomize rendered %d %s, want %d (all: %v)", kinds[k], k, n, kinds)
@@ -222,9 +222,27 @@ func TestDeployManifests(t *testing.T) {
 	if err := setRequest(agentOn(""), "vap-a", 8); err == nil {
 		t.Error("an agent without a node name wrote a spec")
 	}
-	// Nor can it create, delete or relabel objects.
-	if err := agentA.Create(ctx, &ipwardenv1.NodeIPAllocation{ObjectMeta: metav1.ObjectMeta{Name: "vap-c"}}); !apierrors.IsForbidden(err) {
-		t.Errorf("agent created a NodeIPAllocation: %v", err)
+	// It may re-create only its own node's object, owned by its Node (after a deletion by hand);
+	// it cannot create another node's, delete, or relabel.
+	if err := agentA.Create(ctx, &ipwardenv1.NodeIPAllocation{ObjectMeta: metav1.ObjectMeta{Name: "vap-c"}}); err == nil ||
+		!strings.Contains(err.Error(), `this agent runs on node "vap-a", the object is "vap-c"`) {
+		t.Errorf("agent created another node's NodeIPAllocation: %v", err)
+	}
+	own := &ipwardenv1.NodeIPAllocation{}
+	if err := k8s.Get(ctx, client.ObjectKey{Name: "vap-a"}, own); err != nil {
+		t.Fatal(err)
+	}
+	if err := k8s.Delete(ctx, own); err != nil {
+		t.Fatal(err)
+	}
+	if err := agentA.Create(ctx, &ipwardenv1.NodeIPAllocation{ObjectMeta: metav1.ObjectMeta{Name: "vap-a"}}); err == nil ||
+		!strings.Contains(err.Error(), "owned by its Node") {
+		t.Errorf("agent created its NodeIPAllocation without its Node as owner: %v", err)
+	}
+	owned := &ipwardenv1.NodeIPAllocation{ObjectMeta: metav1.ObjectMeta{Name: "vap-a",
+		OwnerReferences: []metav1.OwnerReference{{APIVersion: "v1", Kind: "Node", Name: "vap-a", UID: "0a0a0a0a-0000-0000-0000-000000000000"}}}}
+	if err := agentA.Create(ctx, owned); err != nil {
+		t.Errorf("agent cannot re-create its own NodeIPAllocation: %v", err)
 	}
 	if err := agentA.Delete(ctx, &ipwardenv1.NodeIPAllocation{ObjectMeta: metav1.ObjectMeta{Name: "vap-a"}}); !apierrors.IsForbidden(err) {
 		t.Errorf("agent deleted a NodeIPAllocation: %v", err)

@@ -133,7 +133,7 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 			}
 		}
 		a, _, ok := s.pools[name].next(now)
-		if !ok {
+		if !ok || s.recordMissing {
 			short = append(short, name)
 			continue
 		}

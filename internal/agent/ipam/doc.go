@@ -15,7 +15,7 @@
 //     behind every never-used address and every address freed earlier (FIFO);
 //   - fresh: held and in none of the states above; handed out lowest first.
 //
-// Only fresh addresses and cooled-down addresses are ever handed out (invariant 3 of DESIGN.md).
+// Only fresh addresses and cooled-down addresses are ever handed out (invariant 3 of docs/design.md).
 //
 // # Protocol with the caller
 //

@@ -165,7 +165,14 @@ func (s *State) Spec() []PoolRequest {
 			rs := rel.Ranges()[:MaxReleasingBlocks]
 			rel = addr.NewSet(rs...)
 		}
-		out = append(out, PoolRequest{Pool: name, Requested: s.Target(name), Releasing: rel})
+		var claimed addr.Set
+		if p.heldKnown {
+			claimed = p.inUseSet().Subtract(p.held)
+			if claimed.NumRanges() > MaxReleasingBlocks {
+				claimed = addr.NewSet(claimed.Ranges()[:MaxReleasingBlocks]...)
+			}
+		}
+		out = append(out, PoolRequest{Pool: name, Requested: s.Target(name), Releasing: rel, Claimed: claimed})
 	}
 	return out
 }
@@ -276,6 +283,8 @@ func (s *State) Reason(pool string, now time.Time) string {
 	switch {
 	case !ok || !p.known:
 		return fmt.Sprintf("the agent has not seen IPPool %s yet", pool)
+	case s.recordMissing:
+		return recordMissingReason(s.node)
 	case !p.heldKnown:
 		return fmt.Sprintf("the controller has not answered: NodeIPAllocation %s has no status for pool %s yet (is ipwarden controller running?)", s.node, pool)
 	}

@@ -58,7 +58,10 @@ func (snap Snapshot) Apply(ch Change) Snapshot {
 	for _, p := range ch.PutPools {
 		pools[p.Name] = p
 	}
-	var out Snapshot
+	out := Snapshot{Mark: snap.Mark}
+	if ch.PutMark != nil {
+		out.Mark = *ch.PutMark
+	}
 	for _, a := range atts {
 		out.Attachments = append(out.Attachments, a)
 	}

@@ -25,6 +25,10 @@ type State struct {
 	// clock is the latest time any call passed in: Demand counts the addresses still cooling
 	// then, without a time argument of its own.
 	clock time.Time
+	// mark is the NodeIPAllocation the node last wrote (record.go).
+	mark RecordMark
+	// recordMissing: the NodeIPAllocation is gone; nothing is handed out of the free set.
+	recordMissing bool
 }
 
 // observe advances the state's clock to now.
@@ -95,6 +99,7 @@ func (s *State) pool(name string) *poolState {
 // address in two attachments, or in use and cooling) are kept in the safest reading (in use
 // wins, nothing is handed out twice) and reported as problems.
 func (s *State) Restore(snap Snapshot) (problems []string) {
+	s.mark = snap.Mark
 	for _, pc := range snap.Pools {
 		p := s.pool(pc.Name)
 		p.cfg, p.known = pc, true

@@ -140,13 +140,16 @@ type Change struct {
 	DeleteHoldings    []string
 	PutPools          []Pool
 	DeletePools       []string
+	// PutMark replaces the record mark (record.go) when set.
+	PutMark *RecordMark
 }
 
 // IsEmpty reports whether c records nothing.
 func (c *Change) IsEmpty() bool {
 	return len(c.PutAttachments) == 0 && len(c.DeleteAttachments) == 0 && len(c.PutCooling) == 0 &&
 		len(c.DeleteCooling) == 0 && len(c.PutReleasing) == 0 && len(c.DeleteReleasing) == 0 &&
-		len(c.PutHoldings) == 0 && len(c.DeleteHoldings) == 0 && len(c.PutPools) == 0 && len(c.DeletePools) == 0
+		len(c.PutHoldings) == 0 && len(c.DeleteHoldings) == 0 && len(c.PutPools) == 0 && len(c.DeletePools) == 0 &&
+		c.PutMark == nil
 }
 
 // Merge appends o to c.
@@ -161,6 +164,9 @@ func (c *Change) Merge(o Change) {
 	c.DeleteHoldings = append(c.DeleteHoldings, o.DeleteHoldings...)
 	c.PutPools = append(c.PutPools, o.PutPools...)
 	c.DeletePools = append(c.DeletePools, o.DeletePools...)
+	if o.PutMark != nil {
+		c.PutMark = o.PutMark
+	}
 }
 
 // Snapshot is the durable part of a State, as the journal loads it.
@@ -170,6 +176,8 @@ type Snapshot struct {
 	Releasing   []Releasing
 	Holdings    []Holding
 	Pools       []Pool
+	// Mark is the NodeIPAllocation the node last wrote (record.go); zero when never.
+	Mark RecordMark
 }
 
 // IsEmpty reports whether s holds no record at all (a new or lost journal).
@@ -203,4 +211,6 @@ type PoolRequest struct {
 	Pool      string
 	Requested int
 	Releasing addr.Set
+	// Claimed are addresses the node's attachments use that its status lacks (record.go).
+	Claimed addr.Set
 }

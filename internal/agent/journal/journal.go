@@ -340,8 +340,17 @@ func apply(tx *bolt.Tx, ch ipam.Change) error {
 			return err
 		}
 	}
+	if ch.PutMark != nil {
+		if err := putJSON(tx.Bucket(bucketMeta), keyRecordMark, *ch.PutMark); err != nil {
+			return err
+		}
+	}
 	return nil
 }
+
+// keyRecordMark (in the meta bucket) holds the ipam.RecordMark: the NodeIPAllocation the node
+// last wrote. Journals without it load a zero mark.
+var keyRecordMark = []byte("recordMark")
 
 func putJSON(b *bolt.Bucket, k []byte, v any) error {
 	data, err := json.Marshal(v)
@@ -412,6 +421,11 @@ func (j *Journal) Load() (ipam.Snapshot, error) {
 			return nil
 		}); err != nil {
 			return err
+		}
+		if v := tx.Bucket(bucketMeta).Get(keyRecordMark); v != nil {
+			if err := json.Unmarshal(v, &snap.Mark); err != nil {
+				return fmt.Errorf("record mark: %w", err)
+			}
 		}
 		return tx.Bucket(bucketPools).ForEach(func(k, v []byte) error {
 			var p ipam.Pool

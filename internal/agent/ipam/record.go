@@ -1,0 +1,149 @@
+package ipam
+
+import (
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/ipwarden/ipwarden/internal/addr"
+)
+
+// The node's record rewinds (docs/design.md, "Claims and rewinds"). The NodeIPAllocation is
+// not the only truth: the attachments are. Its status can show less than the node's pods use
+// (etcd restored from an older snapshot, the object deleted and re-created) and, after a restore,
+// more than the node holds: addresses the node gave back since the snapshot, which the
+// controller may have handed to another node. So the agent
+//
+//   - claims, in its spec, the addresses its attachments use that its status lacks (Spec);
+//   - remembers which object it last wrote and the generation of that write (RecordMark, in the
+//     journal). A status on an object with another UID, or with a lower generation than the
+//     agent's own last spec write, comes from a rewound or re-created record: the addresses it
+//     shows that the node's last trusted holding lacked are suspect. Distrust marks them
+//     releasing: never handed out, given back;
+//   - hands nothing out of the free set while its object is missing (SetRecordMissing).
+
+// RecordMark identifies the NodeIPAllocation the node last wrote its spec to: its UID and the
+// metadata.generation the write produced. A record with another UID or a lower generation has
+// been rewound or re-created.
+type RecordMark struct {
+	UID        string `json:"uid"`
+	Generation int64  `json:"generation"`
+}
+
+// IsRewound says whether an object with uid and generation is older than the node's mark:
+// re-created (another UID) or rewound (a lower generation than the node's own last write).
+// Without a mark (a new node, a lost journal) nothing is known to be rewound.
+func IsRewound(mark RecordMark, uid string, generation int64) bool {
+	if mark.UID == "" || uid == "" {
+		return false
+	}
+	return uid != mark.UID || generation < mark.Generation
+}
+
+// Mark returns the node's record mark.
+func (s *State) Mark() RecordMark { return s.mark }
+
+// Rewound says whether the object (uid, generation) is older than the node's mark.
+func (s *State) Rewound(uid string, generation int64) bool {
+	return IsRewound(s.mark, uid, generation)
+}
+
+// SetMark records the object the node last wrote (or, after a rewind, the object it now trusts
+// as its record); the caller journals the change.
+func (s *State) SetMark(m RecordMark) Change {
+	if m == s.mark {
+		return Change{}
+	}
+	s.mark = m
+	return Change{PutMark: &m}
+}
+
+// Distrust handles a status from a rewound or re-created record before it is applied with
+// SetHolding: in each pool, the addresses holdings shows that the node's last trusted holding
+// (the one it journaled) lacks and no attachment uses are marked releasing. The node gave them
+// back after the record's snapshot, and another node may use them now; the controller takes
+// them back. Addresses in use stay (claims cover those the status lacks). It returns the change
+// to journal and the addresses marked per pool.
+func (s *State) Distrust(holdings map[string]addr.Set, now time.Time) (Change, map[string]addr.Set) {
+	s.observe(now)
+	var ch Change
+	marked := map[string]addr.Set{}
+	for _, name := range sortedNames(holdings) {
+		p := s.pool(name)
+		suspect := SuspectAddresses(holdings[name], p.held, p.heldKnown, p.inUseSet(), p.relSet)
+		if suspect.IsEmpty() {
+			continue
+		}
+		for _, a := range suspect.Addrs(count(suspect)) {
+			p.releasing[a] = now
+			if _, cool := p.cooling[a]; cool {
+				delete(p.cooling, a)
+				ch.DeleteCooling = append(ch.DeleteCooling, Address{Pool: name, Addr: a})
+			}
+			ch.PutReleasing = append(ch.PutReleasing, Releasing{Pool: name, Addr: a, Since: now})
+		}
+		p.coolq = deleteCooling(p.coolq, suspect)
+		p.relSet = p.relSet.Union(suspect)
+		p.recompute()
+		marked[name] = suspect
+	}
+	return ch, marked
+}
+
+// SuspectAddresses is Distrust's rule for one pool: what a rewound status shows beyond the last
+// trusted holding, not in use and not already releasing. Without a trusted holding (never
+// journaled one) every free address the status shows is suspect.
+func SuspectAddresses(status, trusted addr.Set, trustedKnown bool, inUse, releasing addr.Set) addr.Set {
+	s := status.Subtract(inUse).Subtract(releasing)
+	if trustedKnown {
+		s = s.Subtract(trusted)
+	}
+	return s
+}
+
+// SetRecordMissing records whether the node's NodeIPAllocation is missing (deleted by hand,
+// not yet re-created). While it is, no address is handed out of the free set: what the node
+// holds is no longer on record, and a controller that restarts meanwhile would see it free.
+func (s *State) SetRecordMissing(missing bool) { s.recordMissing = missing }
+
+// RecordMissing says whether the node's NodeIPAllocation is missing.
+func (s *State) RecordMissing() bool { return s.recordMissing }
+
+// Claims returns, per pool, the addresses the node's attachments use that its status does not
+// show: the node asks for them back in spec.pools[].claimed.
+func (s *State) Claims() map[string]addr.Set {
+	out := map[string]addr.Set{}
+	for name, p := range s.pools {
+		if !p.heldKnown {
+			continue
+		}
+		if c := p.inUseSet().Subtract(p.held); !c.IsEmpty() {
+			out[name] = c
+		}
+	}
+	return out
+}
+
+func deleteCooling(q []Cooling, s addr.Set) []Cooling {
+	out := q[:0]
+	for _, c := range q {
+		if !s.Contains(c.Addr) {
+			out = append(out, c)
+		}
+	}
+	clear(q[len(out):])
+	return out
+}
+
+func sortedNames[V any](m map[string]V) []string {
+	out := make([]string, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	slices.Sort(out)
+	return out
+}
+
+func recordMissingReason(node string) string {
+	return fmt.Sprintf("NodeIPAllocation %s is missing (deleted?): the node hands out no new address until it is back with its holding (the agent and the controller re-create it)", node)
+}

@@ -1,0 +1,142 @@
+package check
+
+import (
+	"context"
+	"fmt"
+	"sort"
+	"sync"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/watch"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
+	"github.com/ipwarden/ipwarden/internal/addr"
+)
+
+// Tracker follows every NodeIPAllocation change as it happens and reports the moments that
+// break invariants 1 and 2, which a snapshot taken later may miss: an address in two nodes'
+// statuses at once, and a status that drops an address its node's spec does not release.
+// Reset starts over from a fresh list (after a watch ended, or etcd was restored: a rewound
+// record drops addresses by design, the claims bring them back).
+type Tracker struct {
+	mu         sync.Mutex
+	latest     map[string]addr.Set
+	violations []string
+}
+
+// NewTracker returns an empty tracker.
+func NewTracker() *Tracker { return &Tracker{latest: map[string]addr.Set{}} }
+
+// Reset replaces what the tracker knows with a list of every NodeIPAllocation.
+func (t *Tracker) Reset(items []ipwardenv1.NodeIPAllocation) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.latest = map[string]addr.Set{}
+	for i := range items {
+		t.latest[items[i].Name], _ = statusAddrs(&items[i])
+	}
+	t.crossCheck("")
+}
+
+// Observe takes one change; deleted objects hold nothing.
+func (t *Tracker) Observe(a *ipwardenv1.NodeIPAllocation, deleted bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if deleted {
+		delete(t.latest, a.Name)
+		return
+	}
+	now, err := statusAddrs(a)
+	if err != nil {
+		t.violations = append(t.violations, fmt.Sprintf("node %s: unreadable status: %v", a.Name, err))
+		return
+	}
+	var releasing addr.Set
+	for _, p := range a.Spec.Pools {
+		s, _ := addr.ParseSet(blockStrings(p.Releasing))
+		releasing = releasing.Union(s)
+	}
+	if prev, ok := t.latest[a.Name]; ok {
+		if dropped := prev.Subtract(now).Subtract(releasing); !dropped.IsEmpty() {
+			t.violations = append(t.violations, fmt.Sprintf("node %s: status dropped %v, which its spec does not release (invariant 2)", a.Name, dropped))
+		}
+	}
+	t.latest[a.Name] = now
+	t.crossCheck(a.Name)
+}
+
+// crossCheck reports addresses node (every node when "") shares with another node.
+func (t *Tracker) crossCheck(node string) {
+	names := make([]string, 0, len(t.latest))
+	for n := range t.latest {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	for i, a := range names {
+		for _, b := range names[i+1:] {
+			if node != "" && a != node && b != node {
+				continue
+			}
+			if both := t.latest[a].Intersect(t.latest[b]); !both.IsEmpty() {
+				t.violations = append(t.violations, fmt.Sprintf("%v in the statuses of nodes %s and %s at once (invariant 1)", both, a, b))
+			}
+		}
+	}
+}
+
+// Violations returns what broke so far.
+func (t *Tracker) Violations() []string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return append([]string(nil), t.violations...)
+}
+
+func statusAddrs(a *ipwardenv1.NodeIPAllocation) (addr.Set, error) {
+	var s addr.Set
+	for _, p := range a.Status.Pools {
+		ps, err := addr.ParseSet(p.Addresses)
+		if err != nil {
+			return s, err
+		}
+		s = s.Union(ps)
+	}
+	return s, nil
+}
+
+// Watch feeds t from the API server until ctx ends: a list, then a watch, and a new list each
+// time the watch ends (API server restarts, etcd restored). onEvent, when set, sees every event.
+func (t *Tracker) Watch(ctx context.Context, c client.WithWatch, onEvent func(watch.EventType, *ipwardenv1.NodeIPAllocation)) {
+	for ctx.Err() == nil {
+		var list ipwardenv1.NodeIPAllocationList
+		if err := c.List(ctx, &list); err != nil {
+			sleep(ctx, 200*time.Millisecond)
+			continue
+		}
+		t.Reset(list.Items)
+		w, err := c.Watch(ctx, &ipwardenv1.NodeIPAllocationList{}, &client.ListOptions{Raw: &metav1.ListOptions{ResourceVersion: list.ResourceVersion}})
+		if err != nil {
+			sleep(ctx, 200*time.Millisecond)
+			continue
+		}
+		for ev := range w.ResultChan() {
+			a, ok := ev.Object.(*ipwardenv1.NodeIPAllocation)
+			if !ok {
+				break // an error event: relist
+			}
+			if onEvent != nil {
+				onEvent(ev.Type, a)
+			}
+			t.Observe(a, ev.Type == watch.Deleted)
+		}
+		w.Stop()
+	}
+}
+
+func sleep(ctx context.Context, d time.Duration) {
+	select {
+	case <-ctx.Done():
+	case <-time.After(d):
+	}
+}

@@ -1,0 +1,186 @@
+package controller
+
+import (
+	"fmt"
+	"sort"
+	"strings"
+	"time"
+
+	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
+	"github.com/ipwarden/ipwarden/internal/addr"
+)
+
+// Claims (docs/design.md, "Claims"). The API objects are not the only record: a node's agent
+// knows which addresses its pods use. When the node's status lacks some of them (etcd restored
+// from a backup, the object deleted and re-created, a controller mistake), the agent lists them
+// in spec.pools[].claimed. The controller
+//
+//   - grants a claimed address back to the node when no other node holds it (even while it
+//     cools down: a pod uses it, so it is not free);
+//   - never hands a claimed address to any other node;
+//   - after it starts leading, fills nobody from the free pool for a settle time, so agents
+//     that saw the record rewind can claim first;
+//   - reports a claim it cannot grant, because another node holds the address, as a conflict on
+//     both nodes (condition, event, metric): two nodes' pods may use one address and only an
+//     operator can say which keeps it.
+
+// ClaimConflict is an address one node claims while another holds it.
+type ClaimConflict struct {
+	Pool     string
+	Addrs    addr.Set
+	Claimant string // the node whose pods use it but whose status lacks it
+	Holder   string // the node whose status holds it
+}
+
+func (c ClaimConflict) String() string {
+	return fmt.Sprintf("pool %s: %s used by pods on node %s but held by node %s", c.Pool, c.Addrs.String(), c.Claimant, c.Holder)
+}
+
+// SetClaims records the addresses a node claims, from its spec.
+func (s *State) SetClaims(name string, spec ipwardenv1.NodeIPAllocationSpec) {
+	n := s.node(name)
+	seen := map[string]bool{}
+	for _, req := range spec.Pools {
+		set, err := addr.ParseSet(blocks(req.Claimed))
+		if err != nil || set.IsEmpty() {
+			continue
+		}
+		seen[req.Pool] = true
+		n.claims[req.Pool] = set
+		s.pool(req.Pool).claims[name] = set
+	}
+	for pool := range n.claims {
+		if !seen[pool] {
+			delete(n.claims, pool)
+			if p, ok := s.pools[pool]; ok {
+				delete(p.claims, name)
+			}
+		}
+	}
+}
+
+// SettleUntil makes PlanFill serve only claims and take-backs until t.
+func (s *State) SettleUntil(t time.Time) { s.settleUntil = t }
+
+// Settling says whether fills from the free pool wait at now.
+func (s *State) Settling(now time.Time) bool { return now.Before(s.settleUntil) }
+
+// claimedByOthers is every address of pool that a node other than name claims.
+func (p *poolState) claimedByOthers(name string) addr.Set {
+	var out addr.Set
+	for n, c := range p.claims {
+		if n != name {
+			out = out.Union(c)
+		}
+	}
+	return out
+}
+
+// holdersOf maps each node other than except whose record holds part of set to that part.
+func (s *State) holdersOf(pool string, set addr.Set, except string) map[string]addr.Set {
+	out := map[string]addr.Set{}
+	if set.IsEmpty() {
+		return out
+	}
+	p := s.pool(pool)
+	for node := range p.holders {
+		if node == except {
+			continue
+		}
+		n, ok := s.nodes[node]
+		if !ok {
+			continue
+		}
+		if both := n.held[pool].Union(n.pending[pool]).Intersect(set); !both.IsEmpty() {
+			out[node] = both
+		}
+	}
+	return out
+}
+
+// grantClaims reserves for node name the addresses it claims in pool that no other node holds,
+// and returns them with the conflicts: claimed addresses another node holds.
+func (s *State) grantClaims(name, pool string, held addr.Set) (granted addr.Set, conflicts []ClaimConflict) {
+	n := s.node(name)
+	want := n.claims[pool].Subtract(held).Subtract(n.pending[pool])
+	if want.IsEmpty() {
+		return addr.Set{}, nil
+	}
+	p := s.pool(pool)
+	taken := s.holdersOf(pool, want, name)
+	for _, holder := range sortedKeys(taken) {
+		conflicts = append(conflicts, ClaimConflict{Pool: pool, Addrs: taken[holder], Claimant: name, Holder: holder})
+		want = want.Subtract(taken[holder])
+	}
+	// What is left is held by no node: free, cooling, or reserved by an in-flight fill of
+	// another node (then it stays out until that settles).
+	free := want.Subtract(p.alloc.Allocated())
+	if !free.IsEmpty() && p.alloc.Reserve(free) == nil {
+		granted = free
+	}
+	return granted, conflicts
+}
+
+// heldConflicts lists the addresses node name holds in pool that other nodes claim.
+func (s *State) heldConflicts(name, pool string, held addr.Set) []ClaimConflict {
+	p := s.pool(pool)
+	var out []ClaimConflict
+	for _, other := range sortedKeys(p.claims) {
+		if other == name {
+			continue
+		}
+		if both := p.claims[other].Intersect(held); !both.IsEmpty() {
+			out = append(out, ClaimConflict{Pool: pool, Addrs: both, Claimant: other, Holder: name})
+		}
+	}
+	return out
+}
+
+// Conflicts lists every claim conflict in the record, in a stable order.
+func (s *State) Conflicts() []ClaimConflict {
+	var out []ClaimConflict
+	for _, pool := range sortedKeys(s.pools) {
+		p := s.pools[pool]
+		for _, claimant := range sortedKeys(p.claims) {
+			want := p.claims[claimant]
+			if n, ok := s.nodes[claimant]; ok {
+				want = want.Subtract(n.held[pool])
+			}
+			taken := s.holdersOf(pool, want, claimant)
+			for _, holder := range sortedKeys(taken) {
+				out = append(out, ClaimConflict{Pool: pool, Addrs: taken[holder], Claimant: claimant, Holder: holder})
+			}
+		}
+	}
+	return out
+}
+
+// Claimants lists the nodes that claim addresses of pool (to sync when the pool changes).
+func (s *State) Claimants(pool string) []string {
+	p, ok := s.pools[pool]
+	if !ok {
+		return nil
+	}
+	return sortedKeys(p.claims)
+}
+
+func conflictMessage(cs []ClaimConflict) string {
+	parts := make([]string, len(cs))
+	for i, c := range cs {
+		parts[i] = c.String()
+	}
+	msg := strings.Join(parts, "; ")
+	if len(msg) > 1024 {
+		msg = msg[:1000] + fmt.Sprintf("... (%d conflicts; ipwarden check lists them all)", len(cs))
+	}
+	return msg
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	out := make([]string, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	sort.Strings(out)
+	return out
+}

@@ -1,0 +1,154 @@
+package controller
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/go-logr/logr"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/util/validation/field"
+	"k8s.io/client-go/tools/record"
+	"sigs.k8s.io/controller-runtime/pkg/cache"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/client/fake"
+	"sigs.k8s.io/controller-runtime/pkg/client/interceptor"
+
+	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
+	"github.com/ipwarden/ipwarden/internal/addr"
+)
+
+// readerCache serves the shell's cache reads from a client (the shell tests need no informers).
+type readerCache struct {
+	cache.Cache
+	r client.Reader
+}
+
+func (c readerCache) Get(ctx context.Context, key client.ObjectKey, obj client.Object, opts ...client.GetOption) error {
+	return c.r.Get(ctx, key, obj, opts...)
+}
+
+func (c readerCache) List(ctx context.Context, list client.ObjectList, opts ...client.ListOption) error {
+	return c.r.List(ctx, list, opts...)
+}
+
+// shell is a Controller over controller-runtime's fake client, with interceptors that make the
+// API server answer the node status write with a conflict, a timeout or a refusal.
+func shell(t *testing.T, nodeStatusUpdate func(ctx context.Context, c client.Client, obj client.Object) error) (*Controller, client.Client) {
+	t.Helper()
+	s := runtime.NewScheme()
+	if err := ipwardenv1.AddToScheme(s); err != nil {
+		t.Fatal(err)
+	}
+	pool := testPool("p", "10.0.0.0/26", time.Minute)
+	alloc := allocWith("n", "p")
+	alloc.Spec = spec("p", 8)
+	base := fake.NewClientBuilder().WithScheme(s).WithObjects(&pool, &alloc).
+		WithStatusSubresource(&ipwardenv1.IPPool{}, &ipwardenv1.NodeIPAllocation{}).Build()
+	c := interceptor.NewClient(base.(client.WithWatch), interceptor.Funcs{
+		SubResourceUpdate: func(ctx context.Context, c client.Client, sub string, obj client.Object, opts ...client.SubResourceUpdateOption) error {
+			if _, ok := obj.(*ipwardenv1.NodeIPAllocation); ok && nodeStatusUpdate != nil {
+				return nodeStatusUpdate(ctx, c, obj)
+			}
+			return c.Status().Update(ctx, obj, opts...)
+		},
+	})
+	ctl := New(readerCache{r: c}, c, c, record.NewFakeRecorder(100), NewMetrics(nil), logr.Discard(), Options{Now: func() time.Time { return t0 }})
+	ctl.state.Rebuild([]ipwardenv1.IPPool{pool}, nil, t0)
+	return ctl, c
+}
+
+func statusHeld(t *testing.T, c client.Client) addr.Set {
+	t.Helper()
+	var a ipwardenv1.NodeIPAllocation
+	if err := c.Get(context.Background(), client.ObjectKey{Name: "n"}, &a); err != nil {
+		t.Fatal(err)
+	}
+	var out addr.Set
+	for _, p := range a.Status.Pools {
+		s, _ := addr.ParseSet(p.Addresses)
+		out = out.Union(s)
+	}
+	return out
+}
+
+func getAlloc(t *testing.T, c client.Client) *ipwardenv1.NodeIPAllocation {
+	t.Helper()
+	var a ipwardenv1.NodeIPAllocation
+	if err := c.Get(context.Background(), client.ObjectKey{Name: "n"}, &a); err != nil {
+		t.Fatal(err)
+	}
+	return &a
+}
+
+var gr = schema.GroupResource{Group: "ipwarden.io", Resource: "nodeipallocations"}
+
+func TestShellConflictRetriesFromAFreshRead(t *testing.T) {
+	calls := 0
+	ctl, c := shell(t, func(ctx context.Context, c client.Client, obj client.Object) error {
+		calls++
+		if calls == 1 {
+			return apierrors.NewConflict(gr, "n", errors.New("the object has been modified"))
+		}
+		return c.Status().Update(ctx, obj)
+	})
+	if err := ctl.fill(context.Background(), getAlloc(t, c)); err != nil {
+		t.Fatal(err)
+	}
+	if calls != 2 || count(statusHeld(t, c)) != 8 || count(ctl.state.HeldBy("n")["p"]) != 8 || ctl.state.HasPending("n") {
+		t.Fatalf("calls %d, status %v, record %v", calls, statusHeld(t, c), ctl.state.HeldBy("n"))
+	}
+}
+
+// A write that landed but whose answer was lost: its addresses stay reserved, and the next sync
+// settles them from a fresh read instead of writing a status without them.
+func TestShellUnknownOutcomeSettlesFromAFreshRead(t *testing.T) {
+	lost := true
+	ctl, c := shell(t, func(ctx context.Context, c client.Client, obj client.Object) error {
+		if err := c.Status().Update(ctx, obj); err != nil {
+			return err
+		}
+		if lost {
+			lost = false
+			return apierrors.NewTimeoutError("the answer was lost", 1)
+		}
+		return nil
+	})
+	if err := ctl.fill(context.Background(), getAlloc(t, c)); err == nil {
+		t.Fatal("a write with an unknown outcome reported success")
+	}
+	landed := statusHeld(t, c)
+	if count(landed) != 8 || !ctl.state.HasPending("n") {
+		t.Fatalf("status %v, pending %v", landed, ctl.state.HasPending("n"))
+	}
+	// The node's spec is unchanged; the next sync adopts what landed and writes nothing new.
+	if err := ctl.fill(context.Background(), getAlloc(t, c)); err != nil {
+		t.Fatal(err)
+	}
+	if got := ctl.state.HeldBy("n")["p"]; !got.Equal(landed) || ctl.state.HasPending("n") {
+		t.Fatalf("record %v after settling, status %v", got, landed)
+	}
+	if n := count(ctl.state.pool("p").alloc.Allocated()); n != 8 {
+		t.Fatalf("pool allocated %d, want 8 (no address reserved twice)", n)
+	}
+}
+
+// A refused write (invalid, forbidden, fenced) published nothing: its addresses go straight back.
+func TestShellRejectedWriteReturnsItsAddresses(t *testing.T) {
+	ctl, c := shell(t, func(ctx context.Context, c client.Client, obj client.Object) error {
+		return apierrors.NewInvalid(schema.GroupKind{Group: "ipwarden.io", Kind: "NodeIPAllocation"}, "n",
+			field.ErrorList{field.Invalid(field.NewPath("status"), "x", "bad")})
+	})
+	if err := ctl.fill(context.Background(), getAlloc(t, c)); err == nil {
+		t.Fatal("a refused write reported success")
+	}
+	if ctl.state.Holds("n") || ctl.state.HasPending("n") || !ctl.state.pool("p").alloc.Allocated().IsEmpty() {
+		t.Fatalf("a refused write left the record holding %v", ctl.state.HeldBy("n"))
+	}
+	if !statusHeld(t, c).IsEmpty() {
+		t.Fatal("the status changed")
+	}
+}
