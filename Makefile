@@ -2,7 +2,8 @@
 #
 #   make test      everything CI runs: generated files up to date, vet, unit + fuzz seeds +
 #                  integration tests against a real kube-apiserver and etcd
-#   make tools     build the pinned test control plane and controller-gen into _bin/ (once)
+#   make tools     build the pinned test control plane, kubectl, the real-node suite's kubelet,
+#                  kube-controller-manager and kube-scheduler, and controller-gen into _bin/ (once)
 #   make generate  regenerate deepcopy code and CRD YAML from api/v1alpha1
 #   make fuzz      run each fuzz target for FUZZTIME (default 30s)
 
@@ -26,7 +27,7 @@ build:
 # Go modules, controller-gen from controller-tools), so their versions are pinned there. The test
 # harness (internal/controlplane) rebuilds kube-apiserver and etcd when hack/tools changes.
 tools: $(CONTROLLER_GEN)
-	$(GO) run ./hack/controlplane ensure >/dev/null
+	$(GO) run ./hack/controlplane ensure all >/dev/null
 
 $(CONTROLLER_GEN): $(TOOLS_DIR)/go.mod $(TOOLS_DIR)/go.sum
 	@mkdir -p $(BIN)
@@ -77,10 +78,14 @@ bench: tools
 	$(GO) run ./hack/bench all $(BENCH_FLAGS)
 .PHONY: bench
 
+# Pod startup on the real-node suite's kubelet and containerd, ipwarden vs host-local (root).
+bench-node: tools
+	IPWARDEN_NODE_BENCH=1 $(GO) test -count=1 -v -run TestPodStartupBench -timeout 30m ./test/node
+.PHONY: bench-node
+
 # kubectl from the same pinned Kubernetes release, to explore the demo (--keep).
 $(BIN)/kubectl: $(TOOLS_DIR)/go.mod $(TOOLS_DIR)/go.sum
-	@mkdir -p $(BIN)
-	cd $(TOOLS_DIR) && $(GO) build -o $(BIN)/ ./cmd/kubectl
+	$(GO) run ./hack/controlplane ensure kubectl >/dev/null
 
 # The local demonstration: a real control plane, controller and agents; pods through the real
 # CNI plugin (in network namespaces on a bridge when run as root).

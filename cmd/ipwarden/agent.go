@@ -74,8 +74,8 @@ pod, or on the node's NodeIPAllocation when the pod object is gone from the agen
 	fs.StringVar(&f.cfg.StateDir, "state-dir", "/var/lib/ipwarden", "directory of the journal (journal.db); must survive agent restarts")
 	fs.StringSliceVar(&f.pools, "pools", nil, "serve only these IPPools (default: every pool whose nodeSelector selects the node)")
 	fs.DurationVar(&f.cfg.AddressWait, "address-wait", 10*time.Second, "how long an ADD waits for the controller when the node has no free address before it fails with CNI error 11")
-	fs.StringVar(&f.metricsAddr, "metrics-bind-address", ":9102", `address of the Prometheus /metrics endpoint ("0" disables)`)
-	fs.StringVar(&f.probeAddr, "health-probe-bind-address", ":9103", `address of /healthz and /readyz ("0" disables)`)
+	fs.StringVar(&f.metricsAddr, "metrics-bind-address", ":10372", `address of the Prometheus /metrics endpoint ("0" disables)`)
+	fs.StringVar(&f.probeAddr, "health-probe-bind-address", ":10373", `address of /healthz and /readyz ("0" disables)`)
 	fs.DurationVar(&f.cfg.Resync, "resync", 60*time.Second, "the pool monitor recomputes the request at least this often")
 	fs.DurationVar(&f.cfg.GCGrace, "gc-grace", time.Minute,
 		"an attachment younger than this is never freed by the full check or by CNI GC (its pod may not be in the agent's cache yet); the deletion of its pod, matched by UID, makes it a candidate at any age; "+

@@ -34,6 +34,7 @@ type controllerFlags struct {
 	burst            int
 	metricsAddr      string
 	probeAddr        string
+	healthFile       string
 	leaderElect      bool
 	leaderElectionNS string
 	leaderElectionID string
@@ -60,8 +61,9 @@ to their pools, and reports pool usage in IPPool status. Run two replicas; one l
 	fs.StringVar(&f.kubeconfig, "kubeconfig", "", "kubeconfig file; in-cluster configuration when empty")
 	fs.Float32Var(&f.qps, "kube-api-qps", 100, "sustained rate of requests to the API server")
 	fs.IntVar(&f.burst, "kube-api-burst", 200, "burst of requests to the API server")
-	fs.StringVar(&f.metricsAddr, "metrics-bind-address", ":9100", `address of the Prometheus /metrics endpoint ("0" disables)`)
-	fs.StringVar(&f.probeAddr, "health-probe-bind-address", ":9101", `address of /healthz and /readyz ("0" disables)`)
+	fs.StringVar(&f.metricsAddr, "metrics-bind-address", ":10370", `address of the Prometheus /metrics endpoint ("0" disables); while another replica on the node holds it, retried every 10s`)
+	fs.StringVar(&f.probeAddr, "health-probe-bind-address", ":10371", `address of /healthz and /readyz ("0" disables)`)
+	fs.StringVar(&f.healthFile, "health-file", "", "file rewritten every 5s with \"alive\" or \"ready\", for the exec probe `ipwarden probe` (hostNetwork replicas sharing a node cannot share a probe port)")
 	fs.BoolVar(&f.leaderElect, "leader-elect", true, "elect one active replica with a Lease")
 	fs.StringVar(&f.leaderElectionNS, "leader-election-namespace", "", "namespace of the Lease (default: $POD_NAMESPACE, else kube-system)")
 	fs.StringVar(&f.leaderElectionID, "leader-election-id", "ipwarden-controller", "name of the Lease")
@@ -174,7 +176,7 @@ func runController(f *controllerFlags) error {
 	}
 	mgr, err := ctrl.NewManager(cfg, ctrl.Options{
 		Scheme:                              scheme,
-		Metrics:                             metricsserver.Options{BindAddress: f.metricsAddr},
+		Metrics:                             metricsserver.Options{BindAddress: "0"}, // serveMetrics below
 		HealthProbeBindAddress:              f.probeAddr,
 		LeaderElection:                      f.leaderElect,
 		LeaderElectionID:                    f.leaderElectionID,
@@ -201,6 +203,15 @@ func runController(f *controllerFlags) error {
 			synced.Store(true)
 		}
 	}()
+	if f.metricsAddr != "0" && f.metricsAddr != "" {
+		go serveMetrics(ctx, log, f.metricsAddr, ctrlmetrics.Registry, 10*time.Second)
+	}
+	if f.healthFile != "" {
+		if err := ensureDir(f.healthFile); err != nil {
+			return fmt.Errorf("--health-file: %w", err)
+		}
+		go writeHealthFile(ctx, log, f.healthFile, 5*time.Second, synced.Load)
+	}
 	if err := mgr.AddHealthzCheck("ping", healthz.Ping); err != nil {
 		return err
 	}

@@ -28,7 +28,7 @@ func newRootCommand() *cobra.Command {
 cluster pools and gives pods their address from that node-local set.
 
 Subcommands:
-  controller  run the cluster controller
+  controller  run the cluster controller (probe: its exec probe)
   agent       run the node agent (agent list: the node's attachments)
   check       report inconsistencies (read-only)
   simulate    capacity planner: choose batch and buffer for your cluster
@@ -38,6 +38,7 @@ Subcommands:
 	}
 	root.AddCommand(newVersionCommand())
 	root.AddCommand(newControllerCommand())
+	root.AddCommand(newProbeCommand())
 	root.AddCommand(newAgentCommand())
 	root.AddCommand(newCheckCommand())
 	root.AddCommand(newSimulateCommand())

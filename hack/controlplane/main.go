@@ -2,6 +2,9 @@
 // kube-apiserver on loopback, CRDs installed).
 //
 //	go run ./hack/controlplane ensure   build the binaries into _bin/ if they are missing or stale
+//	go run ./hack/controlplane ensure kubectl|node|all
+//	                                    also kubectl, or the real-node suite's kubelet,
+//	                                    kube-controller-manager and kube-scheduler, or all of them
 //	go run ./hack/controlplane up       start a control plane, print its kubeconfig, run until Ctrl-C
 package main
 
@@ -23,8 +26,8 @@ func main() {
 }
 
 func run(args []string) error {
-	if len(args) != 1 {
-		return fmt.Errorf("usage: controlplane ensure|up")
+	if len(args) < 1 || len(args) > 2 || (len(args) == 2 && args[0] != "ensure") {
+		return fmt.Errorf("usage: controlplane ensure [kubectl|node|all] | up")
 	}
 	root, err := controlplane.RepoRoot()
 	if err != nil {
@@ -32,13 +35,7 @@ func run(args []string) error {
 	}
 	switch args[0] {
 	case "ensure":
-		bins, err := controlplane.EnsureBinaries(root, controlplane.BinDir(root), os.Stderr)
-		if err != nil {
-			return err
-		}
-		fmt.Println(bins.KubeAPIServer)
-		fmt.Println(bins.Etcd)
-		return nil
+		return ensure(root, args[1:])
 	case "up":
 		ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 		defer stop()
@@ -53,4 +50,42 @@ func run(args []string) error {
 	default:
 		return fmt.Errorf("unknown command %q: use ensure or up", args[0])
 	}
+}
+
+// ensure builds the named tool sets (the control plane when none is named) and prints their paths.
+func ensure(root string, sets []string) error {
+	set := "controlplane"
+	if len(sets) == 1 {
+		set = sets[0]
+	}
+	bin := controlplane.BinDir(root)
+	var paths []string
+	if set == "controlplane" || set == "all" {
+		bins, err := controlplane.EnsureBinaries(root, bin, os.Stderr)
+		if err != nil {
+			return err
+		}
+		paths = append(paths, bins.KubeAPIServer, bins.Etcd)
+	}
+	if set == "kubectl" || set == "all" {
+		p, err := controlplane.EnsureKubectl(root, bin, os.Stderr)
+		if err != nil {
+			return err
+		}
+		paths = append(paths, p)
+	}
+	if set == "node" || set == "all" {
+		n, err := controlplane.EnsureNodeBinaries(root, bin, os.Stderr)
+		if err != nil {
+			return err
+		}
+		paths = append(paths, n.Kubelet, n.KubeControllerManager, n.KubeScheduler)
+	}
+	if len(paths) == 0 {
+		return fmt.Errorf("unknown tool set %q: use kubectl, node or all", set)
+	}
+	for _, p := range paths {
+		fmt.Println(p)
+	}
+	return nil
 }

@@ -48,6 +48,9 @@ type Options struct {
 	Log io.Writer
 	// StartTimeout bounds how long etcd and kube-apiserver may take to become ready (default 90 s).
 	StartTimeout time.Duration
+	// ServiceAccounts keeps the ServiceAccount admission plugin on, so pods a real kubelet runs
+	// get service account tokens (the real-node suite). Off, pods need no service accounts.
+	ServiceAccounts bool
 }
 
 // ControlPlane is a running etcd and kube-apiserver.
@@ -73,6 +76,8 @@ type ControlPlane struct {
 	etcdPeer  string
 	apiArgs   []string
 	etcdArgs  []string
+
+	serviceAccounts bool
 }
 
 // Start builds the binaries if needed, starts etcd and kube-apiserver on free loopback ports,
@@ -106,7 +111,7 @@ func Start(ctx context.Context, opts Options) (cp *ControlPlane, err error) {
 	} else if err := os.MkdirAll(opts.Dir, 0o700); err != nil {
 		return nil, err
 	}
-	cp = &ControlPlane{Dir: opts.Dir, keep: opts.Keep, log: opts.Log, bins: bins}
+	cp = &ControlPlane{Dir: opts.Dir, keep: opts.Keep, log: opts.Log, bins: bins, serviceAccounts: opts.ServiceAccounts}
 	defer func() {
 		if err != nil {
 			_ = cp.Stop()
@@ -206,10 +211,12 @@ func (cp *ControlPlane) startAPIServer(ctx context.Context) error {
 		"--token-auth-file", tokenFile,
 		"--authorization-mode", "RBAC",
 		"--service-cluster-ip-range", "10.96.0.0/16",
-		"--disable-admission-plugins", "ServiceAccount",
 		"--enable-priority-and-fairness=false",
 		"--profiling=false",
 		"--v", "0",
+	}
+	if !cp.serviceAccounts {
+		cp.apiArgs = append(cp.apiArgs, "--disable-admission-plugins", "ServiceAccount")
 	}
 	if err := cp.RestartAPIServer(ctx); err != nil {
 		return err

@@ -65,11 +65,18 @@ func InstallCRDs(ctx context.Context, cfg *rest.Config, dir string) error {
 	return nil
 }
 
-// ReadCRDs decodes every CustomResourceDefinition in the *.yaml files of dir.
+// ReadCRDs decodes every CustomResourceDefinition in the *.yaml files of dir, except the
+// directory's kustomization.yaml.
 func ReadCRDs(dir string) ([]*apiextensionsv1.CustomResourceDefinition, error) {
-	files, err := filepath.Glob(filepath.Join(dir, "*.yaml"))
+	all, err := filepath.Glob(filepath.Join(dir, "*.yaml"))
 	if err != nil {
 		return nil, err
+	}
+	var files []string
+	for _, f := range all {
+		if filepath.Base(f) != "kustomization.yaml" {
+			files = append(files, f)
+		}
 	}
 	if len(files) == 0 {
 		return nil, fmt.Errorf("no CRD YAML files in %s", dir)

@@ -1,51 +1,103 @@
 package integration
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
+	"errors"
 	"fmt"
+	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/containernetworking/cni/libcni"
 	appsv1 "k8s.io/api/apps/v1"
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/util/retry"
 	"sigs.k8s.io/controller-runtime/pkg/client"
-	"sigs.k8s.io/yaml"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/controlplane"
 )
 
-// The shipped manifests (every resource of deploy/kustomize/kustomization.yaml) are accepted by
-// the API server, and the admission policy lets an agent write only its own node's spec.
+// kubectl as built by hack/tools (with its built-in kustomize).
+func kubectl(t *testing.T) string {
+	t.Helper()
+	root, err := controlplane.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := controlplane.EnsureKubectl(root, controlplane.BinDir(root), os.Stderr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// The kubectl the tests use fails like the real one: an error and a non-zero exit status.
+func TestKubectlReturnsErrors(t *testing.T) {
+	out, err := exec.Command(kubectl(t), "kustomize", filepath.Join(t.TempDir(), "nonexistent")).CombinedOutput()
+	var ee *exec.ExitError
+	if !errors.As(err, &ee) || ee.ExitCode() == 0 {
+		t.Fatalf("kubectl kustomize of a missing directory: err %v, output %q; want a non-zero exit", err, out)
+	}
+	if !strings.Contains(string(out), "nonexistent") {
+		t.Errorf("kubectl's error does not name the directory: %q", out)
+	}
+}
+
+// The shipped manifests, rendered by `kubectl kustomize deploy/kustomize` (what `kubectl apply
+// -k` applies), are accepted by the API server, and the admission policy lets an agent write
+// only its own node's spec.
 func TestDeployManifests(t *testing.T) {
 	root, err := controlplane.RepoRoot()
 	if err != nil {
 		t.Fatal(err)
 	}
-	b, err := os.ReadFile(filepath.Join(root, "deploy/kustomize/kustomization.yaml"))
+	var stderr bytes.Buffer
+	cmd := exec.Command(kubectl(t), "kustomize", filepath.Join(root, "deploy/kustomize"))
+	cmd.Stderr = &stderr
+	rendered, err := cmd.Output()
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("kubectl kustomize deploy/kustomize: %v\n%s", err, stderr.String())
 	}
-	var k struct {
-		Resources []string `json:"resources"`
+	kinds := map[string]int{}
+	dec := utilyaml.NewYAMLOrJSONDecoder(bytes.NewReader(rendered), 4096)
+	for {
+		u := &unstructured.Unstructured{}
+		if err := dec.Decode(&u.Object); err != nil {
+			if errors.Is(err, io.EOF) {
+				break
+			}
+			t.Fatal(err)
+		}
+		if len(u.Object) == 0 {
+			continue
+		}
+		kinds[u.GetKind()]++
+		if err := k8s.Create(context.Background(), u); err != nil && !apierrors.IsAlreadyExists(err) {
+			t.Fatalf("create %s %s: %v", u.GetKind(), u.GetName(), err)
+		}
 	}
-	if err := yaml.Unmarshal(b, &k); err != nil {
-		t.Fatal(err)
-	}
-	if len(k.Resources) < 6 {
-		t.Fatalf("kustomization lists %d resources", len(k.Resources))
-	}
-	for _, r := range k.Resources {
-		applyYAML(t, filepath.Join("deploy/kustomize", r))
+	want := map[string]int{"CustomResourceDefinition": 2, "Namespace": 1, "ServiceAccount": 2, "ClusterRole": 2,
+		"ClusterRoleBinding": 2, "Role": 1, "RoleBinding": 1, "ValidatingAdmissionPolicy": 2,
+		"ValidatingAdmissionPolicyBinding": 2, "Deployment": 1, "Service": 1, "ConfigMap": 1, "DaemonSet": 1}
+	for k, n := range want {
+		if kinds[k] != n {
+			t.Errorf("kustomize rendered %d %s, want %d (all: %v)", kinds[k], k, n, kinds)
+		}
 	}
 	ctx := context.Background()
 	var ds appsv1.DaemonSet
@@ -82,6 +134,58 @@ func TestDeployManifests(t *testing.T) {
 	}
 	if *dep.Spec.Replicas != 2 {
 		t.Errorf("controller replicas %d, want 2", *dep.Spec.Replicas)
+	}
+	// hostNetwork replicas cannot surge onto a node that runs one, and two replicas may share a
+	// node: replace one at a time, declare no (host) ports, prefer spreading.
+	if ru := dep.Spec.Strategy.RollingUpdate; ru == nil || ru.MaxSurge == nil || ru.MaxSurge.IntValue() != 0 || ru.MaxUnavailable == nil || ru.MaxUnavailable.IntValue() != 1 {
+		t.Errorf("controller rolling update %+v, want maxSurge 0, maxUnavailable 1", dep.Spec.Strategy.RollingUpdate)
+	}
+	if a := dep.Spec.Template.Spec.Affinity; a == nil || a.PodAntiAffinity == nil || len(a.PodAntiAffinity.RequiredDuringSchedulingIgnoredDuringExecution) > 0 || len(a.PodAntiAffinity.PreferredDuringSchedulingIgnoredDuringExecution) == 0 {
+		t.Errorf("controller anti-affinity must be preferred only: %+v", a)
+	}
+	for _, c := range dep.Spec.Template.Spec.Containers {
+		if len(c.Ports) > 0 {
+			t.Errorf("controller container %s declares ports %v: with hostNetwork they are host ports, and two replicas could not share a node", c.Name, c.Ports)
+		}
+	}
+	// Metrics and probe ports stay out of 9100-9999, the range Prometheus exporters allocate.
+	for _, spec := range []corev1.PodSpec{dep.Spec.Template.Spec, ds.Spec.Template.Spec} {
+		for _, c := range spec.Containers {
+			for _, arg := range c.Args {
+				for _, flag := range []string{"--metrics-bind-address=", "--health-probe-bind-address="} {
+					if port, ok := strings.CutPrefix(arg, flag); ok {
+						_, p, _ := strings.Cut(port, ":")
+						if n, err := strconv.Atoi(p); err == nil && n >= 9100 && n <= 9999 {
+							t.Errorf("%s %s: port %d is in the exporters' range 9100-9999", c.Name, arg, n)
+						}
+					}
+				}
+			}
+		}
+	}
+	// The CNI config: containerd 1.6 reads cniVersion (it cannot parse 1.1.0 results); a current
+	// libcni picks the newest of cniVersions it supports.
+	var cm corev1.ConfigMap
+	if err := k8s.Get(ctx, client.ObjectKey{Namespace: "ipwarden-system", Name: "ipwarden-cni-config"}, &cm); err != nil {
+		t.Fatal(err)
+	}
+	conflist := cm.Data["10-ipwarden.conflist"]
+	var raw struct {
+		CNIVersion  string   `json:"cniVersion"`
+		CNIVersions []string `json:"cniVersions"`
+	}
+	if err := json.Unmarshal([]byte(conflist), &raw); err != nil {
+		t.Fatalf("CNI config: %v", err)
+	}
+	if raw.CNIVersion != "1.0.0" || strings.Join(raw.CNIVersions, ",") != "1.0.0,1.1.0" {
+		t.Errorf("CNI config cniVersion %q cniVersions %v, want 1.0.0 and [1.0.0 1.1.0]", raw.CNIVersion, raw.CNIVersions)
+	}
+	list, err := libcni.NetworkConfFromBytes([]byte(conflist))
+	if err != nil {
+		t.Fatalf("libcni rejects the shipped CNI config: %v", err)
+	}
+	if list.CNIVersion != "1.1.0" {
+		t.Errorf("libcni picked cniVersion %q from the shipped config, want 1.1.0", list.CNIVersion)
 	}
 
 	// Two nodes' NodeIPAllocations, as the controller would create them.

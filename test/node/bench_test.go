@@ -1,0 +1,170 @@
+package node
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"sort"
+	"sync"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/utils/ptr"
+
+	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
+	"github.com/ipwarden/ipwarden/internal/localcluster"
+)
+
+// hostLocalConf is the shipped bridge config with host-local as IPAM on the same subnet: the
+// coordination-free floor ipwarden is compared against.
+const hostLocalConf = `{
+  "cniVersion": "1.0.0",
+  "cniVersions": ["1.0.0", "1.1.0"],
+  "name": "ipwarden",
+  "plugins": [
+    {
+      "type": "bridge",
+      "bridge": "cni0",
+      "isGateway": true,
+      "ipMasq": true,
+      "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.244.0.0/24", "rangeStart": "10.244.0.2", "gateway": "10.244.0.1"}]],
+               "dataDir": "/var/lib/ipwarden/host-local"}
+    },
+    {"type": "portmap", "capabilities": {"portMappings": true}}
+  ]
+}
+`
+
+// TestPodStartupBench starts 100 pods on the node at once, with ipwarden and then with
+// host-local as the IPAM of the same bridge config on the same kubelet, and reports the time
+// until all run and the per-pod sandbox-ready p50/p99 (pod created -> PodReadyToStartContainers,
+// as a watch sees it). A benchmark, not a timed test: it runs with IPWARDEN_NODE_BENCH=1
+// (BENCHMARKS.md) and asserts only that every pod starts.
+func TestPodStartupBench(t *testing.T) {
+	if os.Getenv("IPWARDEN_NODE_BENCH") == "" {
+		t.Skip("a benchmark: IPWARDEN_NODE_BENCH=1 go test ./test/node -run TestPodStartupBench (BENCHMARKS.md)")
+	}
+	const pods = 100
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
+	defer cancel()
+	n := startNode(t, ctx)
+	n.pool = ipwardenv1.IPPoolSpec{
+		Scaling:       ipwardenv1.Scaling{BatchSize: 16, BufferPercent: 50, MaxPerNode: 250},
+		ReuseCooldown: metav1.Duration{Duration: 30 * time.Second},
+	}
+	n.deployIpwarden(ctx)
+	if _, err := n.kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: testNamespace}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	ipw := n.burst(ctx, "ipwarden", pods)
+	if err := os.WriteFile("/etc/cni/net.d/10-ipwarden.conflist", []byte(hostLocalConf), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	hl := n.burst(ctx, "host-local", pods)
+	t.Logf("RESULT pods=%d all-running ipwarden=%s host-local=%s ratio=%.2f; sandbox-ready p50 ipwarden=%s host-local=%s ratio=%.2f; p99 ipwarden=%s host-local=%s ratio=%.2f",
+		pods, ipw.all, hl.all, ratio(ipw.all, hl.all), ipw.p50, hl.p50, ratio(ipw.p50, hl.p50), ipw.p99, hl.p99, ratio(ipw.p99, hl.p99))
+}
+
+type burstResult struct{ all, p50, p99 time.Duration }
+
+func ratio(a, b time.Duration) float64 { return float64(a) / float64(b) }
+
+// burst creates pods bare pods pinned to the node at once (no scheduler in the path), waits
+// until all run, measures, then deletes them and waits until they are gone.
+func (n *realNode) burst(ctx context.Context, label string, count int) burstResult {
+	t := n.t
+	w, err := n.kube.CoreV1().Pods(testNamespace).Watch(ctx, metav1.ListOptions{LabelSelector: "bench=" + label})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Stop()
+	var mu sync.Mutex
+	created := map[string]time.Time{}
+	ready := map[string]time.Duration{}
+	running := map[string]bool{}
+	start := time.Now()
+	var wg sync.WaitGroup
+	errs := make(chan error, count)
+	for i := range count {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			name := fmt.Sprintf("%s-%03d", label, i)
+			p := &corev1.Pod{
+				ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: testNamespace, Labels: map[string]string{"bench": label}},
+				Spec: corev1.PodSpec{
+					NodeName:                      nodeName,
+					TerminationGracePeriodSeconds: ptr.To(int64(1)),
+					AutomountServiceAccountToken:  ptr.To(false),
+					EnableServiceLinks:            ptr.To(false),
+					Containers:                    []corev1.Container{{Name: "sleeper", Image: workloadImage, ImagePullPolicy: corev1.PullNever}},
+				},
+			}
+			mu.Lock()
+			created[name] = time.Now()
+			mu.Unlock()
+			if _, err := n.kube.CoreV1().Pods(testNamespace).Create(ctx, p, metav1.CreateOptions{}); err != nil {
+				errs <- err
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	var all time.Duration
+	deadline := time.After(10 * time.Minute)
+	for len(running) < count {
+		select {
+		case ev, ok := <-w.ResultChan():
+			if !ok {
+				t.Fatal("pod watch closed")
+			}
+			if ev.Type != watch.Added && ev.Type != watch.Modified {
+				continue
+			}
+			p := ev.Object.(*corev1.Pod)
+			now := time.Now()
+			for _, c := range p.Status.Conditions {
+				if c.Type == corev1.PodReadyToStartContainers && c.Status == corev1.ConditionTrue {
+					if _, seen := ready[p.Name]; !seen {
+						mu.Lock()
+						ready[p.Name] = now.Sub(created[p.Name])
+						mu.Unlock()
+					}
+				}
+			}
+			if p.Status.Phase == corev1.PodRunning && !running[p.Name] {
+				running[p.Name] = true
+				all = now.Sub(start)
+			}
+		case <-deadline:
+			n.dumpState(ctx)
+			t.Fatalf("%s: %d of %d pods running after 10 minutes", label, len(running), count)
+		}
+	}
+	var d []time.Duration
+	for _, v := range ready {
+		d = append(d, v)
+	}
+	sort.Slice(d, func(i, j int) bool { return d[i] < d[j] })
+	pct := func(q float64) time.Duration {
+		if len(d) == 0 {
+			return 0
+		}
+		return d[int(q*float64(len(d)-1))]
+	}
+	r := burstResult{all: all.Round(time.Millisecond), p50: pct(0.5).Round(time.Millisecond), p99: pct(0.99).Round(time.Millisecond)}
+	n.logf("%s: %d pods running in %s; sandbox ready p50 %s p99 %s (%d observed)", label, count, r.all, r.p50, r.p99, len(d))
+	if err := n.kube.CoreV1().Pods(testNamespace).DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{LabelSelector: "bench=" + label}); err != nil {
+		t.Fatal(err)
+	}
+	if err := localcluster.WaitFor(ctx, 5*time.Minute, 500*time.Millisecond, func() error { return n.noPodsIn(ctx, testNamespace) }); err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
