@@ -463,6 +463,9 @@ func (s *Service) addRequest(ctx context.Context, req cniproto.Request) (*cnipro
 	if bad := s.notReady(req); bad != nil {
 		return bad, nil
 	}
+	if r := s.gate.refuseAdd(); r != nil {
+		return r, nil
+	}
 	resp, created := s.add(ctx, req)
 	if created == nil {
 		return resp, nil
@@ -501,9 +504,6 @@ func (s *Service) handle(ctx context.Context, req cniproto.Request) *cniproto.Re
 	}
 	switch req.Op {
 	case cniproto.OpAdd:
-		if r := s.gate.refuseAdd(); r != nil {
-			return r
-		}
 		resp, _ := s.addRequest(ctx, req)
 		return resp
 	case cniproto.OpDel:

@@ -92,7 +92,7 @@ func TestDeployManifests(t *testing.T) {
 		}
 	}
 	want := map[string]int{"CustomResourceDefinition": 2, "Namespace": 1, "ServiceAccount": 2, "ClusterRole": 2,
-		"ClusterRoleBinding": 2, "Role": 1, "RoleBinding": 1, "ValidatingAdmissionPolicy": 2,
+		"ClusterRoleBinding": 2, "Role": 2, "RoleBinding": 2, "ValidatingAdmissionPolicy": 2,
 		"ValidatingAdmissionPolicyBinding": 2, "Deployment": 1, "Service": 1, "ConfigMap": 1, "DaemonSet": 1}
 	for k, n := range want {
 		if kinds[k] != n {
