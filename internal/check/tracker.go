@@ -23,19 +23,31 @@ import (
 type Tracker struct {
 	mu         sync.Mutex
 	latest     map[string]addr.Set
+	seen       map[string]string // node -> where its latest status came from (for the report)
 	violations []string
 }
 
 // NewTracker returns an empty tracker.
-func NewTracker() *Tracker { return &Tracker{latest: map[string]addr.Set{}} }
+func NewTracker() *Tracker { return &Tracker{latest: map[string]addr.Set{}, seen: map[string]string{}} }
+
+// origin says which write a status came from, so a violation names both writes.
+func origin(a *ipwardenv1.NodeIPAllocation, how string) string {
+	f := "no fence"
+	if a.Status.Fence != nil {
+		f = fmt.Sprintf("fence %s epoch %d", a.Status.Fence.Holder, a.Status.Fence.Epoch)
+	}
+	return fmt.Sprintf("%s uid %s resourceVersion %s generation %d, %s", how, a.UID, a.ResourceVersion, a.Generation, f)
+}
 
 // Reset replaces what the tracker knows with a list of every NodeIPAllocation.
 func (t *Tracker) Reset(items []ipwardenv1.NodeIPAllocation) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.latest = map[string]addr.Set{}
+	t.seen = map[string]string{}
 	for i := range items {
 		t.latest[items[i].Name], _ = statusAddrs(&items[i])
+		t.seen[items[i].Name] = origin(&items[i], "listed")
 	}
 	t.crossCheck("")
 }
@@ -46,6 +58,7 @@ func (t *Tracker) Observe(a *ipwardenv1.NodeIPAllocation, deleted bool) {
 	defer t.mu.Unlock()
 	if deleted {
 		delete(t.latest, a.Name)
+		delete(t.seen, a.Name)
 		return
 	}
 	now, err := statusAddrs(a)
@@ -64,6 +77,7 @@ func (t *Tracker) Observe(a *ipwardenv1.NodeIPAllocation, deleted bool) {
 		}
 	}
 	t.latest[a.Name] = now
+	t.seen[a.Name] = origin(a, "watched")
 	t.crossCheck(a.Name)
 }
 
@@ -80,7 +94,8 @@ func (t *Tracker) crossCheck(node string) {
 				continue
 			}
 			if both := t.latest[a].Intersect(t.latest[b]); !both.IsEmpty() {
-				t.violations = append(t.violations, fmt.Sprintf("%v in the statuses of nodes %s and %s at once (invariant 1)", both, a, b))
+				t.violations = append(t.violations, fmt.Sprintf("%v in the statuses of nodes %s and %s at once (invariant 1): %s: %s; %s: %s",
+					both, a, b, a, t.seen[a], b, t.seen[b]))
 			}
 		}
 	}
