@@ -438,7 +438,9 @@ func (x *chaos) faults(ctx context.Context) {
 	half := start.Add(*duration / 2)
 	snapshot := filepath.Join(x.dir, "etcd.snapshot")
 	for {
-		if !deletedNode && time.Now().After(half) {
+		// The node is deleted after the etcd restore: a restore to before its deletion would
+		// bring the Node back without its agent, which is an operator's mess, not ipwarden's.
+		if !deletedNode && rewound && time.Now().After(half) {
 			deletedNode = true
 			x.deleteNode()
 		}
@@ -447,10 +449,13 @@ func (x *chaos) faults(ctx context.Context) {
 			if err := x.cp.SnapshotEtcd(context.Background(), snapshot); err != nil {
 				x.problem("etcd snapshot: %v", err)
 			}
+			x.t.Logf("etcd snapshot saved %s into the run", time.Since(start).Round(time.Second))
 		}
 		if snapshotted && !rewound && time.Since(start) > *duration/3 {
 			rewound = true
+			began := time.Since(start)
 			x.rewind(snapshot)
+			x.t.Logf("etcd restored from the snapshot %s into the run (took %s)", began.Round(time.Second), (time.Since(start) - began).Round(100*time.Millisecond))
 		}
 		select {
 		case <-ctx.Done():

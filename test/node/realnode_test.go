@@ -161,9 +161,11 @@ func TestRealNode(t *testing.T) {
 			t.Fatal(err)
 		}
 		n.waitNodeReady(ctx)
+		n.logf("power cycle: node Ready again")
 		// The same pods run again in new sandboxes; the dead sandboxes' addresses are freed
 		// (the runtime's DEL for them) and nothing else is held for them.
 		after := n.waitPods(ctx, 7)
+		n.logf("power cycle: every pod Running again")
 		for i := range after {
 			if after[i].name != before[i].name {
 				t.Fatalf("pods changed across the power cycle: %v -> %v", podIPs(before), podIPs(after))
