@@ -70,12 +70,6 @@ func TestRealNode(t *testing.T) {
 	// can only get the victim's address, and with reuseCooldown 0s it gets it the moment the
 	// agent frees it. Freed before the old sandbox is gone, it is on two pods at once.
 	t.Run("force delete with reuseCooldown 0s creates no duplicate", func(t *testing.T) {
-		if os.Getenv("IPWARDEN_NODE_FORCE_DELETE") == "" {
-			// Reproduced here: the agent frees the address on the deletion event, the
-			// replacement pod gets it within 1.5 s while the old sandbox still carries it.
-			t.Skip("issue 12 (node safety) is not fixed on this branch: a force delete puts one address on two pods; " +
-				"IPWARDEN_NODE_FORCE_DELETE=1 runs it; remove this skip with the fix")
-		}
 		n.t = t
 		before := n.waitPods(ctx, 8)
 		victim := before[0]
