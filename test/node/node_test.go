@@ -90,6 +90,12 @@ func startNode(t *testing.T, ctx context.Context) *realNode {
 			t.Fatalf("bind %s over %s: %v", src, d, err)
 		}
 	}
+	// As on a real node (`ip netns` and the runtimes make it so), /run/netns is a shared mount:
+	// the agent's DaemonSet mounts it with HostToContainer propagation to see pods' namespaces,
+	// which the kubelet refuses on a private mount.
+	if err := syscall.Mount("", "/run/netns", "", syscall.MS_SHARED|syscall.MS_REC, ""); err != nil {
+		t.Fatalf("make /run/netns a shared mount: %v", err)
+	}
 	// The node address sits on the namespace's loopback interface (no dummy module on every
 	// machine); the kubelet refuses only loopback addresses, not the interface.
 	must(run("ip", "link", "set", "lo", "up"))
