@@ -86,6 +86,11 @@ func startNode(t *testing.T, ctx context.Context) *realNode {
 		src := filepath.Join(prep.Scratch, "fs", strings.ReplaceAll(strings.Trim(d, "/"), "/", "_"))
 		must(os.MkdirAll(src, 0o755))
 		must(os.MkdirAll(d, 0o755))
+		// A node path may already be a mount point inherited from the host (`ip netns add`
+		// makes /run/netns one): detach it in this private namespace, so the runtime's mount
+		// lookup finds the suite's mount and no private one below it.
+		for syscall.Unmount(d, syscall.MNT_DETACH) == nil {
+		}
 		if err := syscall.Mount(src, d, "", syscall.MS_BIND, ""); err != nil {
 			t.Fatalf("bind %s over %s: %v", src, d, err)
 		}
