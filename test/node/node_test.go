@@ -81,6 +81,11 @@ func startNode(t *testing.T, ctx context.Context) *realNode {
 		}
 	}
 	must(os.MkdirAll(n.dir, 0o755))
+	// Mounts are shared within the suite's mount namespace, as systemd makes them on a real
+	// node (the namespace is new, so nothing propagates to the host): the agent DaemonSet mounts
+	// /var/run/netns and /run/netns with HostToContainer propagation, which the runtime refuses
+	// on a private mount.
+	must(syscall.Mount("", "/", "", syscall.MS_SHARED|syscall.MS_REC, ""))
 	// Mount the suite's directories over the node paths (private mount namespace).
 	for _, d := range hostDirs {
 		src := filepath.Join(prep.Scratch, "fs", strings.ReplaceAll(strings.Trim(d, "/"), "/", "_"))
