@@ -179,6 +179,12 @@ func Run(ctx context.Context, cfg Config) error {
 		LeaseNamespace: cfg.LeaseNamespace, Gated: true, NetnsDirs: cfg.NetnsDirs, RebuildHold: cfg.RebuildHold, HoldDir: cfg.StateDir,
 		Log: log.WithName("service"), Metrics: metrics})
 	offline := st.CanServeOffline()
+	if _, interrupted, _ := journal.HeldUntil(cfg.StateDir); interrupted && offline {
+		// A restart during the hold after a rebuild: which held addresses are unattributed is
+		// decided again once the pods are known, so nothing is served from the journal first.
+		offline = false
+		log.Info("a hold of addresses of unknown owner was under way: ADD waits for the API server to resume it")
+	}
 	svc.gate.setOffline(offline)
 	identity, err := Identity(cfg.StateDir)
 	if err != nil {
