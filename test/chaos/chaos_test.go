@@ -213,7 +213,7 @@ func (x *chaos) setup() {
 	}
 	for i := range 2 {
 		c, err := localcluster.Start(fmt.Sprintf("controller-%d", i), x.bins.Ipwarden, filepath.Join(x.dir, fmt.Sprintf("controller-%d.log", i)),
-			"controller", "--kubeconfig", x.kc, "--claim-settle=1s", "--metrics-bind-address=0", "--health-probe-bind-address=0",
+			"controller", "--kubeconfig", x.kc, "--claim-settle=3s", "--metrics-bind-address=0", "--health-probe-bind-address=0",
 			"--leader-elect=true", "--leader-election-namespace="+controlplane.ControllerNamespace, "--leader-election-id="+controlplane.ControllerLease,
 			"--leader-election-lease-duration=2s", "--leader-election-renew-deadline=1500ms", "--leader-election-retry-period=250ms",
 			"--min-sync-interval=20ms", "--resync-period=5s", "--audit-period=10s", "--backoff-base=50ms", "--backoff-max=2s")
