@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"os"
 	"path/filepath"
 	"strings"
 	"time"
@@ -155,7 +156,9 @@ func call(socket string, req cniproto.Request, timeout time.Duration, unreachabl
 				fmt.Sprintf("ipwarden-cni: the ipwarden agent is not reachable at %s", socket),
 				fmt.Sprintf("%v; check that the ipwarden agent runs on this node and listens on %s (CNI config key \"socket\")", u.Err, socket))
 		}
-		if errors.Is(err, context.DeadlineExceeded) {
+		// The connection's deadline comes from ctx, so a read can fail with an i/o timeout a
+		// moment before ctx reports its own: both mean the agent did not answer in time.
+		if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, os.ErrDeadlineExceeded) || ctx.Err() != nil {
 			return nil, types.NewError(types.ErrTryAgainLater,
 				fmt.Sprintf("ipwarden-cni: the ipwarden agent at %s did not answer %s within %s", socket, req.Op, timeout),
 				"the agent may be stopped or overloaded; an ADD it had not answered is rolled back; the runtime will retry")
