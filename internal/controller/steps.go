@@ -100,7 +100,6 @@ type Sequence struct {
 	now    time.Time
 	fill   *Fill // a fill sequence
 	gone   string
-	failed Outcome // the outcome that ended a Failed sequence
 }
 
 // StartFill plans a node's fill and take-back (PlanFill), records the released addresses as
@@ -167,19 +166,18 @@ func (q *Sequence) Advance(o Outcome) {
 	case step.Kind == StepPoolStatus:
 		// The cooling record may not be stored: the node keeps the addresses (nothing was
 		// taken), the pool status is written again later.
-		q.abort(true, o)
+		q.abort(true)
 	case step.Kind == StepNodeStatus && o == Conflict:
-		q.abort(true, o)
+		q.abort(true)
 		q.result = Retry
 	case step.Kind == StepNodeStatus:
 		// Rejected: nothing was published. Unknown: the new addresses may be in the node's
 		// status already and stay reserved for it until a fresh read settles them.
-		q.abort(o == Rejected, o)
-	case step.Kind == StepDeleteAllocation && o == Rejected:
-		// Not found counts as landed for a delete; the shell maps it. Anything else: try later.
-		q.abort(true, o)
+		q.abort(o == Rejected)
 	default:
-		q.abort(true, o)
+		// A delete not landed (the shell maps not-found to landed): the node keeps its
+		// record and the deletion is tried again later.
+		q.abort(true)
 	}
 }
 
@@ -193,8 +191,8 @@ func (q *Sequence) finish() {
 	}
 }
 
-func (q *Sequence) abort(definite bool, o Outcome) {
-	q.result, q.failed = Failed, o
+func (q *Sequence) abort(definite bool) {
+	q.result = Failed
 	if q.fill != nil {
 		q.s.Abort(q.fill, definite)
 	}
@@ -202,9 +200,6 @@ func (q *Sequence) abort(definite bool, o Outcome) {
 
 // Result says how the sequence stands.
 func (q *Sequence) Result() Result { return q.result }
-
-// FailedWith is the outcome that ended a Failed or Retry sequence.
-func (q *Sequence) FailedWith() Outcome { return q.failed }
 
 // Fill is the fill a fill sequence carries (nil for a deleted node).
 func (q *Sequence) Fill() *Fill { return q.fill }

@@ -109,19 +109,13 @@ func (s *State) SetRecordMissing(missing bool) { s.recordMissing = missing }
 // RecordMissing says whether the node's NodeIPAllocation is missing.
 func (s *State) RecordMissing() bool { return s.recordMissing }
 
-// Claims returns, per pool, the addresses the node's attachments use that its status does not
-// show: the node asks for them back in spec.pools[].claimed.
-func (s *State) Claims() map[string]addr.Set {
-	out := map[string]addr.Set{}
-	for name, p := range s.pools {
-		if !p.heldKnown {
-			continue
-		}
-		if c := p.inUseSet().Subtract(p.held); !c.IsEmpty() {
-			out[name] = c
-		}
+// claimed is what the node's attachments use from the pool that its status does not show:
+// the node asks for it back in spec.pools[].claimed (nothing before the status is known).
+func (p *poolState) claimed() addr.Set {
+	if !p.heldKnown {
+		return addr.Set{}
 	}
-	return out
+	return p.inUseSet().Subtract(p.held)
 }
 
 func deleteCooling(q []Cooling, s addr.Set) []Cooling {

@@ -171,12 +171,9 @@ func (s *State) Spec() []PoolRequest {
 			rs := rel.Ranges()[:MaxReleasingBlocks]
 			rel = addr.NewSet(rs...)
 		}
-		var claimed addr.Set
-		if p.heldKnown {
-			claimed = p.inUseSet().Subtract(p.held)
-			if claimed.NumRanges() > MaxReleasingBlocks {
-				claimed = addr.NewSet(claimed.Ranges()[:MaxReleasingBlocks]...)
-			}
+		claimed := p.claimed()
+		if claimed.NumRanges() > MaxReleasingBlocks {
+			claimed = addr.NewSet(claimed.Ranges()[:MaxReleasingBlocks]...)
 		}
 		out = append(out, PoolRequest{Pool: name, Requested: s.Target(name), Releasing: rel, Claimed: claimed})
 	}
