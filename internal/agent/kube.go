@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net/netip"
 	"slices"
 	"sync"
 	"time"
@@ -14,7 +13,6 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
-	k8slabels "k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/rest"
 	toolscache "k8s.io/client-go/tools/cache"
@@ -25,7 +23,8 @@ import (
 	"github.com/ipwarden/ipwarden/internal/addr"
 	"github.com/ipwarden/ipwarden/internal/agent/gc"
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
-	"github.com/ipwarden/ipwarden/internal/scaling"
+	"github.com/ipwarden/ipwarden/internal/ippool"
+	"github.com/ipwarden/ipwarden/internal/podinfo"
 )
 
 // fieldOwner names the agent in managed fields.
@@ -199,18 +198,13 @@ func (k *Kube) Push(ctx context.Context) ([]ipam.Pod, error) {
 	var served []string
 	for i := range poolList.Items {
 		p := &poolList.Items[i]
-		cfg, err := PoolFromAPI(p)
+		spec, err := ippool.Parse(p.Spec)
 		if err != nil {
 			k.log.Error(err, "ignoring an IPPool the agent cannot read", "pool", p.Name)
 			continue
 		}
-		pools = append(pools, cfg)
-		sel, err := selects(p, nodeLabels)
-		if err != nil {
-			k.log.Error(err, "ignoring an IPPool with a bad nodeSelector", "pool", p.Name)
-			continue
-		}
-		if sel && (len(k.only) == 0 || slices.Contains(k.only, p.Name)) {
+		pools = append(pools, ipam.PoolOf(p.Name, spec, p.Status.Exhausted))
+		if spec.Selects(nodeLabels) && (len(k.only) == 0 || slices.Contains(k.only, p.Name)) {
 			served = append(served, p.Name)
 		}
 	}
@@ -432,94 +426,24 @@ func poolsEqual(a, b []ipwardenv1.NodePoolRequest) bool {
 	})
 }
 
-// PoolFromAPI converts an IPPool into what the state machine needs.
+// PoolFromAPI converts an IPPool into what the state machine needs (through package ippool, the
+// one conversion the controller uses too).
 func PoolFromAPI(p *ipwardenv1.IPPool) (ipam.Pool, error) {
-	cfg := ipam.Pool{
-		Name: p.Name,
-		Scaling: scaling.Params{
-			BatchSize:     int(p.Spec.Scaling.BatchSize),
-			BufferPercent: int(p.Spec.Scaling.BufferPercent),
-			MaxPerNode:    int(p.Spec.Scaling.MaxPerNode),
-		},
-		Cooldown:  p.Spec.ReuseCooldown.Duration,
-		Exhausted: p.Status.Exhausted,
-	}
-	if err := cfg.Scaling.Validate(); err != nil {
-		return ipam.Pool{}, fmt.Errorf("spec.scaling: %w", err)
-	}
-	for _, c := range p.Spec.CIDRs {
-		pfx, err := netip.ParsePrefix(string(c))
-		if err != nil {
-			return ipam.Pool{}, fmt.Errorf("spec.cidrs: %w", err)
-		}
-		cfg.CIDRs = append(cfg.CIDRs, pfx)
-	}
-	for i, e := range p.Spec.Exclude {
-		pfx, err := parsePrefixOrAddr(string(e))
-		if err != nil {
-			return ipam.Pool{}, fmt.Errorf("spec.exclude[%d]: %w", i, err)
-		}
-		cfg.Exclude = append(cfg.Exclude, pfx)
-	}
-	if p.Spec.Gateway != "" {
-		gw, err := netip.ParseAddr(string(p.Spec.Gateway))
-		if err != nil {
-			return ipam.Pool{}, fmt.Errorf("spec.gateway: %w", err)
-		}
-		cfg.Gateway = gw
-	}
-	for _, r := range p.Spec.Routes {
-		dst, err := netip.ParsePrefix(string(r.Dst))
-		if err != nil {
-			return ipam.Pool{}, fmt.Errorf("spec.routes: %w", err)
-		}
-		rt := ipam.Route{Dst: dst}
-		if r.GW != "" {
-			if rt.GW, err = netip.ParseAddr(string(r.GW)); err != nil {
-				return ipam.Pool{}, fmt.Errorf("spec.routes: %w", err)
-			}
-		}
-		cfg.Routes = append(cfg.Routes, rt)
-	}
-	return cfg, nil
-}
-
-// parsePrefixOrAddr reads an address or a CIDR (spec.exclude) as a prefix.
-func parsePrefixOrAddr(s string) (netip.Prefix, error) {
-	if a, err := netip.ParseAddr(s); err == nil {
-		return netip.PrefixFrom(a, a.BitLen()), nil
-	}
-	p, err := netip.ParsePrefix(s)
+	spec, err := ippool.Parse(p.Spec)
 	if err != nil {
-		return netip.Prefix{}, err
+		return ipam.Pool{}, err
 	}
-	return p.Masked(), nil
+	return ipam.PoolOf(p.Name, spec, p.Status.Exhausted), nil
 }
 
-// selects reports whether the pool's nodeSelector selects a node with labels.
-func selects(p *ipwardenv1.IPPool, labels map[string]string) (bool, error) {
-	if p.Spec.NodeSelector == nil {
-		return true, nil
-	}
-	sel, err := metav1.LabelSelectorAsSelector(p.Spec.NodeSelector)
-	if err != nil {
-		return false, err
-	}
-	return sel.Matches(k8slabels.Set(labels)), nil
-}
-
-// PodFromAPI converts a pod bound to the node.
+// PodFromAPI converts a pod bound to the node (through package podinfo, the one Pod conversion).
 func PodFromAPI(p *corev1.Pod) ipam.Pod {
-	out := ipam.Pod{
-		Ref:         ipam.PodRef{Namespace: p.Namespace, Name: p.Name, UID: string(p.UID)},
-		HostNetwork: p.Spec.HostNetwork,
-		Finished:    p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed,
-		Deleting:    p.DeletionTimestamp != nil,
+	v := podinfo.Of(p)
+	return ipam.Pod{
+		Ref:         ipam.PodRef{Namespace: v.Namespace, Name: v.Name, UID: v.UID},
+		IPs:         v.IPs,
+		HostNetwork: v.HostNetwork,
+		Finished:    v.Finished,
+		Deleting:    v.Deleting,
 	}
-	for _, ip := range p.Status.PodIPs {
-		if a, err := netip.ParseAddr(ip.IP); err == nil {
-			out.IPs = append(out.IPs, a)
-		}
-	}
-	return out
 }
