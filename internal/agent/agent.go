@@ -86,6 +86,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/rest"
@@ -127,6 +128,9 @@ type Config struct {
 	NetnsDirs []string
 	// LeaseNamespace holds the node's Lease ipwarden-agent-<node> (one agent per node).
 	LeaseNamespace string
+	// ControllerLease names the controller's leader election Lease in LeaseNamespace; the agent
+	// acknowledges each new leader (spec.acknowledgedLeader). Empty: it acknowledges none.
+	ControllerLease string
 	// RebuildHold bounds the unattributed hold after the journal was rebuilt from the pods.
 	RebuildHold time.Duration
 	Log         logr.Logger
@@ -270,7 +274,9 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 		var err error
 		if kube == nil {
 			// The informer cache needs the API server's discovery to be set up.
-			if kube, err = NewKube(cfg.RestConfig, cfg.Scheme, cfg.Node, cfg.Pools, svc, log.WithName("kube")); err == nil {
+			ctrlLease := types.NamespacedName{Namespace: cfg.LeaseNamespace, Name: cfg.ControllerLease}
+			if kube, err = NewKube(cfg.RestConfig, cfg.Scheme, cfg.Node, cfg.Pools, ctrlLease, svc, log.WithName("kube")); err == nil {
+				kube.OnLeaderChange(svc.kick)
 				svc.SetEvents(events.NewRecorder(eventScheme(cfg.Scheme), corev1.EventSource{Component: "ipwarden-agent", Host: cfg.Node}), kube.NodeRef)
 				svc.SetPodLookup(kube.GetPod)
 				collector = NewCollector(svc, kube, CollectorOptions{Grace: cfg.GCGrace, FullCheckInterval: cfg.GCFullCheckInterval,

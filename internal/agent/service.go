@@ -155,6 +155,13 @@ func (s *Service) With(f func(st *ipam.State)) {
 	f(s.st)
 }
 
+// Spec is the node's request as the state computes it now (requested, releasing, claimed).
+func (s *Service) Spec() []ipam.PoolRequest {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.st.Spec()
+}
+
 // commitBestEffort journals a change whose loss a restart repairs (pool settings, holdings, and
 // forgetting releasing or cooling addresses the controller took back).
 func (s *Service) commitBestEffort(ch ipam.Change, what string) {
