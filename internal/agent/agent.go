@@ -359,14 +359,11 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 		svc.StartHold(until)
 	}
 	svc.gate.setSynced()
-	svc.With(func(st *ipam.State) {
-		log.Info("reconciled with the API server", "pools", st.Served(), "attachments", st.NumAttachments(), "rebuiltFromPods", n)
-		for _, want := range cfg.Pools {
-			if _, ok := st.PoolConfig(want); !ok {
-				log.Error(nil, "--pools names a pool that does not exist", "pool", want)
-			}
-		}
-	})
+	served, attachments, unknown := svc.servedSummary(cfg.Pools)
+	log.Info("reconciled with the API server", "pools", served, "attachments", attachments, "rebuiltFromPods", n)
+	for _, want := range unknown {
+		log.Error(nil, "--pools names a pool that does not exist", "pool", want)
+	}
 	mon := NewMonitor(svc, kube, cfg.Resync, log.WithName("monitor"))
 	svc.SetKick(mon.Kick)
 	if err := mon.Round(ctx); err != nil {

@@ -495,12 +495,7 @@ func (k *Kube) acknowledge(ctx context.Context, leader string) (bool, error) {
 // and its pods use addresses; the controller creates new nodes' objects and deletes those of
 // nodes that are gone. The admission policy lets an agent create only its own node's object.
 func (k *Kube) recreate(ctx context.Context, node *corev1.Node) error {
-	var mark ipam.RecordMark
-	uses := 0
-	k.svc.With(func(st *ipam.State) {
-		mark = st.Mark()
-		uses = st.NumAttachments()
-	})
+	mark, uses := k.svc.recordUse()
 	if mark.UID == "" || uses == 0 || node.UID == "" {
 		return nil
 	}
