@@ -496,7 +496,7 @@ func (k *Kube) acknowledge(ctx context.Context, leader string) (bool, error) {
 // nodes that are gone. The admission policy lets an agent create only its own node's object.
 func (k *Kube) recreate(ctx context.Context, node *corev1.Node) error {
 	mark, uses := k.svc.recordUse()
-	if mark.UID == "" || uses == 0 || node.UID == "" {
+	if !ipam.ShouldRecreate(mark, uses, node.UID != "") {
 		return nil
 	}
 	obj := &ipwardenv1.NodeIPAllocation{ObjectMeta: metav1.ObjectMeta{
