@@ -18,23 +18,28 @@ func TestUnacknowledged(t *testing.T) {
 		}
 		return a
 	}
-	nodes := map[string]bool{"a": true, "b": true, "c": true, "d": true}
-	exists := func(n string) bool { return nodes[n] }
+	// Existing nodes, and whether a serving pool selects them.
+	nodes := map[string]bool{"a": true, "b": true, "c": true, "d": true, "unselected": false}
+	all := func(acked string) []ipwardenv1.NodeIPAllocation {
+		return []ipwardenv1.NodeIPAllocation{alloc("a", acked, false), alloc("b", acked, false), alloc("c", acked, false), alloc("d", acked, false)}
+	}
 	for _, tc := range []struct {
 		name   string
 		allocs []ipwardenv1.NodeIPAllocation
 		leader string
 		want   []string
 	}{
-		{"none", nil, "me", nil},
-		{"all acknowledged", []ipwardenv1.NodeIPAllocation{alloc("a", "me", false), alloc("b", "me", false)}, "me", nil},
+		{"all acknowledged", all("me"), "me", nil},
 		{"previous leader's acknowledgement does not count",
-			[]ipwardenv1.NodeIPAllocation{alloc("b", "old", false), alloc("a", "", false), alloc("c", "me", false)}, "me", []string{"a", "b"}},
-		{"node gone: waits for deletion, not for an agent", []ipwardenv1.NodeIPAllocation{alloc("gone", "", false)}, "me", nil},
-		{"being deleted", []ipwardenv1.NodeIPAllocation{alloc("d", "", true)}, "me", nil},
+			append(all("me")[2:], alloc("b", "old", false), alloc("a", "", false)), "me", []string{"a", "b"}},
+		{"node gone: waits for deletion, not for an agent", append(all("me"), alloc("gone", "", false)), "me", nil},
+		{"selected node without a record: deleted by hand, its pods may use addresses", all("me")[1:], "me", []string{"a"}},
+		{"none at all", nil, "me", []string{"a", "b", "c", "d"}},
+		{"record being deleted", append(all("me")[:3], alloc("d", "me", true)), "me", []string{"d"}},
+		{"an unselected node with a record counts", append(all("me"), alloc("unselected", "", false)), "me", []string{"unselected"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if got := Unacknowledged(tc.allocs, exists, tc.leader); !slices.Equal(got, tc.want) {
+			if got := Unacknowledged(tc.allocs, nodes, tc.leader); !slices.Equal(got, tc.want) {
 				t.Fatalf("Unacknowledged = %v, want %v", got, tc.want)
 			}
 		})

@@ -2,6 +2,7 @@ package controller
 
 import (
 	"fmt"
+	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -68,18 +69,36 @@ func (s *State) SettleUntil(t time.Time) { s.settleUntil = t }
 // EndSettle lets PlanFill fill from the free pool again (every node acknowledged the leader).
 func (s *State) EndSettle() { s.settleUntil = time.Time{} }
 
-// Unacknowledged lists, sorted, the nodes whose agent has not acknowledged leader: the
-// NodeIPAllocations of existing nodes, not being deleted, whose spec.acknowledgedLeader is
-// another controller's. A NodeIPAllocation whose Node is gone waits for deletion, not for an
-// agent.
-func Unacknowledged(allocs []ipwardenv1.NodeIPAllocation, nodeExists func(name string) bool, leader string) []string {
+// Unacknowledged lists, sorted, the nodes whose agent has not acknowledged leader. nodes maps
+// every existing Node to whether a serving pool selects it. A node counts when it exists and
+//
+//   - its NodeIPAllocation's spec.acknowledgedLeader names another controller, or
+//   - its NodeIPAllocation is missing or being deleted while a pool selects it: deleted by hand,
+//     its record (and the holdings this leader rebuilt from it) is gone while its pods may still
+//     use addresses; it waits until the object is back (the agent or this controller re-creates
+//     it) and the agent has claimed on it.
+//
+// A NodeIPAllocation whose Node is gone waits for deletion, not for an agent.
+func Unacknowledged(allocs []ipwardenv1.NodeIPAllocation, nodes map[string]bool, leader string) []string {
 	var out []string
+	has := map[string]bool{}
 	for i := range allocs {
 		a := &allocs[i]
-		if a.DeletionTimestamp != nil || !nodeExists(a.Name) || a.Spec.AcknowledgedLeader == leader {
+		if _, exists := nodes[a.Name]; !exists {
 			continue
 		}
+		if a.DeletionTimestamp == nil {
+			has[a.Name] = true
+			if a.Spec.AcknowledgedLeader == leader {
+				continue
+			}
+		}
 		out = append(out, a.Name)
+	}
+	for name, selected := range nodes {
+		if selected && !has[name] && !slices.Contains(out, name) {
+			out = append(out, name)
+		}
 	}
 	sort.Strings(out)
 	return out

@@ -333,6 +333,9 @@ func (c *Controller) nodeEvent(obj any) {
 	if m := metaOf(obj); m != nil {
 		c.enqueue(m.GetName())
 	}
+	if c.awaitAcks.Load() {
+		c.checkAcks(context.Background())
+	}
 }
 
 func (c *Controller) allocEvent(obj any) {
@@ -376,11 +379,13 @@ func (c *Controller) unacknowledged(ctx context.Context) ([]string, error) {
 	if err := c.cache.List(ctx, nodes); err != nil {
 		return nil, fmt.Errorf("list nodes: %w", err)
 	}
-	exists := make(map[string]bool, len(nodes.Items))
+	selected := make(map[string]bool, len(nodes.Items))
+	c.mu.Lock()
 	for _, n := range nodes.Items {
-		exists[n.Name] = true
+		selected[n.Name] = c.state.Selected(n.Labels)
 	}
-	return Unacknowledged(allocs.Items, func(n string) bool { return exists[n] }, c.fence.Holder()), nil
+	c.mu.Unlock()
+	return Unacknowledged(allocs.Items, selected, c.fence.Holder()), nil
 }
 
 func (c *Controller) poolEvent(obj any, deleted bool) {
