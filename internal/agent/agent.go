@@ -274,7 +274,7 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 				svc.SetEvents(events.NewRecorder(eventScheme(cfg.Scheme), corev1.EventSource{Component: "ipwarden-agent", Host: cfg.Node}), kube.NodeRef)
 				svc.SetPodLookup(kube.GetPod)
 				collector = NewCollector(svc, kube, CollectorOptions{Grace: cfg.GCGrace, FullCheckInterval: cfg.GCFullCheckInterval,
-					SandboxGrace: cfg.GCSandboxGrace, NetnsDirs: cfg.NetnsDirs, Log: log.WithName("gc")})
+					SandboxGrace: cfg.GCSandboxGrace, NetnsDirs: cfg.NetnsDirs, QueueMetrics: svc.metrics.Queue, Log: log.WithName("gc")})
 				kube.OnPodDelete(collector.OnPodDelete)
 			} else {
 				kube = nil

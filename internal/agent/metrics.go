@@ -56,6 +56,9 @@ type Metrics struct {
 	BadRequests      prometheus.Counter
 	AbandonedAdds    prometheus.Counter
 
+	// Queue holds the leak collector's work queue metrics (workqueue_*{name="ipwarden_agent_pod_gc"}).
+	Queue *QueueMetrics
+
 	pools map[string]bool // pool labels set by setPools
 }
 
@@ -142,6 +145,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			v.WithLabelValues(path)
 		}
 	}
+	m.Queue = NewQueueMetrics(reg)
 	if reg != nil {
 		reg.MustRegister(m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict, m.Outside,
 			m.Attachments, m.OpDuration, m.IPWait, m.JournalWrite, m.Errors, m.SpecWrites, m.Conflicts, m.RecordRewinds, m.RecordRecreated,
