@@ -112,15 +112,19 @@ type Controller struct {
 	stop        context.CancelCauseFunc // ends Start with ErrFenced
 }
 
+// FieldManager is the field manager of every write the controller makes (managedFields shows
+// which fields it owns).
+const FieldManager = "ipwarden-controller"
+
 // New returns a controller reading through c (an informer cache), reader (the API server,
-// uncached) and writing through writer.
+// uncached) and writing through writer, as FieldManager.
 func New(c cache.Cache, reader client.Reader, writer client.Client, events record.EventRecorder, m *Metrics, log logr.Logger, opts Options) *Controller {
 	opts.setDefaults()
 	s := NewScheduler(opts.MinSyncInterval, opts.BackoffBase, opts.BackoffMax)
 	s.Jitter = rand.Float64
 	s.Now = opts.Now
 	return &Controller{
-		opts: opts, cache: c, reader: reader, writer: writer, events: events, metrics: m, log: log,
+		opts: opts, cache: c, reader: reader, writer: client.WithFieldOwner(writer, FieldManager), events: events, metrics: m, log: log,
 		sched: s, state: NewState(opts.Exhaustion), nodeFlags: map[string][2]bool{},
 		poolWake: make(chan struct{}, 1), fence: opts.Fence,
 	}
