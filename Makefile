@@ -13,6 +13,9 @@ TOOLS_DIR  := hack/tools
 GO         ?= go
 FUZZTIME   ?= 30s
 CONTROLLER_GEN := $(BIN)/controller-gen
+# The version both binaries report (ipwarden version, the plugin's VERSION answer).
+VERSION    ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+LDFLAGS    := -X github.com/ipwarden/ipwarden/internal/buildinfo.Version=$(VERSION)
 
 export IPWARDEN_BIN_DIR := $(BIN)
 
@@ -21,7 +24,7 @@ export IPWARDEN_BIN_DIR := $(BIN)
 all: build
 
 build:
-	$(GO) build -o $(BIN)/ ./cmd/ipwarden ./cmd/ipwarden-cni
+	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN)/ ./cmd/ipwarden ./cmd/ipwarden-cni
 
 # Tools come from hack/tools/go.mod (kube-apiserver and etcd built from the Kubernetes and etcd
 # Go modules, controller-gen from controller-tools), so their versions are pinned there. The test
