@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -20,6 +21,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -93,7 +95,8 @@ func TestDeployManifests(t *testing.T) {
 	}
 	want := map[string]int{"CustomResourceDefinition": 2, "Namespace": 1, "ServiceAccount": 2, "ClusterRole": 2,
 		"ClusterRoleBinding": 2, "Role": 2, "RoleBinding": 2, "ValidatingAdmissionPolicy": 2,
-		"ValidatingAdmissionPolicyBinding": 2, "Deployment": 1, "Service": 1, "ConfigMap": 1, "DaemonSet": 1}
+		"ValidatingAdmissionPolicyBinding": 2, "Deployment": 1, "Service": 1, "ConfigMap": 1, "DaemonSet": 1,
+		"PodDisruptionBudget": 1}
 	for k, n := range want {
 		if kinds[k] != n {
 			t.Errorf("kustomize rendered %d %s, want %d (all: %v)", kinds[k], k, n, kinds)
@@ -134,6 +137,15 @@ func TestDeployManifests(t *testing.T) {
 	}
 	if *dep.Spec.Replicas != 2 {
 		t.Errorf("controller replicas %d, want 2", *dep.Spec.Replicas)
+	}
+	// A drain evicts one replica at a time and never the last one.
+	var pdb policyv1.PodDisruptionBudget
+	if err := k8s.Get(ctx, client.ObjectKey{Namespace: "ipwarden-system", Name: "ipwarden-controller"}, &pdb); err != nil {
+		t.Fatalf("controller PodDisruptionBudget: %v", err)
+	}
+	if pdb.Spec.MinAvailable == nil || pdb.Spec.MinAvailable.IntValue() != 1 || pdb.Spec.Selector == nil ||
+		!maps.Equal(pdb.Spec.Selector.MatchLabels, dep.Spec.Selector.MatchLabels) {
+		t.Errorf("controller PDB %+v: want minAvailable 1 selecting the Deployment's pods %v", pdb.Spec, dep.Spec.Selector.MatchLabels)
 	}
 	// hostNetwork replicas cannot surge onto a node that runs one, and two replicas may share a
 	// node: replace one at a time, declare no (host) ports, prefer spreading.
