@@ -48,6 +48,10 @@ type Options struct {
 	// ClaimSettle is how long after it starts leading the controller serves only claims and
 	// take-backs before it fills nodes from the free pool [10s].
 	ClaimSettle time.Duration
+	// PerNodeMetrics exports the node x pool gauges (node_held_addresses,
+	// node_requested_addresses, node_deficit_addresses) [false: each agent exports the same
+	// figures for its node, and at thousands of nodes these are tens of thousands of series].
+	PerNodeMetrics bool
 }
 
 func (o *Options) setDefaults() {
@@ -813,9 +817,11 @@ func (c *Controller) updateNodeMetrics(name string, spec ipwardenv1.NodeIPAlloca
 	for pool, pf := range f.Pools {
 		held := count(pf.Held)
 		d := max(requested[pool]-held, 0)
-		c.metrics.NodeHeld.WithLabelValues(name, pool).Set(float64(held))
-		c.metrics.NodeRequested.WithLabelValues(name, pool).Set(float64(requested[pool]))
-		c.metrics.NodeDeficit.WithLabelValues(name, pool).Set(float64(d))
+		if c.opts.PerNodeMetrics {
+			c.metrics.NodeHeld.WithLabelValues(name, pool).Set(float64(held))
+			c.metrics.NodeRequested.WithLabelValues(name, pool).Set(float64(requested[pool]))
+			c.metrics.NodeDeficit.WithLabelValues(name, pool).Set(float64(d))
+		}
 		if d > 0 {
 			deficit = true
 		}
