@@ -166,7 +166,7 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	st := ipam.New(cfg.Node)
 	for _, p := range st.Restore(snap) {
-		log.Error(nil, "journal: "+p)
+		log.Error(nil, "journal restore found a problem", "problem", p)
 	}
 	if snap.IsEmpty() {
 		log.Info("the journal is empty (new node, or the journal was lost): attachments will be rebuilt from the pods' status.podIPs", "journal", j.Path())
