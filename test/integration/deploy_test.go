@@ -93,7 +93,7 @@ func TestDeployManifests(t *testing.T) {
 			t.Fatalf("create %s %s: %v", u.GetKind(), u.GetName(), err)
 		}
 	}
-	want := map[string]int{"CustomResourceDefinition": 2, "Namespace": 1, "ServiceAccount": 2, "ClusterRole": 2,
+	want := map[string]int{"CustomResourceDefinition": 2, "Namespace": 1, "ServiceAccount": 2, "ClusterRole": 3,
 		"ClusterRoleBinding": 2, "Role": 2, "RoleBinding": 2, "ValidatingAdmissionPolicy": 2,
 		"ValidatingAdmissionPolicyBinding": 2, "Deployment": 1, "Service": 1, "ConfigMap": 1, "DaemonSet": 1,
 		"PodDisruptionBudget": 1}
