@@ -93,6 +93,7 @@ import (
 
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
 	"github.com/ipwarden/ipwarden/internal/agent/journal"
+	"github.com/ipwarden/ipwarden/internal/agent/nodesignal"
 	"github.com/ipwarden/ipwarden/internal/cniproto"
 )
 
@@ -129,7 +130,12 @@ type Config struct {
 	LeaseNamespace string
 	// RebuildHold bounds the unattributed hold after the journal was rebuilt from the pods.
 	RebuildHold time.Duration
-	Log         logr.Logger
+	// ExhaustedTaint adds the NoSchedule taint ipwarden.io/addresses-exhausted with the Node
+	// condition ipwarden.io/AddressesExhausted (the condition is always shown).
+	ExhaustedTaint bool
+	// ExhaustedClearFree: the signal clears when every pool has this many free addresses.
+	ExhaustedClearFree int
+	Log                logr.Logger
 }
 
 // Run runs the agent until ctx ends.
@@ -362,6 +368,7 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 		}
 	})
 	mon := NewMonitor(svc, kube, cfg.Resync, log.WithName("monitor"))
+	mon.SetSignal(NewNodeSignal(kube.API(), cfg.Node, cfg.ExhaustedTaint, nodesignal.Params{ClearFree: cfg.ExhaustedClearFree}, log.WithName("signal")))
 	svc.SetKick(mon.Kick)
 	if err := mon.Round(ctx); err != nil {
 		log.Error(err, "first pool monitor round failed; retrying in the background")
