@@ -216,6 +216,7 @@ controller:
 agent:
   priorityClassName: ""
   extraArgs: [--gc-dry-run]
+  exhaustedTaint: true
   tolerations: [{key: example.com/gpu, operator: Exists}]
 cni:
   installConfig: true
@@ -237,7 +238,7 @@ metrics:
 	str := func(u *unstructured.Unstructured) string { b, _ := yaml.Marshal(u.Object); return string(b) }
 	for key, wants := range map[string][]string{
 		"Deployment " + ns + "/ipwarden-controller":                   {"replicas: 3", "image: registry.example/ipwarden:v9.9.9", "imagePullPolicy: Always", "- --per-node-metrics"},
-		"DaemonSet " + ns + "/ipwarden-agent":                         {"- --gc-dry-run", "key: example.com/gpu", `value: "true"`},
+		"DaemonSet " + ns + "/ipwarden-agent":                         {"- --gc-dry-run", "- --exhausted-taint", "key: example.com/gpu", `value: "true"`},
 		"ConfigMap " + ns + "/ipwarden-cni-config":                    {`"socket": "/run/ipwarden/agent.sock"`, `"type": "ptp"`},
 		"ValidatingAdmissionPolicy /ipwarden-agent-own-node":          {"system:serviceaccount:" + ns + ":ipwarden-agent"},
 		"ValidatingAdmissionPolicy /ipwarden-controller-fence":        {"system:serviceaccount:" + ns + ":ipwarden-controller"},
