@@ -45,7 +45,9 @@ func NewNodeSignal(api client.Client, node string, taint bool, params nodesignal
 func (n *NodeSignal) Update(ctx context.Context, stats []ipam.PoolStats) error {
 	if !n.known {
 		var node corev1.Node
-		if err := n.api.Get(ctx, client.ObjectKey{Name: n.node}, &node); err != nil {
+		if err := n.api.Get(ctx, client.ObjectKey{Name: n.node}, &node); apierrors.IsNotFound(err) {
+			return nil // no Node object (being deleted, or a test without one): nothing to show it on
+		} else if err != nil {
 			return fmt.Errorf("read Node %s: %w", n.node, err)
 		}
 		for _, c := range node.Status.Conditions {

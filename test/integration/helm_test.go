@@ -174,6 +174,18 @@ func TestHelmChartMatchesKustomize(t *testing.T) {
 	if len(fromHelm) < 15 {
 		t.Errorf("the chart rendered only %d objects", len(fromHelm))
 	}
+	// namespace.create renders the base's Namespace (for helm template | kubectl apply).
+	withNS := helmRun(t, "template", "ipwarden", chart, "--namespace", "ipwarden-system", "--kube-version", "1.34.4", "--set", "namespace.create=true")
+	var ns *unstructured.Unstructured
+	for _, u := range decodeObjects(t, withNS) {
+		if u.GetKind() == "Namespace" {
+			normalize(u)
+			ns = u
+		}
+	}
+	if want := fromKustomize["Namespace /ipwarden-system"]; ns == nil || want == nil || !reflect.DeepEqual(ns.Object, want.Object) {
+		t.Errorf("namespace.create=true renders %v, the base has %v", ns, want)
+	}
 }
 
 // lineDiff names the first lines that differ.
