@@ -368,7 +368,10 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 		}
 	})
 	mon := NewMonitor(svc, kube, cfg.Resync, log.WithName("monitor"))
-	mon.SetSignal(NewNodeSignal(kube.API(), cfg.Node, cfg.ExhaustedTaint, nodesignal.Params{ClearFree: cfg.ExhaustedClearFree}, log.WithName("signal")))
+	signal := NewNodeSignal(kube.API(), cfg.Node, cfg.ExhaustedTaint, nodesignal.Params{ClearFree: cfg.ExhaustedClearFree}, log.WithName("signal"))
+	signal.SetReporting(events.NewRecorder(eventScheme(cfg.Scheme), corev1.EventSource{Component: "ipwarden-agent", Host: cfg.Node}),
+		svc.metrics.AddressesExhausted)
+	mon.SetSignal(signal)
 	svc.SetKick(mon.Kick)
 	if err := mon.Round(ctx); err != nil {
 		log.Error(err, "first pool monitor round failed; retrying in the background")

@@ -7,10 +7,12 @@ import (
 	"slices"
 
 	"github.com/go-logr/logr"
+	"github.com/prometheus/client_golang/prometheus"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/record"
 	"k8s.io/client-go/util/retry"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -29,11 +31,25 @@ type NodeSignal struct {
 	params nodesignal.Params
 	log    logr.Logger
 	now    func() metav1.Time
+	events record.EventRecorder // nil: none
+	gauge  prometheus.Gauge     // nil: none
 
 	known   bool // shown and reason are what the Node shows
 	shown   bool
 	reason  string
 	tainted bool
+	uid     types.UID // the Node's, for events
+}
+
+// Event reasons on the Node.
+const (
+	EventAddressesExhausted = "AddressesExhausted" // Warning: the signal was set
+	EventAddressesAvailable = "AddressesAvailable" // Normal: it cleared
+)
+
+// SetReporting makes the signal record events on the Node and keep gauge at 1 while it is set.
+func (n *NodeSignal) SetReporting(events record.EventRecorder, gauge prometheus.Gauge) {
+	n.events, n.gauge = events, gauge
 }
 
 // NewNodeSignal returns the signal writer for node; taint adds the NoSchedule taint too.
@@ -56,6 +72,7 @@ func (n *NodeSignal) Update(ctx context.Context, stats []ipam.PoolStats) error {
 			}
 		}
 		n.tainted = slices.ContainsFunc(node.Spec.Taints, isSignalTaint)
+		n.uid = node.UID
 		n.known = true
 	}
 	pools := make([]nodesignal.Pool, 0, len(stats))
@@ -75,8 +92,19 @@ func (n *NodeSignal) Update(ctx context.Context, stats []ipam.PoolStats) error {
 		}
 		if d.Exhausted != n.shown {
 			n.log.Info("scheduler signal changed", "condition", nodesignal.ConditionType, "exhausted", d.Exhausted, "reason", d.Reason, "message", d.Message)
+			if n.events != nil {
+				ref := &corev1.ObjectReference{Kind: "Node", Name: n.node, UID: n.uid, APIVersion: "v1"}
+				if d.Exhausted {
+					n.events.Event(ref, corev1.EventTypeWarning, EventAddressesExhausted, d.Message)
+				} else {
+					n.events.Event(ref, corev1.EventTypeNormal, EventAddressesAvailable, d.Message)
+				}
+			}
 		}
 		n.shown, n.reason = d.Exhausted, d.Reason
+	}
+	if n.gauge != nil {
+		n.gauge.Set(map[bool]float64{false: 0, true: 1}[n.shown])
 	}
 	wantTaint := n.taint && d.Exhausted
 	if wantTaint != n.tainted {

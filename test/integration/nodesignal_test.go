@@ -79,6 +79,10 @@ func TestSchedulerSignal(t *testing.T) {
 	// A fifth pod is bound to the node: it would wait in ContainerCreating.
 	createBoundPod(t, "signal-waiting", node)
 	waitSignal(t, node, corev1.ConditionTrue, nodesignal.ReasonAtMaxPerNode, true)
+	if ev := waitEvent(t, "AddressesExhausted", "Node", node, "", "maxPerNode"); ev.Type != corev1.EventTypeWarning {
+		t.Errorf("event %+v, want a Warning", ev)
+	}
+	ag.waitMetric(t, 10*time.Second, "ipwarden_agent_addresses_exhausted", 1)
 
 	// One address comes back: below --exhausted-clear-free, the signal stays.
 	mustDel(t, conf, "signal-sandbox-0")
@@ -95,4 +99,8 @@ func TestSchedulerSignal(t *testing.T) {
 	mustDel(t, conf, "signal-sandbox-1")
 	forceDelete(t, pods[1])
 	waitSignal(t, node, corev1.ConditionFalse, nodesignal.ReasonAddressesAvailable, false)
+	waitEvent(t, "AddressesAvailable", "Node", node, "", "free addresses")
+	if v := ag.metric(t, "ipwarden_agent_addresses_exhausted"); v != 0 {
+		t.Errorf("ipwarden_agent_addresses_exhausted = %v after the signal cleared", v)
+	}
 }
