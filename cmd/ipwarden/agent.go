@@ -89,6 +89,8 @@ pod, or on the node's NodeIPAllocation when the pod object is gone from the agen
 		"directories in which the agent sees pods' network namespaces (mount the host's read-only, with HostToContainer propagation)")
 	fs.StringVar(&f.cfg.LeaseNamespace, "lease-namespace", orDefault(os.Getenv("POD_NAMESPACE"), "default"),
 		"namespace of the node's Lease ipwarden-agent-<node> (one agent per node; default $POD_NAMESPACE, else default)")
+	fs.StringVar(&f.cfg.ControllerLease, "controller-lease", "ipwarden-controller",
+		"name of the controller's leader election Lease in --lease-namespace: the agent acknowledges each new leader (spec.acknowledgedLeader) after writing its claims from a fresh read, and the controller fills no node until every node has (\"\" disables)")
 	fs.BoolVar(&f.cfg.GCDryRun, "gc-dry-run", false,
 		"leak collection and CNI GC only report what they would free (log, IPAddressGarbageCollectionDryRun events, ipwarden_agent_gc_dry_run_total) and free nothing")
 	fs.BoolVar(&f.cfg.ExhaustedTaint, "exhausted-taint", false,

@@ -70,7 +70,7 @@ to their pools, and reports pool usage in IPPool status. Run two replicas; one l
 	fs.DurationVar(&f.leaseDuration, "leader-election-lease-duration", 15*time.Second, "how long a standby waits before taking over a Lease that was not renewed")
 	fs.DurationVar(&f.renewDeadline, "leader-election-renew-deadline", 10*time.Second, "how long the leader keeps trying to renew before it steps down")
 	fs.DurationVar(&f.retryPeriod, "leader-election-retry-period", 2*time.Second, "interval of Lease acquire and renew attempts")
-	fs.DurationVar(&f.opts.ClaimSettle, "claim-settle", 10*time.Second, "after it starts leading, how long the controller serves only claims (addresses nodes' pods use that their status lost) and take-backs before it fills nodes from the free pool")
+	fs.DurationVar(&f.opts.ClaimSettle, "claim-settle", 60*time.Second, "after it starts leading, the controller serves only claims (addresses nodes' pods use that their status lost) and take-backs until every node's agent has acknowledged it (spec.acknowledgedLeader), at most this long; without leader election, exactly this long")
 	fs.BoolVar(&f.skipLocalFence, "unsafe-skip-local-lease-check", false, "testing only: do not check the lease's expiry before each write, leaving only the API server's fence policy")
 	_ = fs.MarkHidden("unsafe-skip-local-lease-check")
 	fs.BoolVar(&f.opts.PerNodeMetrics, "per-node-metrics", false, "also export the node x pool gauges ipwarden_controller_node_{held,requested,deficit}_addresses (each agent exports its node's figures: ipwarden_agent_pool_held_addresses, _requested_addresses)")

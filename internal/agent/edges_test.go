@@ -211,7 +211,7 @@ func TestServeCancelsWaitingAddWhosePluginHungUp(t *testing.T) {
 	sendAndHangUp(t, sock, addReq("waits"), func() {
 		wait(t, "the ADD to wait", func() error {
 			var n int
-			svc.With(func(st *ipam.State) { n = st.Stats(time.Now())[0].Demand })
+			n = svc.demand("v4")
 			if n < 2 {
 				return errors.New("not waiting")
 			}
@@ -220,7 +220,7 @@ func TestServeCancelsWaitingAddWhosePluginHungUp(t *testing.T) {
 	})
 	wait(t, "the waiting ADD to stop", func() error {
 		var n int
-		svc.With(func(st *ipam.State) { n = st.Stats(time.Now())[0].Demand })
+		n = svc.demand("v4")
 		if n != 1 {
 			return errors.New("still waiting")
 		}

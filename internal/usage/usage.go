@@ -14,7 +14,7 @@ import (
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/addr"
 	"github.com/ipwarden/ipwarden/internal/check"
-	"github.com/ipwarden/ipwarden/internal/controller"
+	"github.com/ipwarden/ipwarden/internal/ippool"
 )
 
 // Where the in-use counts come from.
@@ -112,8 +112,10 @@ func parsePools(pools []ipwardenv1.IPPool) []poolInfo {
 	for i := range pools {
 		p := &pools[i]
 		pi := poolInfo{obj: p}
+		var prefixes []netip.Prefix
 		for _, c := range p.Spec.CIDRs {
 			if pr, err := netip.ParsePrefix(string(c)); err == nil {
+				prefixes = append(prefixes, pr.Masked())
 				pi.cidrs = pi.cidrs.Union(addr.SetOfPrefixes(pr.Masked()))
 			}
 		}
@@ -122,8 +124,9 @@ func parsePools(pools []ipwardenv1.IPPool) []poolInfo {
 				pi.excluded = pi.excluded.Union(s.Intersect(pi.cidrs))
 			}
 		}
-		pi.reserved = controller.Reserved(p.Spec).Intersect(pi.cidrs).Subtract(pi.excluded)
-		if cfg, err := controller.ParsePool(p.Spec); err == nil {
+		gw, _ := netip.ParseAddr(string(p.Spec.Gateway))
+		pi.reserved = ippool.Reserved(prefixes, gw).Intersect(pi.cidrs).Subtract(pi.excluded)
+		if cfg, err := ippool.Parse(p.Spec); err == nil {
 			pi.usable = cfg.Addresses
 		} else {
 			pi.invalid = err.Error()
