@@ -40,6 +40,9 @@ func cliConfig(kubeconfig string) (*rest.Config, error) {
 	rules := clientcmd.NewDefaultClientConfigLoadingRules()
 	rules.ExplicitPath = kubeconfig
 	cfg, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{}).ClientConfig()
+	if err != nil && kubeconfig != "" {
+		return nil, fmt.Errorf("load kubeconfig %s: %w", kubeconfig, err)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("load the cluster configuration: %w", err)
 	}
