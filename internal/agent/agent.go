@@ -94,6 +94,7 @@ import (
 
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
 	"github.com/ipwarden/ipwarden/internal/agent/journal"
+	"github.com/ipwarden/ipwarden/internal/agent/nodesignal"
 	"github.com/ipwarden/ipwarden/internal/cniproto"
 )
 
@@ -133,7 +134,12 @@ type Config struct {
 	ControllerLease string
 	// RebuildHold bounds the unattributed hold after the journal was rebuilt from the pods.
 	RebuildHold time.Duration
-	Log         logr.Logger
+	// ExhaustedTaint adds the NoSchedule taint ipwarden.io/addresses-exhausted with the Node
+	// condition ipwarden.io/AddressesExhausted (the condition is always shown).
+	ExhaustedTaint bool
+	// ExhaustedClearFree: the signal clears when every pool has this many free addresses.
+	ExhaustedClearFree int
+	Log                logr.Logger
 }
 
 // Run runs the agent until ctx ends.
@@ -170,7 +176,7 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	st := ipam.New(cfg.Node)
 	for _, p := range st.Restore(snap) {
-		log.Error(nil, "journal: "+p)
+		log.Error(nil, "journal restore found a problem", "problem", p)
 	}
 	if snap.IsEmpty() {
 		log.Info("the journal is empty (new node, or the journal was lost): attachments will be rebuilt from the pods' status.podIPs", "journal", j.Path())
@@ -280,7 +286,7 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 				svc.SetEvents(events.NewRecorder(eventScheme(cfg.Scheme), corev1.EventSource{Component: "ipwarden-agent", Host: cfg.Node}), kube.NodeRef)
 				svc.SetPodLookup(kube.GetPod)
 				collector = NewCollector(svc, kube, CollectorOptions{Grace: cfg.GCGrace, FullCheckInterval: cfg.GCFullCheckInterval,
-					SandboxGrace: cfg.GCSandboxGrace, NetnsDirs: cfg.NetnsDirs, Log: log.WithName("gc")})
+					SandboxGrace: cfg.GCSandboxGrace, NetnsDirs: cfg.NetnsDirs, QueueMetrics: svc.metrics.Queue, Log: log.WithName("gc")})
 				kube.OnPodDelete(collector.OnPodDelete)
 			} else {
 				kube = nil
@@ -365,6 +371,10 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 		log.Error(nil, "--pools names a pool that does not exist", "pool", want)
 	}
 	mon := NewMonitor(svc, kube, cfg.Resync, log.WithName("monitor"))
+	signal := NewNodeSignal(kube.API(), cfg.Node, cfg.ExhaustedTaint, nodesignal.Params{ClearFree: cfg.ExhaustedClearFree}, log.WithName("signal"))
+	signal.SetReporting(events.NewRecorder(eventScheme(cfg.Scheme), corev1.EventSource{Component: "ipwarden-agent", Host: cfg.Node}),
+		svc.metrics.AddressesExhausted)
+	mon.SetSignal(signal)
 	svc.SetKick(mon.Kick)
 	if err := mon.Round(ctx); err != nil {
 		log.Error(err, "first pool monitor round failed; retrying in the background")

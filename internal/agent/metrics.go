@@ -58,6 +58,13 @@ type Metrics struct {
 	BadRequests      prometheus.Counter
 	AbandonedAdds    prometheus.Counter
 
+	// AddressesExhausted is 1 while the node shows the scheduler signal (condition
+	// ipwarden.io/AddressesExhausted).
+	AddressesExhausted prometheus.Gauge
+
+	// Queue holds the leak collector's work queue metrics (workqueue_*{name="ipwarden_agent_pod_gc"}).
+	Queue *QueueMetrics
+
 	pools map[string]bool // pool labels set by setPools
 }
 
@@ -146,7 +153,11 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			v.WithLabelValues(path)
 		}
 	}
+	m.Queue = NewQueueMetrics(reg)
+	m.AddressesExhausted = prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "addresses_exhausted",
+		Help: "1 while the node shows the condition ipwarden.io/AddressesExhausted: pods wait and it can get no more addresses (at maxPerNode, or its pool exhausted)."})
 	if reg != nil {
+		reg.MustRegister(m.AddressesExhausted)
 		reg.MustRegister(m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict, m.Outside,
 			m.Attachments, m.OpDuration, m.IPWait, m.JournalWrite, m.Errors, m.SpecWrites, m.Conflicts, m.RecordRewinds, m.RecordRecreated, m.LeaderAcks,
 			m.GCCandidates, m.GCCollected, m.GCKept, m.GCFailed, m.GCDryRun, m.GCDeleteToFree, m.GCFullChecks, m.GCQueueDepth,

@@ -29,12 +29,17 @@ type Monitor struct {
 	// nextCooled is when the next address counted as cooling by the last round's target leaves
 	// its cooldown (zero: none); Run does a round then.
 	nextCooled time.Time
+	// signal, when set, shows the scheduler signal on the Node after each round.
+	signal *NodeSignal
 }
 
 // NewMonitor returns a monitor; Run starts it.
 func NewMonitor(svc *Service, pub SpecPublisher, resync time.Duration, log logr.Logger) *Monitor {
 	return &Monitor{svc: svc, pub: pub, resync: resync, log: log, kick: make(chan struct{}, 1), metrics: svc.metrics}
 }
+
+// SetSignal makes each round show the scheduler signal through sig (call before Run).
+func (m *Monitor) SetSignal(sig *NodeSignal) { m.signal = sig }
 
 // Kick asks for a round soon; it never blocks.
 func (m *Monitor) Kick() {
@@ -95,6 +100,12 @@ func (m *Monitor) Round(ctx context.Context) error {
 	m.metrics.setPools(r.stats, r.attachments)
 	if s.gate.enforce && !s.gate.leaseIsHeld() {
 		return nil // another agent holds the node's Lease: it publishes the node's request
+	}
+	if m.signal != nil {
+		// A failed Node write is retried at the next round; it never holds up the request.
+		if err := m.signal.Update(ctx, r.stats); err != nil {
+			m.log.Error(err, "cannot show the scheduler signal on the Node; retrying at the next round")
+		}
 	}
 	wrote, err := m.pub.PublishSpec(ctx, spec)
 	switch {

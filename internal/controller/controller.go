@@ -51,6 +51,10 @@ type Options struct {
 	// from the free pool anyway [60s]. Without leader election nothing acknowledges, and it
 	// waits exactly this long.
 	ClaimSettle time.Duration
+	// PerNodeMetrics exports the node x pool gauges (node_held_addresses,
+	// node_requested_addresses, node_deficit_addresses) [false: each agent exports the same
+	// figures for its node, and at thousands of nodes these are tens of thousands of series].
+	PerNodeMetrics bool
 }
 
 func (o *Options) setDefaults() {
@@ -119,15 +123,19 @@ type Controller struct {
 	ledAt     time.Time
 }
 
+// FieldManager is the field manager of every write the controller makes (managedFields shows
+// which fields it owns).
+const FieldManager = "ipwarden-controller"
+
 // New returns a controller reading through c (an informer cache), reader (the API server,
-// uncached) and writing through writer.
+// uncached) and writing through writer, as FieldManager.
 func New(c cache.Cache, reader client.Reader, writer client.Client, events record.EventRecorder, m *Metrics, log logr.Logger, opts Options) *Controller {
 	opts.setDefaults()
 	s := NewScheduler(opts.MinSyncInterval, opts.BackoffBase, opts.BackoffMax)
 	s.Jitter = rand.Float64
 	s.Now = opts.Now
 	return &Controller{
-		opts: opts, cache: c, reader: reader, writer: writer, events: events, metrics: m, log: log,
+		opts: opts, cache: c, reader: reader, writer: client.WithFieldOwner(writer, FieldManager), events: events, metrics: m, log: log,
 		sched: s, state: NewState(opts.Exhaustion), nodeFlags: map[string][2]bool{},
 		poolWake: make(chan struct{}, 1), fence: opts.Fence,
 	}
@@ -882,9 +890,11 @@ func (c *Controller) updateNodeMetrics(name string, spec ipwardenv1.NodeIPAlloca
 	for pool, pf := range f.Pools {
 		held := count(pf.Held)
 		d := max(requested[pool]-held, 0)
-		c.metrics.NodeHeld.WithLabelValues(name, pool).Set(float64(held))
-		c.metrics.NodeRequested.WithLabelValues(name, pool).Set(float64(requested[pool]))
-		c.metrics.NodeDeficit.WithLabelValues(name, pool).Set(float64(d))
+		if c.opts.PerNodeMetrics {
+			c.metrics.NodeHeld.WithLabelValues(name, pool).Set(float64(held))
+			c.metrics.NodeRequested.WithLabelValues(name, pool).Set(float64(requested[pool]))
+			c.metrics.NodeDeficit.WithLabelValues(name, pool).Set(float64(d))
+		}
 		if d > 0 {
 			deficit = true
 		}
