@@ -30,6 +30,8 @@ type Monitor struct {
 	// nextCooled is when the next address counted as cooling by the last round's target leaves
 	// its cooldown (zero: none); Run does a round then.
 	nextCooled time.Time
+	// nextRelease is when a pool's release delay ends (zero: none runs); Run does a round then.
+	nextRelease time.Time
 }
 
 // NewMonitor returns a monitor; Run starts it.
@@ -47,7 +49,8 @@ func (m *Monitor) Kick() {
 
 // Run does rounds until ctx ends. A failed round is retried with exponential backoff. Besides
 // kicks and the resync period, a round runs when the next freed address leaves its reuse
-// cooldown: cooling addresses count as demand, so the target can drop then with no other event.
+// cooldown (cooling addresses count as demand, so the target can drop then with no other event)
+// and when a release delay ends.
 func (m *Monitor) Run(ctx context.Context) {
 	ticker := time.NewTicker(m.resync)
 	defer ticker.Stop()
@@ -75,13 +78,15 @@ func (m *Monitor) Run(ctx context.Context) {
 			continue
 		}
 		backoff, retry = 0, nil
-		if !m.nextCooled.IsZero() {
-			cooled.Reset(max(0, m.nextCooled.Sub(m.svc.now())))
+		if wake := earliest(m.nextCooled, m.nextRelease); !wake.IsZero() {
+			cooled.Reset(max(0, wake.Sub(m.svc.now())))
 		}
 	}
 }
 
-// Round does one round: release what is beyond the target, then publish the request.
+// Round does one round: give back what the release decision says (scaling.DecideRelease:
+// beyond the hysteresis band for the release delay, or at once while the pool is exhausted),
+// then publish the request.
 func (m *Monitor) Round(ctx context.Context) error {
 	s := m.svc
 	s.mu.Lock()
@@ -105,6 +110,7 @@ func (m *Monitor) Round(ctx context.Context) error {
 	// The target counted addresses cooling at the state's clock, which is at least now: every
 	// one of them leaves its cooldown no earlier than NextCooled(now).
 	m.nextCooled = s.st.NextCooled(now)
+	m.nextRelease = s.st.NextRelease()
 	stats := s.st.Stats(s.now())
 	n := s.st.NumAttachments()
 	s.mu.Unlock()

@@ -60,6 +60,13 @@ type poolState struct {
 	usable      addr.Set
 	usableKnown bool
 	gone        bool
+	// excessSince is when the holding went beyond scaling.Keep (the release delay runs from
+	// then); releaseWake is when the delay ends. Zero: not beyond. Memory only.
+	excessSince, releaseWake time.Time
+	// relCooled is the part of relSet that was past its reuse cooldown on this node (or never
+	// used) when it was marked releasing: the controller may hand it to another node at once.
+	// Memory only: after a restart every releasing address cools in the pool again.
+	relCooled addr.Set
 }
 
 // setConfig sets the pool's configuration and what it lets the node hand out.
@@ -189,6 +196,7 @@ func (p *poolState) recompute() {
 		rel = append(rel, a)
 	}
 	p.relSet = addr.SetOfAddrs(rel...)
+	p.relCooled = p.relCooled.Intersect(p.relSet)
 	p.unattributed = p.unattributed.Intersect(p.held).Subtract(p.relSet).Subtract(p.inUseSet())
 	p.fresh = p.held.Subtract(p.relSet).Subtract(p.inUseSet()).Subtract(p.coolingSet()).Subtract(p.unattributed)
 	if p.usableKnown {
@@ -200,6 +208,17 @@ func (p *poolState) inUseSet() addr.Set {
 	as := make([]netip.Addr, 0, len(p.inUse))
 	for a := range p.inUse {
 		as = append(as, a)
+	}
+	return addr.SetOfAddrs(as...)
+}
+
+// stillCooling returns the freed addresses whose reuse cooldown has not passed at now.
+func (p *poolState) stillCooling(now time.Time) addr.Set {
+	as := make([]netip.Addr, 0, len(p.cooling))
+	for a, t := range p.cooling {
+		if !p.cooled(t, now) {
+			as = append(as, a)
+		}
 	}
 	return addr.SetOfAddrs(as...)
 }
