@@ -61,7 +61,7 @@ type nodeState struct {
 	// requested is spec.pools[].requested per pool, as last planned (for Regrowth).
 	requested map[string]int
 	deficit   bool
-	atCap   bool
+	atCap     bool
 }
 
 // NewState returns an empty state.
@@ -287,8 +287,8 @@ type PoolFill struct {
 	// Returned is the part of Removed the node listed as cooled (spec releasingCooled): free
 	// again at once, with no cooling record. The rest cools for the pool's reuse cooldown.
 	Returned addr.Set
-	Held    addr.Set // the node's holding after the write
-	Reason  string   // why a deficit remains, empty when none; stable while the cause lasts
+	Held     addr.Set // the node's holding after the write
+	Reason   string   // why a deficit remains, empty when none; stable while the cause lasts
 	// Detail adds the numbers of the moment (for events); the status shows only Reason so a
 	// starved node's status is not rewritten every time the pool's free count moves.
 	Detail string
