@@ -455,10 +455,13 @@ func (n *nodeState) noteRequests(spec ipwardenv1.NodeIPAllocationSpec) {
 	}
 }
 
-// Regrowth is how many more addresses the nodes drawing from pool would ask for if its
-// exhausted flag cleared now: for each node, its batch target over what it requests now,
-// taking its request as its demand (while the flag is set a node requests its demand). The
-// exhausted flag stays set until the free addresses cover it (ExhaustionMarks.Exhausted).
+// Regrowth is how many more addresses the nodes drawing from pool may come to hold if its
+// exhausted flag cleared now: for each node, the most it keeps at rest (scaling.Keep: its batch
+// target plus the scale-down hysteresis) over what it requests now, taking its request as its
+// demand (while the flag is set a node requests its demand). Not just the batch target: a node
+// grows by whole batches as its pods come and gives back only beyond Keep, so under churn the
+// nodes drift up to Keep, and a flag cleared for less would be set again. The exhausted flag
+// stays set until the free addresses cover it (ExhaustionMarks.Exhausted).
 func (s *State) Regrowth(pool string) int64 {
 	p, ok := s.pools[pool]
 	if !ok {
@@ -470,7 +473,7 @@ func (s *State) Regrowth(pool string) int64 {
 		if !ok {
 			continue
 		}
-		sum += int64(max(scaling.Target(req, p.cfg.Scaling, false)-req, 0))
+		sum += int64(max(scaling.Keep(req, p.cfg.Scaling, false)-req, 0))
 	}
 	return sum
 }

@@ -154,6 +154,8 @@ type simulator struct {
 	exhaustedFor                   time.Duration
 	series                         []Sample
 	heldHist, usedHist, idleHist   countHist
+	spareHist                      countHist // held - demand (the agent's), per node and sample
+	spareRestHist                  countHist // the same for nodes at rest: no release delay running
 	rangesHist                     countHist
 }
 
@@ -1071,6 +1073,11 @@ func (s *simulator) sample() {
 		s.heldHist.add(n.held)
 		s.usedHist.add(n.running)
 		s.idleHist.add(n.held - n.running)
+		spare := n.held - n.st.NumReleasing(poolName) - n.st.Demand(poolName)
+		s.spareHist.add(spare)
+		if n.st.NextRelease().IsZero() {
+			s.spareRestHist.add(spare)
+		}
 		h, _ := n.st.Holding(poolName)
 		s.rangesHist.add(h.NumRanges())
 	}

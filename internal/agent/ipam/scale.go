@@ -399,3 +399,12 @@ func SpecWorthWriting(published, desired []PoolRequest) bool {
 	}
 	return false
 }
+
+// NumReleasing counts the addresses of pool the node gives back and the controller has not
+// taken yet.
+func (s *State) NumReleasing(pool string) int {
+	if p, ok := s.pools[pool]; ok {
+		return len(p.releasing)
+	}
+	return 0
+}
