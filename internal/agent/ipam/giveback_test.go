@@ -125,3 +125,23 @@ func TestSpecWorthWriting(t *testing.T) {
 		})
 	}
 }
+
+// TestAddPacksLowAddresses: an ADD takes the lowest address that may be handed out, a cooled
+// one before a higher fresh one, so pods pack the low end and the node's free addresses gather
+// at the high end, where a give-back trims a run instead of splitting it.
+func TestAddPacksLowAddresses(t *testing.T) {
+	h := newHarness(t, poolV4)
+	h.hold("v4", "10.0.0.8/29")
+	if got := h.mustAdd("a"); got[0] != "10.0.0.8" {
+		t.Fatalf("first ADD got %v, want 10.0.0.8", got)
+	}
+	h.mustAdd("b")
+	h.del("a")
+	if got := h.mustAdd("c"); got[0] != "10.0.0.10" {
+		t.Fatalf("ADD during a's cooldown got %v, want the next fresh 10.0.0.10", got)
+	}
+	h.now = h.now.Add(time.Minute)
+	if got := h.mustAdd("d"); got[0] != "10.0.0.8" {
+		t.Fatalf("ADD after a's cooldown got %v, want the cooled 10.0.0.8 before fresh 10.0.0.11", got)
+	}
+}

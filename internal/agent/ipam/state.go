@@ -439,24 +439,27 @@ func sortAddresses(as []Address) {
 // cooled reports whether a cooling address freed at t may be handed out at now.
 func (p *poolState) cooled(t, now time.Time) bool { return !now.Before(t.Add(p.cfg.Cooldown)) }
 
-// next returns the address the pool would hand out at now: the lowest fresh address, else the
-// address freed longest ago if its cooldown has passed.
+// next returns the address the pool would hand out at now: the lowest of the fresh addresses
+// and those whose cooldown has passed.
 func (p *poolState) next(now time.Time) (a netip.Addr, fromCooling bool, ok bool) {
 	if !p.heldKnown {
 		return netip.Addr{}, false, false
 	}
+	// The lowest address that may be handed out, fresh or past its cooldown: pods pack the low
+	// end of the node's holding, so the free addresses gather at the high end, where the node
+	// gives back whole run ends (scaling.ChooseRelease) instead of holes that split its runs.
 	if !p.fresh.IsEmpty() {
-		return p.fresh.Ranges()[0].First, false, true
+		a, ok = p.fresh.Ranges()[0].First, true
 	}
 	for _, c := range p.coolq {
 		if !p.cooled(c.FreedAt, now) {
 			break
 		}
-		if p.held.Contains(c.Addr) && p.isUsable(c.Addr) {
-			return c.Addr, true, true
+		if (!ok || c.Addr.Less(a)) && p.held.Contains(c.Addr) && p.isUsable(c.Addr) {
+			a, fromCooling, ok = c.Addr, true, true
 		}
 	}
-	return netip.Addr{}, false, false
+	return a, fromCooling, ok
 }
 
 // take marks a as in use by k, removing it from fresh or the cooling queue.
