@@ -246,7 +246,7 @@ type PoolStats struct {
 	// Cooling counts freed addresses still inside their cooldown.
 	Cooling   int
 	Releasing int
-	// Requested is the target the node asks for.
+	// Requested is what the node asks for (spec.pools[].requested; see Request).
 	Requested int
 	// Demand is in use plus pods and ADDs waiting for an address.
 	Demand int
@@ -272,7 +272,7 @@ func (s *State) Stats(now time.Time) []PoolStats {
 			Held:         count(p.held),
 			InUse:        len(p.inUse),
 			Releasing:    len(p.releasing),
-			Requested:    s.Target(name),
+			Requested:    s.Request(name),
 			Demand:       s.Demand(name),
 			Exhausted:    p.cfg.Exhausted,
 			Unattributed: count(p.unattributed),
