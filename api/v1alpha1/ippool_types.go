@@ -38,7 +38,10 @@ type Route struct {
 //
 // The target a node holds for this pool is batchSize * ceil(bufferPercent/100 + demand/batchSize),
 // clamped at maxPerNode, where demand is the addresses in use plus pods already bound to the node
-// that will need one. While the pool is exhausted, batch and buffer drop to 1 address.
+// that will need one. A node gives addresses back only while it holds more than
+// demand + batchSize*(bufferPercent+releaseSlackPercent)/100, and only after it has for
+// releaseDelay. While the pool is exhausted, the batch is 1 address, there is no buffer, and
+// spares go back at once.
 //
 // +kubebuilder:validation:XValidation:rule="self.maxPerNode >= self.batchSize",message="maxPerNode must be at least batchSize"
 type Scaling struct {
@@ -60,6 +63,23 @@ type Scaling struct {
 	// +kubebuilder:validation:Maximum=65536
 	// +optional
 	MaxPerNode int32 `json:"maxPerNode"`
+	// ReleaseSlackPercent is the scale-down hysteresis in percent of a batch: a node gives
+	// addresses back only while it holds more than demand + batchSize*(bufferPercent +
+	// releaseSlackPercent)/100, so pods coming and going near a batch boundary cost no writes.
+	// Default 100 (one batch).
+	// +kubebuilder:default=100
+	// +kubebuilder:validation:Minimum=0
+	// +kubebuilder:validation:Maximum=1000
+	// +optional
+	ReleaseSlackPercent *int32 `json:"releaseSlackPercent,omitempty"`
+	// ReleaseDelay is how long a node must hold more than that before it gives the excess back
+	// (down to its target). Not applied while the pool is exhausted. Default 3m.
+	// +kubebuilder:default="3m"
+	// +kubebuilder:validation:Type=string
+	// +kubebuilder:validation:MaxLength=32
+	// +kubebuilder:validation:XValidation:rule="self == '0' || self.matches('^([0-9]+([.][0-9]+)?(ns|us|ms|s|m|h))+$')",messageExpression="'releaseDelay \"' + self + '\" must be a non-negative duration such as 3m, 90s or 0s'"
+	// +optional
+	ReleaseDelay *metav1.Duration `json:"releaseDelay,omitempty"`
 }
 
 // IPPoolSpec describes a range of addresses and how nodes draw from it.

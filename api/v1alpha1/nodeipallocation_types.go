@@ -30,6 +30,14 @@ type NodePoolRequest struct {
 	// +listType=atomic
 	// +optional
 	Releasing []AddressBlock `json:"releasing,omitempty"`
+	// ReleasingCooled lists the addresses of releasing that are past the pool's reuse cooldown
+	// on the node (freed long enough ago, or never handed to a pod). The controller returns
+	// them to the pool's free addresses at once instead of cooling them again; entries not in
+	// releasing are ignored.
+	// +kubebuilder:validation:MaxItems=1024
+	// +listType=atomic
+	// +optional
+	ReleasingCooled []AddressBlock `json:"releasingCooled,omitempty"`
 	// Claimed lists addresses the node's pods use that its status does not show (the record
 	// rewound: etcd restored from a backup, the object deleted and re-created, or a controller
 	// mistake). The controller grants a claimed address back when no other node holds it and

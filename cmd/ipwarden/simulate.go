@@ -106,6 +106,8 @@ See docs/simulate.md for worked examples.`,
 	fl.IntVar(&c.Scaling.BatchSize, "batch-size", c.Scaling.BatchSize, "IPPool spec.scaling.batchSize: a node's holding grows and shrinks in steps of this size")
 	fl.IntVar(&c.Scaling.BufferPercent, "buffer-percent", c.Scaling.BufferPercent, "IPPool spec.scaling.bufferPercent: share of a batch kept spare beyond demand")
 	fl.IntVar(&c.Scaling.MaxPerNode, "max-per-node", c.Scaling.MaxPerNode, "IPPool spec.scaling.maxPerNode: most addresses one node holds")
+	fl.IntVar(&c.Scaling.ReleaseSlackPercent, "release-slack-percent", c.Scaling.ReleaseSlackPercent, "IPPool spec.scaling.releaseSlackPercent: give back only beyond demand + batch*(buffer+slack)")
+	fl.DurationVar(&c.Scaling.ReleaseDelay, "release-delay", c.Scaling.ReleaseDelay, "IPPool spec.scaling.releaseDelay: how long a node holds more than that before it gives back")
 	fl.DurationVar(&c.ReuseCooldown, "reuse-cooldown", c.ReuseCooldown, "IPPool spec.reuseCooldown: how long a freed address rests before reuse")
 	fl.IntVar(&c.ControllerWorkers, "controller-workers", c.ControllerWorkers, "the controller's --workers: node syncs in parallel")
 	fl.DurationVar(&c.ControllerLatency, "controller-latency", c.ControllerLatency, "how long one status write of the controller takes (its worker is busy meanwhile)")

@@ -171,6 +171,29 @@ func (a *Allocator) Free(s Set, now time.Time) error {
 	return nil
 }
 
+// Return gives s back without a cooldown: its addresses are free at once (those
+// outside the pool are simply forgotten). For addresses the holder says are
+// past their cooldown already, or were never used. If any address of s is not
+// allocated, Return returns a *NotAllocatedError naming them and changes
+// nothing.
+func (a *Allocator) Return(s Set) error {
+	if s.IsEmpty() {
+		return nil
+	}
+	if !a.allocated.s.ContainsSet(s) {
+		return &NotAllocatedError{Addrs: s.Subtract(a.allocated.s)}
+	}
+	a.allocated.remove(s)
+	back := s.Intersect(a.pool)
+	a.free.add(back)
+	if a.freeSize == MaxCount {
+		a.freeSize = a.free.s.Size()
+	} else {
+		a.freeSize = a.freeSize.Add(back.Size())
+	}
+	return nil
+}
+
 // Expire returns the addresses whose cooldown has passed at now to the free
 // pool and returns them (including any that are no longer in the pool and
 // so are simply forgotten). Allocate, Available and Usable call it.

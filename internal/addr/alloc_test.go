@@ -514,3 +514,33 @@ func TestAllocatorConcurrentReaders(t *testing.T) {
 	}
 	wg.Wait()
 }
+
+// Return frees at once, with no cooldown; addresses outside the pool are forgotten; addresses
+// not allocated are refused and nothing changes.
+func TestAllocatorReturn(t *testing.T) {
+	now := time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC)
+	a := NewAllocator(ms("10.0.0.0/28"), time.Hour)
+	got, err := a.Allocate(8, Set{}, now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Return(ms("10.0.0.0/31,10.0.0.9")); err == nil {
+		t.Fatal("Return of an address not allocated succeeded")
+	}
+	if !a.Allocated().Equal(got) {
+		t.Fatalf("a refused Return changed the allocation: %v", a.Allocated())
+	}
+	if err := a.Return(ms("10.0.0.0/30")); err != nil {
+		t.Fatal(err)
+	}
+	if !a.Cooling().IsEmpty() || a.Available(now).Cmp(CountOf(12)) != 0 || !a.Usable(now).ContainsSet(ms("10.0.0.0/30")) {
+		t.Fatalf("after Return: cooling %v, available %v", a.Cooling(), a.Available(now))
+	}
+	// Outside the pool after it shrank: forgotten, not free.
+	if err := a.Reserve(ms("10.0.1.0")); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Return(ms("10.0.1.0")); err != nil || a.Usable(now).Contains(netip.MustParseAddr("10.0.1.0")) {
+		t.Fatalf("outside address: err %v, usable %v", err, a.Usable(now))
+	}
+}

@@ -398,8 +398,15 @@ func (k *Kube) NodeRef() *corev1.ObjectReference {
 }
 
 // PublishSpec writes reqs into the NodeIPAllocation's spec.pools unless it already says so. It
-// patches with the resource version it read (optimistic concurrency) and on a conflict retries
-// from a fresh read of the API server. It reports whether it wrote.
+// reports whether it wrote.
+//
+// The write is a merge patch of spec.pools alone, without a resourceVersion precondition: the
+// agent is the spec's only writer (its node Lease) and writes its whole request each time, so
+// there is nothing to lose by writing over a newer object. A precondition would conflict with
+// every status write of the controller since the agent's cache read (the status subresource
+// shares the object's resourceVersion): that was the routine 409 after a burst. The controller
+// keeps its own precondition on the status, so a status planned from an older spec is refused
+// and replanned.
 func (k *Kube) PublishSpec(ctx context.Context, reqs []ipam.PoolRequest) (bool, error) {
 	desired := specPools(reqs)
 	var nipa ipwardenv1.NodeIPAllocation
@@ -416,12 +423,29 @@ func (k *Kube) PublishSpec(ctx context.Context, reqs []ipam.PoolRequest) (bool, 
 		return false, nil // the cache has not seen our last write yet
 	}
 	for attempt := 0; ; attempt++ {
-		if poolsEqual(nipa.Spec.Pools, desired) {
+		if !ipam.SpecWorthWriting(requestsOf(nipa.Spec.Pools), reqs) {
 			return false, nil
 		}
 		base := nipa.DeepCopy()
 		nipa.Spec.Pools = desired
-		err := k.api.Patch(ctx, &nipa, client.MergeFromWithOptions(base, client.MergeFromWithOptimisticLock{}), fieldOwner)
+		err := k.api.Patch(ctx, &nipa, client.MergeFrom(base), fieldOwner)
+		if err == nil && k.svc.Rewound(string(nipa.UID), nipa.Generation-1) {
+			// The patch (no resourceVersion precondition) landed on an object older than this
+			// node's last write, or another one: the record rewound or was re-created under a
+			// cache that had not shown it yet. The mark must not move to it before its status
+			// was distrusted: hand the service a fresh read first (as Push would).
+			k.recordMu.Lock()
+			fresh := ipwardenv1.NodeIPAllocation{}
+			rerr := k.api.Get(ctx, client.ObjectKey{Name: k.node}, &fresh)
+			if rerr == nil {
+				rerr = k.setRecord(&fresh, true)
+			}
+			k.recordMu.Unlock()
+			if rerr != nil {
+				return true, fmt.Errorf("read NodeIPAllocation %s after writing to a rewound record: %w", k.node, rerr)
+			}
+			return true, nil
+		}
 		if err == nil {
 			k.svc.NoteSpecWritten(string(nipa.UID), nipa.Generation)
 			k.mu.Lock()
@@ -525,6 +549,13 @@ func specPools(reqs []ipam.PoolRequest) []ipwardenv1.NodePoolRequest {
 		for _, s := range r.Releasing.Strings() {
 			pr.Releasing = append(pr.Releasing, ipwardenv1.AddressBlock(s))
 		}
+		cooled := r.ReleasingCooled
+		if cooled.NumRanges() > ipam.MaxReleasingBlocks {
+			cooled = addr.NewSet(cooled.Ranges()[:ipam.MaxReleasingBlocks]...)
+		}
+		for _, s := range cooled.Strings() {
+			pr.ReleasingCooled = append(pr.ReleasingCooled, ipwardenv1.AddressBlock(s))
+		}
 		for _, s := range r.Claimed.Strings() {
 			pr.Claimed = append(pr.Claimed, ipwardenv1.AddressBlock(s))
 		}
@@ -535,8 +566,29 @@ func specPools(reqs []ipam.PoolRequest) []ipwardenv1.NodePoolRequest {
 
 func poolsEqual(a, b []ipwardenv1.NodePoolRequest) bool {
 	return slices.EqualFunc(a, b, func(x, y ipwardenv1.NodePoolRequest) bool {
-		return x.Pool == y.Pool && x.Requested == y.Requested && slices.Equal(x.Releasing, y.Releasing) && slices.Equal(x.Claimed, y.Claimed)
+		return x.Pool == y.Pool && x.Requested == y.Requested && slices.Equal(x.Releasing, y.Releasing) &&
+			slices.Equal(x.ReleasingCooled, y.ReleasingCooled) && slices.Equal(x.Claimed, y.Claimed)
 	})
+}
+
+// requestsOf reads a published spec back into requests (blocks that do not parse are left out:
+// the agent wrote them, so none should).
+func requestsOf(pools []ipwardenv1.NodePoolRequest) []ipam.PoolRequest {
+	out := make([]ipam.PoolRequest, 0, len(pools))
+	parse := func(bs []ipwardenv1.AddressBlock) addr.Set {
+		var s addr.Set
+		for _, b := range bs {
+			if one, err := addr.ParseSet([]string{string(b)}); err == nil {
+				s = s.Union(one)
+			}
+		}
+		return s
+	}
+	for _, p := range pools {
+		out = append(out, ipam.PoolRequest{Pool: p.Pool, Requested: int(p.Requested), Releasing: parse(p.Releasing),
+			ReleasingCooled: parse(p.ReleasingCooled), Claimed: parse(p.Claimed)})
+	}
+	return out
 }
 
 // PoolFromAPI converts an IPPool into what the state machine needs (through package ippool, the

@@ -31,6 +31,8 @@ type Monitor struct {
 	nextCooled time.Time
 	// signal, when set, shows the scheduler signal on the Node after each round.
 	signal *NodeSignal
+	// nextRelease is when a pool's release delay ends (zero: none runs); Run does a round then.
+	nextRelease time.Time
 }
 
 // NewMonitor returns a monitor; Run starts it.
@@ -51,7 +53,8 @@ func (m *Monitor) Kick() {
 
 // Run does rounds until ctx ends. A failed round is retried with exponential backoff. Besides
 // kicks and the resync period, a round runs when the next freed address leaves its reuse
-// cooldown: cooling addresses count as demand, so the target can drop then with no other event.
+// cooldown (cooling addresses count as demand, so the target can drop then with no other event)
+// and when a release delay ends.
 func (m *Monitor) Run(ctx context.Context) {
 	ticker := time.NewTicker(m.resync)
 	defer ticker.Stop()
@@ -79,13 +82,15 @@ func (m *Monitor) Run(ctx context.Context) {
 			continue
 		}
 		backoff, retry = 0, nil
-		if !m.nextCooled.IsZero() {
-			cooled.Reset(max(0, m.nextCooled.Sub(m.svc.now())))
+		if wake := earliest(m.nextCooled, m.nextRelease); !wake.IsZero() {
+			cooled.Reset(max(0, wake.Sub(m.svc.now())))
 		}
 	}
 }
 
-// Round does one round: release what is beyond the target, then publish the request.
+// Round does one round: give back what the release decision says (scaling.DecideRelease:
+// beyond the hysteresis band for the release delay, or at once while the pool is exhausted),
+// then publish the request.
 func (m *Monitor) Round(ctx context.Context) error {
 	s := m.svc
 	r, err := s.releaseRound()
@@ -97,6 +102,7 @@ func (m *Monitor) Round(ctx context.Context) error {
 	}
 	spec := r.spec
 	m.nextCooled = r.nextCooled
+	m.nextRelease = r.nextRelease
 	m.metrics.setPools(r.stats, r.attachments)
 	if s.gate.enforce && !s.gate.leaseIsHeld() {
 		return nil // another agent holds the node's Lease: it publishes the node's request

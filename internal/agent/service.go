@@ -153,6 +153,7 @@ type roundResult struct {
 	marked      map[string]addr.Set // addresses newly marked releasing, per pool
 	spec        []ipam.PoolRequest
 	nextCooled  time.Time
+	nextRelease time.Time // when a pool's release delay ends (zero: none runs)
 	stats       []ipam.PoolStats
 	attachments int
 }
@@ -177,6 +178,7 @@ func (s *Service) releaseRound() (roundResult, error) {
 		marked:      plan.Marked,
 		spec:        s.st.Spec(),
 		nextCooled:  s.st.NextCooled(now),
+		nextRelease: s.st.NextRelease(),
 		stats:       s.st.Stats(s.now()),
 		attachments: s.st.NumAttachments(),
 	}, nil

@@ -112,26 +112,32 @@ func TestExhaustionHysteresis(t *testing.T) {
 		prev             bool
 		free, cap, batch int64
 		starved          bool
+		regrowth         int64
 		want             bool
 	}{
 		// /16 pool, batch 16: low = max(656, 16) = 656, high = max(1311, 32) = 1311.
-		{"plenty free", false, 10000, 65536, 16, false, false},
-		{"falls below low", false, 655, 65536, 16, false, true},
-		{"at low is not below", false, 656, 65536, 16, false, false},
-		{"between marks keeps set", true, 1000, 65536, 16, false, true},
-		{"between marks keeps clear", false, 1000, 65536, 16, false, false},
-		{"at high still set", true, 1311, 65536, 16, false, true},
-		{"above high clears", true, 1312, 65536, 16, false, false},
-		{"starved fill sets at once", false, 5000, 65536, 16, true, true},
+		{"plenty free", false, 10000, 65536, 16, false, 0, false},
+		{"falls below low", false, 655, 65536, 16, false, 0, true},
+		{"at low is not below", false, 656, 65536, 16, false, 0, false},
+		{"between marks keeps set", true, 1000, 65536, 16, false, 0, true},
+		{"between marks keeps clear", false, 1000, 65536, 16, false, 0, false},
+		{"at high still set", true, 1311, 65536, 16, false, 0, true},
+		{"above high clears", true, 1312, 65536, 16, false, 0, false},
+		{"starved fill sets at once", false, 5000, 65536, 16, true, 0, true},
 		// /24 pool, batch 16: low = max(3, 16) = 16, high = max(6, 32) = 32.
-		{"small pool uses batches: below one batch", false, 15, 256, 16, false, true},
-		{"small pool: one batch left is not exhausted", false, 16, 256, 16, false, false},
-		{"small pool: clears above two batches", true, 33, 256, 16, false, false},
-		{"small pool: two batches keeps it set", true, 32, 256, 16, false, true},
-		{"empty pool", false, 0, 0, 16, false, true},
+		{"small pool uses batches: below one batch", false, 15, 256, 16, false, 0, true},
+		{"small pool: one batch left is not exhausted", false, 16, 256, 16, false, 0, false},
+		{"small pool: clears above two batches", true, 33, 256, 16, false, 0, false},
+		{"small pool: two batches keeps it set", true, 32, 256, 16, false, 0, true},
+		{"empty pool", false, 0, 0, 16, false, 0, true},
+		// Regrowth: the flag clears only when the free addresses cover what the nodes would ask
+		// for once it clears, on top of the high mark.
+		{"regrowth keeps it set above high", true, 100, 1100, 16, false, 120, true},
+		{"regrowth covered: clears", true, 153, 1100, 16, false, 120, false},
+		{"regrowth does not set a clear flag", false, 100, 1100, 16, false, 5000, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if got := m.Exhausted(tc.prev, tc.free, tc.cap, tc.batch, tc.starved); got != tc.want {
+			if got := m.Exhausted(tc.prev, tc.free, tc.cap, tc.batch, tc.starved, tc.regrowth); got != tc.want {
 				low, high := m.Thresholds(tc.cap, tc.batch)
 				t.Fatalf("Exhausted(prev=%v, free=%d) = %v, want %v (low %d high %d)", tc.prev, tc.free, got, tc.want, low, high)
 			}

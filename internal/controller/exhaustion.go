@@ -28,12 +28,18 @@ func (m ExhaustionMarks) Thresholds(capacity, batch int64) (low, high int64) {
 // Exhausted applies the hysteresis: given the previous flag and the free count now, is the pool
 // exhausted? starved reports a fill that could not be served in full just now; it sets the flag
 // whatever the count says.
-func (m ExhaustionMarks) Exhausted(prev bool, free, capacity, batch int64, starved bool) bool {
+//
+// regrowth is how many more addresses the nodes would ask for the moment the flag cleared (their
+// batch targets over their exhausted ones, see State.Regrowth). The flag clears only when the
+// free addresses cover that and still stay above the high mark: otherwise clearing would make
+// the nodes ask for more than the pool has, starve a fill, and set the flag again, over and over
+// (the simulator saw that cycle with a free count moving in a 1-2 % band).
+func (m ExhaustionMarks) Exhausted(prev bool, free, capacity, batch int64, starved bool, regrowth int64) bool {
 	low, high := m.Thresholds(capacity, batch)
 	switch {
 	case starved || free < low:
 		return true
-	case free > high:
+	case free > high+max(regrowth, 0):
 		return false
 	default:
 		return prev

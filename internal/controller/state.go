@@ -13,6 +13,7 @@ import (
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/addr"
 	"github.com/ipwarden/ipwarden/internal/ippool"
+	"github.com/ipwarden/ipwarden/internal/scaling"
 )
 
 // State is the controller's in-memory record of pools and what each node holds. It does no IO:
@@ -57,8 +58,10 @@ type nodeState struct {
 	pending map[string]addr.Set // reserved for a write whose outcome is unknown
 	claims  map[string]addr.Set // pool -> addresses its pods use that it asked back (spec)
 	labels  labels.Set
-	deficit bool
-	atCap   bool
+	// requested is spec.pools[].requested per pool, as last planned (for Regrowth).
+	requested map[string]int
+	deficit   bool
+	atCap     bool
 }
 
 // NewState returns an empty state.
@@ -81,6 +84,7 @@ func (s *State) Rebuild(pools []ipwardenv1.IPPool, allocs []ipwardenv1.NodeIPAll
 	for _, a := range allocs {
 		ns := s.node(a.Name)
 		s.SetClaims(a.Name, a.Spec)
+		ns.noteRequests(a.Spec)
 		for _, ps := range a.Status.Pools {
 			held, err := addr.ParseSet(ps.Addresses)
 			if err != nil || held.IsEmpty() {
@@ -136,7 +140,7 @@ func (s *State) pool(name string) *poolState {
 func (s *State) node(name string) *nodeState {
 	n, ok := s.nodes[name]
 	if !ok {
-		n = &nodeState{held: map[string]addr.Set{}, pending: map[string]addr.Set{}, claims: map[string]addr.Set{}}
+		n = &nodeState{held: map[string]addr.Set{}, pending: map[string]addr.Set{}, claims: map[string]addr.Set{}, requested: map[string]int{}}
 		s.nodes[name] = n
 	}
 	return n
@@ -280,8 +284,11 @@ type PoolFill struct {
 	Added   addr.Set // reserved for the node (claims granted back included)
 	Granted addr.Set // the part of Added the node claimed
 	Removed addr.Set // released addresses leaving the node
-	Held    addr.Set // the node's holding after the write
-	Reason  string   // why a deficit remains, empty when none; stable while the cause lasts
+	// Returned is the part of Removed the node listed as cooled (spec releasingCooled): free
+	// again at once, with no cooling record. The rest cools for the pool's reuse cooldown.
+	Returned addr.Set
+	Held     addr.Set // the node's holding after the write
+	Reason   string   // why a deficit remains, empty when none; stable while the cause lasts
 	// Detail adds the numbers of the moment (for events); the status shows only Reason so a
 	// starved node's status is not rewritten every time the pool's free count moves.
 	Detail string
@@ -343,6 +350,7 @@ func (s *State) ResolvePending(name string, status ipwardenv1.NodeIPAllocationSt
 func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now time.Time) *Fill {
 	n := s.node(name)
 	s.SetClaims(name, spec)
+	n.noteRequests(spec)
 	f := &Fill{Node: name, Pools: map[string]*PoolFill{}}
 	views := map[string]PoolView{}
 	for pool, held := range n.held {
@@ -353,12 +361,17 @@ func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now 
 			views[pool] = PoolView{}
 		}
 	}
+	cooled := map[string]addr.Set{}
 	for _, req := range spec.Pools {
 		rel, _ := addr.ParseSet(blocks(req.Releasing))
 		v := views[req.Pool]
 		v.Requested = int(req.Requested)
 		v.Releasing = rel
 		views[req.Pool] = v
+		if len(req.ReleasingCooled) > 0 {
+			c, _ := addr.ParseSet(blocks(req.ReleasingCooled))
+			cooled[req.Pool] = c.Intersect(rel)
+		}
 	}
 	settling := s.Settling(now)
 	plans := map[string]PoolPlan{}
@@ -372,7 +385,8 @@ func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now 
 		v.Held = held
 		v.Serving = p.serving() && p.cfg.NodeSelector.Matches(n.labels)
 		plan := Plan(v)
-		pf := &PoolFill{Plan: plan, Added: granted, Granted: granted, Removed: plan.Remove, Held: held.Subtract(plan.Remove)}
+		pf := &PoolFill{Plan: plan, Added: granted, Granted: granted, Removed: plan.Remove, Returned: plan.Remove.Intersect(cooled[pool]),
+			Held: held.Subtract(plan.Remove)}
 		if plan.Add > 0 && settling {
 			pf.Reason = "the controller is settling after it started leading: claims are served before fills"
 			plan.Add = 0
@@ -433,10 +447,42 @@ func notServingReason(p *poolState, pool string) string {
 	}
 }
 
+// noteRequests records a node's requests, for Regrowth.
+func (n *nodeState) noteRequests(spec ipwardenv1.NodeIPAllocationSpec) {
+	clear(n.requested)
+	for _, req := range spec.Pools {
+		n.requested[req.Pool] = int(req.Requested)
+	}
+}
+
+// Regrowth is how many more addresses the nodes drawing from pool may come to hold if its
+// exhausted flag cleared now: for each node, the most it keeps at rest (scaling.Keep: its batch
+// target plus the scale-down hysteresis) over what it requests now, taking its request as its
+// demand (while the flag is set a node requests its demand). Not just the batch target: a node
+// grows by whole batches as its pods come and gives back only beyond Keep, so under churn the
+// nodes drift up to Keep, and a flag cleared for less would be set again. The exhausted flag
+// stays set until the free addresses cover it (ExhaustionMarks.Exhausted).
+func (s *State) Regrowth(pool string) int64 {
+	p, ok := s.pools[pool]
+	if !ok {
+		return 0
+	}
+	var sum int64
+	for _, n := range s.nodes {
+		req, ok := n.requested[pool]
+		if !ok {
+			continue
+		}
+		sum += int64(max(scaling.Keep(req, p.cfg.Scaling, false)-req, 0))
+	}
+	return sum
+}
+
 // NeedOfNode is a node's current need without reserving anything, for the scheduler.
 func (s *State) NeedOfNode(name string, spec ipwardenv1.NodeIPAllocationSpec) Need {
 	n := s.node(name)
 	s.SetClaims(name, spec)
+	n.noteRequests(spec)
 	plans := map[string]PoolPlan{}
 	for _, req := range spec.Pools {
 		rel, _ := addr.ParseSet(blocks(req.Releasing))
@@ -458,7 +504,8 @@ func (s *State) Commit(f *Fill, now time.Time) {
 	for pool, pf := range f.Pools {
 		p := s.pool(pool)
 		if !pf.Removed.IsEmpty() {
-			_ = p.alloc.Free(pf.Removed, now)
+			_ = p.alloc.Free(pf.Removed.Subtract(pf.Returned), now)
+			_ = p.alloc.Return(pf.Returned)
 		}
 		if pf.Held.IsEmpty() {
 			delete(n.held, pool)
@@ -615,7 +662,11 @@ func (s *State) PoolStatus(name string, prev ipwardenv1.IPPoolStatus, generation
 	inPool := p.alloc.Allocated().Union(p.alloc.Cooling()).Intersect(p.cfg.Addresses)
 	allocated := inPool.Size()
 	free := capacity.Sub(allocated)
-	p.exhausted = s.Marks.Exhausted(p.exhausted, free.Int64Sat(), capacity.Int64Sat(), int64(max(p.cfg.Scaling.BatchSize, 1)), p.starved)
+	regrowth := int64(0)
+	if p.exhausted {
+		regrowth = s.Regrowth(name)
+	}
+	p.exhausted = s.Marks.Exhausted(p.exhausted, free.Int64Sat(), capacity.Int64Sat(), int64(max(p.cfg.Scaling.BatchSize, 1)), p.starved, regrowth)
 	p.starved = false
 	kept := p.cooling[:0]
 	for _, c := range p.cooling {

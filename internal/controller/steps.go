@@ -103,8 +103,8 @@ type Sequence struct {
 }
 
 // StartFill plans a node's fill and take-back (PlanFill), records the released addresses as
-// cooling, and returns the writes that publish it: the pools' cooling records first, then the
-// node's status. NoChange when the status would stay as it is.
+// cooling (except those the node gave back cooled), and returns the writes that publish it: the
+// pools' cooling records first, then the node's status. NoChange when the status would stay as it is.
 func (s *State) StartFill(name string, alloc *ipwardenv1.NodeIPAllocation, now time.Time) *Sequence {
 	f := s.PlanFill(name, alloc.Spec, now)
 	status := NodeStatus(alloc.Status, alloc.Spec, alloc.Generation, f)
@@ -116,8 +116,9 @@ func (s *State) StartFill(name string, alloc *ipwardenv1.NodeIPAllocation, now t
 		return q
 	}
 	for _, pool := range sortedKeys(f.Pools) {
-		if pf := f.Pools[pool]; !pf.Removed.IsEmpty() {
-			s.RecordCooling(pool, pf.Removed, now.Add(s.CooldownOf(pool)))
+		// Addresses the node gave back cooled (releasingCooled) need no cooling record.
+		if cool := f.Pools[pool].Removed.Subtract(f.Pools[pool].Returned); !cool.IsEmpty() {
+			s.RecordCooling(pool, cool, now.Add(s.CooldownOf(pool)))
 			q.steps = append(q.steps, Step{Kind: StepPoolStatus, Pool: pool, Node: name})
 		}
 	}

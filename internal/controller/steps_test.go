@@ -1,6 +1,7 @@
 package controller
 
 import (
+	"net/netip"
 	"testing"
 	"time"
 
@@ -117,5 +118,60 @@ func TestNodeGoneSequence(t *testing.T) {
 				t.Fatalf("result %v holds %v", q.Result(), s.Holds("n"))
 			}
 		})
+	}
+}
+
+// Addresses a node gives back cooled (releasingCooled) need no cooling record: the fill is one
+// node status write, and they are free for another node at once. The rest of releasing cools.
+func TestFillSequenceCooledGiveBack(t *testing.T) {
+	s := NewState(DefaultExhaustionMarks)
+	a := allocWith("n", "p", "10.0.0.0/29")
+	s.Rebuild([]ipwardenv1.IPPool{testPool("p", "10.0.0.0/26", time.Minute)}, []ipwardenv1.NodeIPAllocation{a}, t0)
+	a.Spec = spec("p", 4, "10.0.0.4/30")
+	a.Spec.Pools[0].ReleasingCooled = []ipwardenv1.AddressBlock{"10.0.0.4/30", "10.0.0.32"} // one not releasing: ignored
+	q := s.StartFill("n", &a, t0)
+	if got := kinds(q.Steps()); len(got) != 1 || got[0] != StepNodeStatus {
+		t.Fatalf("steps %v: want only the node status", got)
+	}
+	q.Advance(Landed)
+	if q.Result() != Committed {
+		t.Fatalf("result %v", q.Result())
+	}
+	p := s.pool("p")
+	if !p.alloc.Cooling().IsEmpty() || !p.alloc.Usable(t0).ContainsSet(set(t, "10.0.0.4/30")) || p.alloc.Allocated().Contains(netip.MustParseAddr("10.0.0.32")) {
+		t.Fatalf("cooling %v allocated %v: want 10.0.0.4/30 free at once", p.alloc.Cooling(), p.alloc.Allocated())
+	}
+
+	// Part cooled, part not: the rest gets its cooling record first.
+	b := allocWith("m", "p", "10.0.0.8/29")
+	s.Rebuild([]ipwardenv1.IPPool{testPool("p", "10.0.0.0/26", time.Minute)}, []ipwardenv1.NodeIPAllocation{b}, t0)
+	b.Spec = spec("p", 4, "10.0.0.12/30")
+	b.Spec.Pools[0].ReleasingCooled = []ipwardenv1.AddressBlock{"10.0.0.12/31"}
+	q = s.StartFill("m", &b, t0)
+	if got := kinds(q.Steps()); len(got) != 2 || got[0] != StepPoolStatus {
+		t.Fatalf("steps %v: want the cooling record of the rest first", got)
+	}
+	q.Advance(Landed)
+	q.Advance(Landed)
+	p = s.pool("p")
+	if !p.alloc.Cooling().Equal(set(t, "10.0.0.14/31")) || !p.alloc.Usable(t0).ContainsSet(set(t, "10.0.0.12/31")) {
+		t.Fatalf("cooling %v: want exactly 10.0.0.14/31, 10.0.0.12/31 free", p.alloc.Cooling())
+	}
+}
+
+// Regrowth is what the nodes would ask for over their requests if the exhausted flag cleared.
+func TestRegrowth(t *testing.T) {
+	s := NewState(DefaultExhaustionMarks)
+	a, b, c := allocWith("a", "p", "10.0.0.0/29"), allocWith("b", "p", "10.0.0.8/29"), allocWith("c", "p")
+	a.Spec, b.Spec, c.Spec = spec("p", 30), spec("p", 0), spec("p", 5)
+	s.Rebuild([]ipwardenv1.IPPool{testPool("p", "10.0.0.0/24", time.Minute)}, []ipwardenv1.NodeIPAllocation{a, b, c}, t0)
+	// Batch 4, buffer 0, release slack 100 %: Keep(d) = d + 4 for each node.
+	if got := s.Regrowth("p"); got != 12 {
+		t.Fatalf("Regrowth = %d, want 12", got)
+	}
+	// A node's new request counts once it is planned: b no longer draws from p.
+	s.PlanFill("b", spec("q", 1), t0)
+	if got := s.Regrowth("p"); got != 8 {
+		t.Fatalf("Regrowth after b left the pool = %d, want 8", got)
 	}
 }

@@ -107,6 +107,15 @@ func Parse(spec ipwardenv1.IPPoolSpec) (Pool, error) {
 	if p.Scaling == (scaling.Params{}) {
 		p.Scaling = scaling.DefaultParams
 	}
+	// The give-back settings are optional; absent means the defaults.
+	p.Scaling.ReleaseSlackPercent = scaling.DefaultParams.ReleaseSlackPercent
+	if v := spec.Scaling.ReleaseSlackPercent; v != nil {
+		p.Scaling.ReleaseSlackPercent = int(*v)
+	}
+	p.Scaling.ReleaseDelay = scaling.DefaultParams.ReleaseDelay
+	if v := spec.Scaling.ReleaseDelay; v != nil {
+		p.Scaling.ReleaseDelay = v.Duration
+	}
 	if err := p.Scaling.Validate(); err != nil {
 		return p, fmt.Errorf("spec.scaling: %w", err)
 	}

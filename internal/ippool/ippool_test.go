@@ -40,8 +40,21 @@ func TestParse(t *testing.T) {
 	if want := set(t, "10.0.0.3-10.0.0.127", "10.0.2.1-10.0.2.126"); !p.Addresses.Equal(want) {
 		t.Errorf("addresses = %v, want %v", p.Addresses, want)
 	}
-	if p.Scaling != (scaling.Params{BatchSize: 8, BufferPercent: 25, MaxPerNode: 64}) || p.Cooldown != time.Minute || p.Is6 {
+	if p.Scaling != (scaling.Params{BatchSize: 8, BufferPercent: 25, MaxPerNode: 64, ReleaseSlackPercent: 100, ReleaseDelay: 3 * time.Minute}) ||
+		p.Cooldown != time.Minute || p.Is6 {
 		t.Errorf("pool = %+v", p)
+	}
+	// Give-back settings given are taken; out of range they are an error.
+	withRel := *good.DeepCopy()
+	slack, delay := int32(250), metav1.Duration{Duration: 90 * time.Second}
+	withRel.Scaling.ReleaseSlackPercent, withRel.Scaling.ReleaseDelay = &slack, &delay
+	if p, err := Parse(withRel); err != nil || p.Scaling.ReleaseSlackPercent != 250 || p.Scaling.ReleaseDelay != 90*time.Second {
+		t.Errorf("give-back settings: %+v, %v", p.Scaling, err)
+	}
+	bad := int32(1001)
+	withRel.Scaling.ReleaseSlackPercent = &bad
+	if _, err := Parse(withRel); err == nil || !strings.Contains(err.Error(), "releaseSlackPercent 1001") {
+		t.Errorf("slack 1001: %v", err)
 	}
 	if p.Gateway != netip.MustParseAddr("10.0.0.2") || len(p.Routes) != 2 || p.Routes[1].GW != netip.MustParseAddr("10.0.0.3") {
 		t.Errorf("gateway %v routes %v", p.Gateway, p.Routes)

@@ -1,6 +1,9 @@
 package scaling
 
-import "fmt"
+import (
+	"fmt"
+	"time"
+)
 
 // Params are a pool's scaling settings (IPPool spec.scaling).
 type Params struct {
@@ -10,10 +13,20 @@ type Params struct {
 	BufferPercent int
 	// MaxPerNode caps a node's holding (>= BatchSize).
 	MaxPerNode int
+	// ReleaseSlackPercent is the scale-down hysteresis, in percent of a batch: a node gives
+	// addresses back only while it holds more than demand + batch*(buffer+slack)/100
+	// (0..1000; 100 means demand + batch*(buffer+1)). See DecideRelease.
+	ReleaseSlackPercent int
+	// ReleaseDelay is how long a node must hold more than that before it gives back (>= 0).
+	ReleaseDelay time.Duration
 }
 
-// DefaultParams are the API defaults: batch 16, buffer 50 %, at most 250 per node.
-var DefaultParams = Params{BatchSize: 16, BufferPercent: 50, MaxPerNode: 250}
+// DefaultParams are the API defaults: batch 16, buffer 50 %, at most 250 per node, give back
+// only beyond demand + batch*(buffer+1) held for 3 minutes.
+var DefaultParams = Params{BatchSize: 16, BufferPercent: 50, MaxPerNode: 250, ReleaseSlackPercent: 100, ReleaseDelay: 3 * time.Minute}
+
+// MaxReleaseSlackPercent bounds ReleaseSlackPercent (ten batches).
+const MaxReleaseSlackPercent = 1000
 
 // Validate reports the first setting the formula cannot work with.
 func (p Params) Validate() error {
@@ -24,16 +37,25 @@ func (p Params) Validate() error {
 		return fmt.Errorf("bufferPercent %d: must be between 0 and 100", p.BufferPercent)
 	case p.MaxPerNode < p.BatchSize:
 		return fmt.Errorf("maxPerNode %d: must be at least batchSize %d", p.MaxPerNode, p.BatchSize)
+	case p.ReleaseSlackPercent < 0 || p.ReleaseSlackPercent > MaxReleaseSlackPercent:
+		return fmt.Errorf("releaseSlackPercent %d: must be between 0 and %d", p.ReleaseSlackPercent, MaxReleaseSlackPercent)
+	case p.ReleaseDelay < 0:
+		return fmt.Errorf("releaseDelay %s: must not be negative", p.ReleaseDelay)
 	}
 	return nil
 }
 
 // Effective returns the parameters the formula uses: while the pool is exhausted the batch is
-// one address and the buffer one whole batch (so one spare address).
+// one address and there is no buffer, so a node holds exactly its demand and every spare goes
+// back to the pool for nodes with waiting pods (docs/design.md, "Scaling and economy"). The
+// agent counts pods bound to the node before their ADD arrives, so a new pod's address is
+// usually there before it is needed.
 func (p Params) Effective(exhausted bool) Params {
 	if exhausted {
 		p.BatchSize = 1
-		p.BufferPercent = 100
+		p.BufferPercent = 0
+		p.ReleaseSlackPercent = 0
+		p.ReleaseDelay = 0
 	}
 	return p
 }
@@ -42,7 +64,7 @@ func (p Params) Effective(exhausted bool) Params {
 //
 //	batch * ceil(bufferPercent/100 + demand/batch), clamped at maxPerNode
 //
-// with batch 1 and buffer 100 % while the pool is exhausted. A negative demand counts as 0.
+// with batch 1 and buffer 0 while the pool is exhausted. A negative demand counts as 0.
 // Params must be valid (see Validate); invalid ones are clamped to the nearest valid value.
 func Target(demand int, p Params, exhausted bool) int {
 	p = p.Effective(exhausted)

@@ -15,24 +15,24 @@ func TestTarget(t *testing.T) {
 		exhausted bool
 		want      int
 	}{
-		{"worked example: batch 16, buffer 0.5, demand 25", 25, Params{16, 50, 250}, false, 48},
+		{"worked example: batch 16, buffer 0.5, demand 25", 25, Params{BatchSize: 16, BufferPercent: 50, MaxPerNode: 250}, false, 48},
 		{"empty node keeps half a batch spare, rounded up to a batch", 0, d, false, 16},
-		{"no buffer and no demand holds nothing", 0, Params{16, 0, 250}, false, 0},
-		{"no buffer, demand exactly a batch", 16, Params{16, 0, 250}, false, 16},
-		{"no buffer, one over a batch", 17, Params{16, 0, 250}, false, 32},
+		{"no buffer and no demand holds nothing", 0, Params{BatchSize: 16, BufferPercent: 0, MaxPerNode: 250}, false, 0},
+		{"no buffer, demand exactly a batch", 16, Params{BatchSize: 16, BufferPercent: 0, MaxPerNode: 250}, false, 16},
+		{"no buffer, one over a batch", 17, Params{BatchSize: 16, BufferPercent: 0, MaxPerNode: 250}, false, 32},
 		{"buffer boundary: 8 used + 8 spare fits one batch", 8, d, false, 16},
 		{"buffer boundary: 9 used needs a second batch", 9, d, false, 32},
-		{"full buffer always adds a batch", 16, Params{16, 100, 250}, false, 32},
-		{"full buffer, demand 0", 0, Params{16, 100, 250}, false, 16},
-		{"batch 1", 5, Params{1, 50, 250}, false, 6},
+		{"full buffer always adds a batch", 16, Params{BatchSize: 16, BufferPercent: 100, MaxPerNode: 250}, false, 32},
+		{"full buffer, demand 0", 0, Params{BatchSize: 16, BufferPercent: 100, MaxPerNode: 250}, false, 16},
+		{"batch 1", 5, Params{BatchSize: 1, BufferPercent: 50, MaxPerNode: 250}, false, 6},
 		{"demand beyond max clamps to max", 400, d, false, 250},
 		{"target beyond max clamps to max even below demand", 245, d, false, 250},
-		{"max equal to batch", 3, Params{16, 50, 16}, false, 16},
-		{"exhausted: demand + 1", 25, d, true, 26},
-		{"exhausted: empty node keeps one spare", 0, d, true, 1},
+		{"max equal to batch", 3, Params{BatchSize: 16, BufferPercent: 50, MaxPerNode: 16}, false, 16},
+		{"exhausted: demand, no spare", 25, d, true, 25},
+		{"exhausted: an empty node holds nothing", 0, d, true, 0},
 		{"exhausted still clamps at max", 300, d, true, 250},
 		{"negative demand counts as zero", -5, d, false, 16},
-		{"large batch", 1000, Params{1024, 25, 65536}, false, 2048},
+		{"large batch", 1000, Params{BatchSize: 1024, BufferPercent: 25, MaxPerNode: 65536}, false, 2048},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			if got := Target(tc.demand, tc.p, tc.exhausted); got != tc.want {
@@ -51,7 +51,7 @@ func TestTargetMatchesFormula(t *testing.T) {
 				if maxN < batch {
 					continue
 				}
-				p := Params{batch, pct, maxN}
+				p := Params{BatchSize: batch, BufferPercent: pct, MaxPerNode: maxN}
 				for demand := 0; demand <= 300; demand++ {
 					got := Target(demand, p, false)
 					want := float64(batch) * math.Ceil(float64(pct)/100+float64(demand)/float64(batch))
@@ -72,8 +72,8 @@ func TestTargetMatchesFormula(t *testing.T) {
 						t.Fatalf("Target(%d, %+v) = %d does not cover demand", demand, p, got)
 					}
 					ex := Target(demand, p, true)
-					if ex > demand+1 || ex < min(demand, maxN) {
-						t.Fatalf("exhausted Target(%d, %+v) = %d, want demand+1 clamped", demand, p, ex)
+					if ex != min(demand, maxN) {
+						t.Fatalf("exhausted Target(%d, %+v) = %d, want demand clamped", demand, p, ex)
 					}
 				}
 			}
@@ -87,11 +87,11 @@ func TestParamsValidate(t *testing.T) {
 		want string
 	}{
 		{DefaultParams, ""},
-		{Params{1, 0, 1}, ""},
-		{Params{0, 50, 250}, "batchSize 0: must be at least 1"},
-		{Params{16, -1, 250}, "bufferPercent -1: must be between 0 and 100"},
-		{Params{16, 101, 250}, "bufferPercent 101: must be between 0 and 100"},
-		{Params{16, 50, 15}, "maxPerNode 15: must be at least batchSize 16"},
+		{Params{BatchSize: 1, BufferPercent: 0, MaxPerNode: 1}, ""},
+		{Params{BatchSize: 0, BufferPercent: 50, MaxPerNode: 250}, "batchSize 0: must be at least 1"},
+		{Params{BatchSize: 16, BufferPercent: -1, MaxPerNode: 250}, "bufferPercent -1: must be between 0 and 100"},
+		{Params{BatchSize: 16, BufferPercent: 101, MaxPerNode: 250}, "bufferPercent 101: must be between 0 and 100"},
+		{Params{BatchSize: 16, BufferPercent: 50, MaxPerNode: 15}, "maxPerNode 15: must be at least batchSize 16"},
 	} {
 		t.Run(fmt.Sprint(tc.p), func(t *testing.T) {
 			err := tc.p.Validate()

@@ -40,7 +40,8 @@ type Config struct {
 	// is carved from 10.0.0.0/8 (--pool-size).
 	PoolCIDRs []netip.Prefix
 	PoolSize  int
-	// Scaling is the pool's spec.scaling (--batch-size, --buffer-percent, --max-per-node).
+	// Scaling is the pool's spec.scaling (--batch-size, --buffer-percent, --max-per-node,
+	// --release-slack-percent, --release-delay).
 	Scaling scaling.Params
 	// ReuseCooldown is the pool's spec.reuseCooldown (--reuse-cooldown).
 	ReuseCooldown time.Duration
@@ -168,6 +169,10 @@ func (c Config) Validate() error {
 		bad("--buffer-percent %d: must be between 0 and 100", c.Scaling.BufferPercent)
 	case c.Scaling.MaxPerNode < c.Scaling.BatchSize || c.Scaling.MaxPerNode > 65536:
 		bad("--max-per-node %d: must be at least --batch-size %d and at most 65536", c.Scaling.MaxPerNode, c.Scaling.BatchSize)
+	case c.Scaling.ReleaseSlackPercent < 0 || c.Scaling.ReleaseSlackPercent > scaling.MaxReleaseSlackPercent:
+		bad("--release-slack-percent %d: must be between 0 and %d", c.Scaling.ReleaseSlackPercent, scaling.MaxReleaseSlackPercent)
+	case c.Scaling.ReleaseDelay < 0:
+		bad("--release-delay %s: must not be negative (0s gives back at once)", c.Scaling.ReleaseDelay)
 	}
 	nonNeg := func(flag string, d time.Duration) {
 		if d < 0 {
@@ -230,6 +235,9 @@ func (c Config) PoolSpec() (ipwardenv1.IPPoolSpec, error) {
 		},
 		ReuseCooldown: metav1.Duration{Duration: c.ReuseCooldown},
 	}
+	slack := int32(c.Scaling.ReleaseSlackPercent)
+	spec.Scaling.ReleaseSlackPercent = &slack
+	spec.Scaling.ReleaseDelay = &metav1.Duration{Duration: c.Scaling.ReleaseDelay}
 	cidrs := c.PoolCIDRs
 	if len(cidrs) == 0 {
 		hostBits := min(bits.Len32(uint32(max(c.PoolSize, 1))+1), 24) // 2^hostBits >= size+2

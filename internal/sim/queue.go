@@ -22,6 +22,7 @@ const (
 	evResync                        // the controller's full pass
 	evAgentResync                   // a node agent's periodic recomputation
 	evCooled                        // a cooling address of a node with waiting ADDs becomes usable
+	evAgentWake                     // a node's release delay ends or a counted cooling address cools: the monitor's round
 	evTraceNext                     // the next trace event is due
 	evSample                        // take a time-series sample
 )

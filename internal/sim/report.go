@@ -35,6 +35,8 @@ func WriteText(w io.Writer, s Summary) error {
 	}
 	fmt.Fprintf(&b, "  pool       %d addresses (%s), batch %d, buffer %d%%, maxPerNode %d, reuse cooldown %s\n",
 		s.Pool.Capacity, pool, sc.BatchSize, sc.BufferPercent, sc.MaxPerNode, fmtSecs(sc.ReuseCooldownSeconds))
+	fmt.Fprintf(&b, "             give back beyond demand + %d (release slack %d%%) after %s\n",
+		s.PerNode.SpareBound, sc.ReleaseSlackPercent, fmtSecs(sc.ReleaseDelaySeconds))
 	qps := "no write limit"
 	if sc.KubeAPIQPS > 0 {
 		qps = fmt.Sprintf("%g writes/s (burst %d)", sc.KubeAPIQPS, sc.KubeAPIBurst)
@@ -50,6 +52,8 @@ func WriteText(w io.Writer, s Summary) error {
 	row("held", s.PerNode.Held)
 	row("used by pods", s.PerNode.Used)
 	row("idle (held - used)", s.PerNode.Idle)
+	row(fmt.Sprintf("spare (held - demand; bound %d)", s.PerNode.SpareBound), s.PerNode.Spare)
+	row("spare at rest (no release delay running)", s.PerNode.SpareAtRest)
 	row("address runs (routes)", s.PerNode.Runs)
 	if err := tw.Flush(); err != nil {
 		return err
@@ -65,14 +69,16 @@ func WriteText(w io.Writer, s Summary) error {
 	}
 	b.WriteString("\n")
 	fmt.Fprintf(&b, "              %d failed (waited over %s: CNI error 11)", s.Pods.Failed, fmtSecs(sc.AddressWaitSeconds))
+	fmt.Fprintf(&b, "; %d never started", s.Pods.NeverStarted)
 	if s.Pods.StillWaiting > 0 {
-		fmt.Fprintf(&b, ", %d still waiting at the end", s.Pods.StillWaiting)
+		fmt.Fprintf(&b, " (%d still waiting at the end)", s.Pods.StillWaiting)
 	}
 	b.WriteString("\n")
 	wr := s.APIWrites
-	fmt.Fprintf(&b, "API writes    %s/s: agent spec %s/s, node status %s/s, pool status %s/s; %s per pod start (target <= 1/batch = %s)\n",
-		num(wr.PerSecond), num(wr.AgentPerSecond), num(wr.NodeStatusPerSecond), num(wr.PoolStatusPerSecond),
-		num(wr.PerPodStart), num(round3(1/float64(max(sc.BatchSize, 1)))))
+	fmt.Fprintf(&b, "API writes    %s/s: agent spec %s/s, node status %s/s, pool status %s/s\n",
+		num(wr.PerSecond), num(wr.AgentPerSecond), num(wr.NodeStatusPerSecond), num(wr.PoolStatusPerSecond))
+	fmt.Fprintf(&b, "              per pod start, give-back included: %s agent and node status (target <= 1/batch = %s), %s with pool status\n",
+		num(wr.PerPodStart), num(round3(1/float64(max(sc.BatchSize, 1)))), num(wr.PerPodStartAll))
 	fmt.Fprintf(&b, "              agent writes: %d raise the request, %d release addresses, %d lower it or clear released ones\n",
 		wr.AgentRaises, wr.AgentReleases, wr.AgentSpec-wr.AgentRaises-wr.AgentReleases)
 	c := s.Controller

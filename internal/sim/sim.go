@@ -59,9 +59,10 @@ type pod struct {
 
 // pubSpec is a spec an agent wrote that the controller's informer has not delivered yet.
 type pubSpec struct {
-	gen int64
-	req int
-	rel addr.Set
+	gen    int64
+	req    int
+	rel    addr.Set
+	cooled addr.Set
 }
 
 // node is one node: its agent's ipam State and what the controller knows about it.
@@ -78,6 +79,7 @@ type node struct {
 	writing, kicked bool
 	pubReq          int
 	pubRel          addr.Set
+	pubCooled       addr.Set
 	pubGen          int64
 	specQ           []pubSpec
 
@@ -90,6 +92,7 @@ type node struct {
 
 	raiseAt  time.Duration // when the agent asked for more than it holds; -1 when satisfied
 	coolWake time.Duration // a scheduled evCooled; -1 when none
+	wakeAt   time.Duration // a scheduled evAgentWake; -1 when none
 }
 
 // job is a controller worker's status write in flight.
@@ -151,6 +154,8 @@ type simulator struct {
 	exhaustedFor                   time.Duration
 	series                         []Sample
 	heldHist, usedHist, idleHist   countHist
+	spareHist                      countHist // held - demand (the agent's), per node and sample
+	spareRestHist                  countHist // the same for nodes at rest: no release delay running
 	rangesHist                     countHist
 }
 
@@ -223,7 +228,7 @@ func (s *simulator) setup() error {
 	names := cfg.nodeNames()
 	s.nodes = make([]*node, len(names))
 	for i, name := range names {
-		n := &node{name: name, st: ipam.New(name), raiseAt: -1, coolWake: -1}
+		n := &node{name: name, st: ipam.New(name), raiseAt: -1, coolWake: -1, wakeAt: -1}
 		n.st.SetPools([]ipam.Pool{s.agentPool}, []string{poolName})
 		s.nodes[i] = n
 		s.index[name] = int32(i)
@@ -310,7 +315,7 @@ func (s *simulator) warmStart() {
 			initial = append(initial, pid)
 		}
 		s.recompute(id)
-		n.spec, n.specGen = specOf(n.pubReq, n.pubRel), n.pubGen
+		n.spec, n.specGen = specOf(n.pubReq, n.pubRel, n.pubCooled), n.pubGen
 		f := s.ctl.PlanFill(n.name, n.spec, now)
 		n.status = controller.NodeStatus(n.status, n.spec, n.specGen, f)
 		s.ctl.Commit(f, now)
@@ -445,6 +450,13 @@ func (s *simulator) handle(ev event) {
 		if n.coolWake == s.now {
 			n.coolWake = -1
 		}
+		s.retryWaiters(ev.a)
+	case evAgentWake:
+		n := s.nodes[ev.a]
+		if n.wakeAt == s.now {
+			n.wakeAt = -1
+		}
+		s.recompute(ev.a)
 		s.retryWaiters(ev.a)
 	case evAgentResync:
 		s.recompute(ev.a)
@@ -649,19 +661,30 @@ func (s *simulator) recompute(i int32) {
 		n.kicked = true
 		return
 	}
-	n.st.Release(t(s.now))
-	req, rel := 0, addr.Set{}
-	for _, r := range n.st.Spec() {
-		if r.Pool == poolName {
-			req, rel = r.Requested, r.Releasing
+	now := t(s.now)
+	n.st.Release(now)
+	// The monitor's timer: a round when a release delay ends or a counted cooling address
+	// cools (the target may drop then with no other event).
+	if wake := earliest(n.st.NextRelease(), n.st.NextCooled(now)); !wake.IsZero() {
+		if d := wake.Sub(epoch); n.wakeAt < 0 || d < n.wakeAt {
+			n.wakeAt = d
+			s.q.push(d, evAgentWake, i, 0)
 		}
 	}
-	if n.pubGen > 0 && req == n.pubReq && rel.Equal(n.pubRel) {
+	req, rel, cooled := 0, addr.Set{}, addr.Set{}
+	desired := n.st.Spec()
+	for _, r := range desired {
+		if r.Pool == poolName {
+			req, rel, cooled = r.Requested, r.Releasing, r.ReleasingCooled
+		}
+	}
+	published := []ipam.PoolRequest{{Pool: poolName, Requested: n.pubReq, Releasing: n.pubRel, ReleasingCooled: n.pubCooled}}
+	if n.pubGen > 0 && !ipam.SpecWorthWriting(published, desired) {
 		return
 	}
 	raise := req > n.pubReq || n.pubGen == 0
 	release := !n.pubRel.ContainsSet(rel)
-	n.pubReq, n.pubRel = req, rel
+	n.pubReq, n.pubRel, n.pubCooled = req, rel, cooled
 	n.pubGen++
 	if !s.counting {
 		return // the warm start hands the spec to the controller itself
@@ -673,7 +696,7 @@ func (s *simulator) recompute(i int32) {
 	case release:
 		s.agentReleases++
 	}
-	n.specQ = append(n.specQ, pubSpec{gen: n.pubGen, req: req, rel: rel})
+	n.specQ = append(n.specQ, pubSpec{gen: n.pubGen, req: req, rel: rel, cooled: cooled})
 	n.writing = true
 	s.q.push(s.now+s.cfg.AgentLatency, evAgentWritten, i, 0)
 	held, _ := n.st.Holding(poolName)
@@ -705,11 +728,22 @@ func (s *simulator) statusArrive(i int32) {
 
 // --- controller ------------------------------------------------------------------------------
 
+// earliest returns the earlier of two times, ignoring zero ones.
+func earliest(a, b time.Time) time.Time {
+	if a.IsZero() || (!b.IsZero() && b.Before(a)) {
+		return b
+	}
+	return a
+}
+
 // specOf is the NodeIPAllocation spec of a published request.
-func specOf(req int, rel addr.Set) ipwardenv1.NodeIPAllocationSpec {
+func specOf(req int, rel, cooled addr.Set) ipwardenv1.NodeIPAllocationSpec {
 	r := ipwardenv1.NodePoolRequest{Pool: poolName, Requested: int32(req)}
 	for _, b := range rel.Strings() {
 		r.Releasing = append(r.Releasing, ipwardenv1.AddressBlock(b))
+	}
+	for _, b := range cooled.Strings() {
+		r.ReleasingCooled = append(r.ReleasingCooled, ipwardenv1.AddressBlock(b))
 	}
 	return ipwardenv1.NodeIPAllocationSpec{Pools: []ipwardenv1.NodePoolRequest{r}}
 }
@@ -733,7 +767,7 @@ func (s *simulator) specArrive(i int32) {
 	n := s.nodes[i]
 	ps := n.specQ[0]
 	n.specQ = n.specQ[1:]
-	n.spec, n.specGen = specOf(ps.req, ps.rel), ps.gen
+	n.spec, n.specGen = specOf(ps.req, ps.rel, ps.cooled), ps.gen
 	s.enqueue(i)
 	s.dispatch()
 }
@@ -860,7 +894,7 @@ func (s *simulator) writeDone(w int) {
 	s.setCtlHeld(n, count(held))
 	s.pm.inflight -= j.added
 	for _, pf := range j.fill.Pools {
-		if r := int64(count(pf.Removed)); r > 0 {
+		if r := int64(count(pf.Removed.Subtract(pf.Returned))); r > 0 {
 			s.pm.free(j.at.Sub(epoch), r)
 		}
 		if !pf.Added.IsEmpty() || !pf.Removed.IsEmpty() {
@@ -944,8 +978,12 @@ func (s *simulator) poolPass() {
 func (s *simulator) flushPool() bool {
 	s.pm.computed(s.now, s.cfg.ReuseCooldown)
 	fp := s.pm.print(false)
+	regrowth := int64(0)
+	if s.pm.last.exhausted {
+		regrowth = s.ctl.Regrowth(poolName)
+	}
 	fp.exhausted = s.ctl.Marks.Exhausted(s.pm.last.exhausted, s.pm.capacity-fp.allocated, s.pm.capacity,
-		int64(max(s.cfg.Scaling.BatchSize, 1)), s.pm.starved)
+		int64(max(s.cfg.Scaling.BatchSize, 1)), s.pm.starved, regrowth)
 	s.pm.starved = false
 	if s.cfg.exact {
 		st, _ := s.ctl.PoolStatus(poolName, s.poolStatus, s.poolObj.Generation, t(s.now))
@@ -1035,6 +1073,11 @@ func (s *simulator) sample() {
 		s.heldHist.add(n.held)
 		s.usedHist.add(n.running)
 		s.idleHist.add(n.held - n.running)
+		spare := n.held - n.st.NumReleasing(poolName) - n.st.Demand(poolName)
+		s.spareHist.add(spare)
+		if n.st.NextRelease().IsZero() {
+			s.spareRestHist.add(spare)
+		}
 		h, _ := n.st.Holding(poolName)
 		s.rangesHist.add(h.NumRanges())
 	}

@@ -196,15 +196,24 @@ func TestTraceStopsFreeAddresses(t *testing.T) {
 		fmt.Fprintf(&b, "%d,n1,p%d,stop\n", 100+i, i)
 	}
 	cfg.Trace = mustTrace(t, b.String())
-	cfg.Duration = 5 * time.Minute
+	cfg.Duration = 7 * time.Minute
 	res := mustRun(t, cfg)
 	if got := res.Summary.Pods.Started; got != 40 {
 		t.Fatalf("started %d, want 40", got)
 	}
+	// The last pod stops at 2m19s and its address cools until 2m49s; from then on the node
+	// holds 48 for no demand, beyond Keep(0) = 24, and gives back only after the release
+	// delay (3m): at 5m it still holds 48.
+	for _, smp := range res.Series {
+		if smp.At == 5*time.Minute && (smp.Held != 48 || smp.Running != 0) {
+			t.Fatalf("at 5m %+v: want 48 held (the release delay runs), no pods", smp)
+		}
+	}
 	last := res.Series[len(res.Series)-1]
-	// All pods gone, cooldown over: the node is back to Target(0) = 16 in one run.
-	if last.Running != 0 || last.Held != 16 || last.Cooling != 0 {
-		t.Fatalf("end state %+v: want no pods, 16 held, nothing cooling", last)
+	// After the delay the node is back to Target(0) = 16 in one run, nothing cooling in the
+	// pool: the addresses it gave back had cooled on the node (releasingCooled).
+	if last.Running != 0 || last.Held != 16 || last.Cooling != 0 || last.Allocated != 16 {
+		t.Fatalf("end state %+v: want no pods, 16 held and allocated, nothing cooling", last)
 	}
 }
 

@@ -24,6 +24,8 @@ type Scenario struct {
 	BatchSize                int      `json:"batchSize"`
 	BufferPercent            int      `json:"bufferPercent"`
 	MaxPerNode               int      `json:"maxPerNode"`
+	ReleaseSlackPercent      int      `json:"releaseSlackPercent"`
+	ReleaseDelaySeconds      float64  `json:"releaseDelaySeconds"`
 	ReuseCooldownSeconds     float64  `json:"reuseCooldownSeconds"`
 	ControllerWorkers        int      `json:"controllerWorkers"`
 	ControllerLatencySeconds float64  `json:"controllerLatencySeconds"`
@@ -62,6 +64,15 @@ type NodeSummary struct {
 	Used Stats `json:"used"`
 	// Idle is held minus used: the warm spare plus addresses cooling down on the node.
 	Idle Stats `json:"idle"`
+	// Spare is held minus the agent's demand (in use, cooling on the node, pods bound without
+	// an address yet), at least 0. At rest it is at most SpareBound.
+	Spare Stats `json:"spare"`
+	// SpareAtRest is Spare over the nodes at rest: no release delay running (a node beyond the
+	// bound gives back when its delay ends).
+	SpareAtRest Stats `json:"spareAtRest"`
+	// SpareBound is batch*(buffer+releaseSlack): docs/design.md's economy target, at rest a
+	// node holds at most demand + batch*(buffer+1) with the default slack.
+	SpareBound int `json:"spareBound"`
 	// Runs counts the contiguous address ranges a node holds: one route each at best, so fewer
 	// means node routes aggregate better.
 	Runs Stats `json:"runs"`
@@ -84,6 +95,9 @@ type PodSummary struct {
 	// StillWaiting at the end; GaveUp stopped while waiting.
 	StillWaiting int `json:"stillWaiting"`
 	GaveUp       int `json:"gaveUp,omitempty"`
+	// NeverStarted counts started pods that never got an address: still waiting at the end, or
+	// stopped while waiting.
+	NeverStarted int `json:"neverStarted"`
 }
 
 // WriteSummary counts API writes the way the components make them: an agent writes its spec
@@ -107,6 +121,8 @@ type WriteSummary struct {
 	// PerPodStart is agent and node status writes per pod start (docs/design.md's target: at most
 	// 1/batchSize).
 	PerPodStart float64 `json:"perPodStart"`
+	// PerPodStartAll adds the pool status writes (cooling records of give-backs, counts).
+	PerPodStartAll float64 `json:"perPodStartAll"`
 }
 
 // ControllerSummary is the controller's work.
@@ -157,6 +173,7 @@ func (s *simulator) summary() Summary {
 	sum := Summary{Scenario: Scenario{
 		Nodes: len(s.nodes), PodsPerNode: cfg.PodsPerNode, ChurnPerNodePerMinute: cfg.Churn,
 		BatchSize: cfg.Scaling.BatchSize, BufferPercent: cfg.Scaling.BufferPercent, MaxPerNode: cfg.Scaling.MaxPerNode,
+		ReleaseSlackPercent: cfg.Scaling.ReleaseSlackPercent, ReleaseDelaySeconds: secs(cfg.Scaling.ReleaseDelay),
 		ReuseCooldownSeconds: secs(cfg.ReuseCooldown), ControllerWorkers: cfg.ControllerWorkers,
 		ControllerLatencySeconds: secs(cfg.ControllerLatency), KubeAPIQPS: cfg.KubeAPIQPS, KubeAPIBurst: cfg.KubeAPIBurst,
 		WatchDelaySeconds:   secs(cfg.WatchDelay),
@@ -199,7 +216,8 @@ func (s *simulator) summary() Summary {
 	if len(s.series) > 0 {
 		sum.Pool.UsedOfHeldPercent = round2(100 * usedOfHeld / float64(len(s.series)))
 	}
-	sum.PerNode = NodeSummary{Held: s.heldHist.stats(), Used: s.usedHist.stats(), Idle: s.idleHist.stats(), Runs: s.rangesHist.stats()}
+	sum.PerNode = NodeSummary{Held: s.heldHist.stats(), Used: s.usedHist.stats(), Idle: s.idleHist.stats(), Runs: s.rangesHist.stats(),
+		Spare: s.spareHist.stats(), SpareAtRest: s.spareRestHist.stats(), SpareBound: (cfg.Scaling.BatchSize*(cfg.Scaling.BufferPercent+cfg.Scaling.ReleaseSlackPercent) + 99) / 100}
 
 	// Pods.
 	waits := s.waits
@@ -216,7 +234,7 @@ func (s *simulator) summary() Summary {
 		Started: s.started, InitialRunning: s.initialRunning, Waited: len(waits),
 		WaitedPercent: pct(float64(len(waits)), float64(len(waits)+s.gotAddress)),
 		Wait:          durationStats(waits, 0), WaitAll: durationStats(waits, s.gotAddress),
-		Failed: s.failed, StillWaiting: still, GaveUp: s.gaveUp,
+		Failed: s.failed, StillWaiting: still, GaveUp: s.gaveUp, NeverStarted: still + s.gaveUp,
 	}
 
 	// Writes.
@@ -230,6 +248,7 @@ func (s *simulator) summary() Summary {
 	w.PoolStatusPerSecond = round3(float64(w.PoolStatus) / d)
 	if s.started > 0 {
 		w.PerPodStart = round3(float64(w.AgentSpec+w.NodeStatus) / float64(s.started))
+		w.PerPodStartAll = round3(float64(w.Total) / float64(s.started))
 	}
 	sum.APIWrites = w
 

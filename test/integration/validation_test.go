@@ -104,6 +104,14 @@ spec:
 spec:
   cidrs: [10.0.0.0/24]
   scaling: {bufferPercent: -1}`, wantErr: []string{"spec.scaling.bufferPercent", "greater than or equal to 0"}},
+		{name: "releaseSlackPercent above 1000", spec: `
+spec:
+  cidrs: [10.0.0.0/24]
+  scaling: {releaseSlackPercent: 1001}`, wantErr: []string{"spec.scaling.releaseSlackPercent", "less than or equal to 1000"}},
+		{name: "releaseDelay negative", spec: `
+spec:
+  cidrs: [10.0.0.0/24]
+  scaling: {releaseDelay: -3m}`, wantErr: []string{`releaseDelay "-3m" must be a non-negative duration`}},
 		{name: "negative cooldown", spec: `
 spec:
   cidrs: [10.0.0.0/24]
@@ -179,9 +187,10 @@ func TestIPPoolDefaults(t *testing.T) {
 	if err := k8s.Get(ctx, client.ObjectKey{Name: u.GetName()}, &pool); err != nil {
 		t.Fatal(err)
 	}
-	want := ipwardenv1.Scaling{BatchSize: 16, BufferPercent: 50, MaxPerNode: 250}
-	if pool.Spec.Scaling != want {
-		t.Errorf("scaling defaults = %+v, want %+v", pool.Spec.Scaling, want)
+	sc := pool.Spec.Scaling
+	if sc.BatchSize != 16 || sc.BufferPercent != 50 || sc.MaxPerNode != 250 ||
+		sc.ReleaseSlackPercent == nil || *sc.ReleaseSlackPercent != 100 || sc.ReleaseDelay == nil || sc.ReleaseDelay.Duration != 3*time.Minute {
+		t.Errorf("scaling defaults = %+v, want batch 16, buffer 50, maxPerNode 250, releaseSlackPercent 100, releaseDelay 3m", sc)
 	}
 	if pool.Spec.ReuseCooldown.Duration != 30*time.Second {
 		t.Errorf("reuseCooldown default = %v, want 30s", pool.Spec.ReuseCooldown.Duration)

@@ -86,6 +86,39 @@ func (s *State) Target(pool string) int {
 	return scaling.Target(s.Demand(pool), p.cfg.Scaling, p.cfg.Exhausted)
 }
 
+// decide is scaling.DecideRelease for pool at the state's clock: what to give back now and what
+// to request. A pool that no longer selects the node drains: everything free goes, at once.
+// holding is what the node holds and does not give back already.
+func (s *State) decide(name string, holding int) scaling.Release {
+	p := s.pools[name]
+	if !p.known || !s.isServed(name) {
+		return scaling.Release{Give: holding}
+	}
+	return scaling.DecideRelease(holding, s.Demand(name), p.cfg.Scaling, p.cfg.Exhausted, p.excessSince, s.clock)
+}
+
+// Request is what the node asks for from pool (spec.pools[].requested): its Target when it grows
+// or gives back; inside the scale-down hysteresis, what it holds (so the spec does not change).
+func (s *State) Request(pool string) int {
+	p, ok := s.pools[pool]
+	if !ok || !p.known || !s.isServed(pool) {
+		return 0
+	}
+	return s.decide(pool, count(p.held.Subtract(p.relSet))).Request
+}
+
+// NextRelease returns when a pool's release delay ends (the node should decide again then),
+// or the zero time if no delay runs.
+func (s *State) NextRelease() time.Time {
+	var next time.Time
+	for _, p := range s.pools {
+		if w := p.releaseWake; !w.IsZero() && (next.IsZero() || w.Before(next)) {
+			next = w
+		}
+	}
+	return next
+}
+
 // ReleasePlan is what Release marked, for the journal and for UnmarkReleasing.
 type ReleasePlan struct {
 	Change Change
@@ -117,12 +150,22 @@ func (s *State) Release(now time.Time) ReleasePlan {
 			rel = free.Subtract(p.usable)
 			holding, free = holding.Subtract(rel), free.Subtract(rel)
 		}
-		if excess := count(holding) - s.Target(name); excess > 0 {
-			rel = rel.Union(scaling.ChooseRelease(holding, free, excess))
+		d := s.decide(name, count(holding))
+		p.excessSince, p.releaseWake = d.ExcessSince, d.WakeAt
+		if give := min(d.Give, count(holding)); give > 0 {
+			// Addresses past their cooldown (or never used) first: those the controller can
+			// hand to another node at once.
+			cooled := free.Subtract(p.stillCooling(now))
+			pick := scaling.ChooseRelease(holding, cooled, give)
+			if n := count(pick); n < give {
+				pick = pick.Union(scaling.ChooseRelease(holding.Subtract(pick), free.Subtract(pick), give-n))
+			}
+			rel = rel.Union(pick)
 		}
 		if rel.IsEmpty() {
 			continue
 		}
+		p.relCooled = p.relCooled.Union(rel.Subtract(p.stillCooling(now)))
 		for _, a := range rel.Addrs(count(rel)) {
 			p.releasing[a] = now
 			if t, cool := p.cooling[a]; cool {
@@ -175,7 +218,8 @@ func (s *State) Spec() []PoolRequest {
 		if claimed.NumRanges() > MaxReleasingBlocks {
 			claimed = addr.NewSet(claimed.Ranges()[:MaxReleasingBlocks]...)
 		}
-		out = append(out, PoolRequest{Pool: name, Requested: s.Target(name), Releasing: rel, Claimed: claimed})
+		out = append(out, PoolRequest{Pool: name, Requested: s.Request(name), Releasing: rel,
+			ReleasingCooled: p.relCooled.Intersect(rel), Claimed: claimed})
 	}
 	return out
 }
@@ -202,7 +246,7 @@ type PoolStats struct {
 	// Cooling counts freed addresses still inside their cooldown.
 	Cooling   int
 	Releasing int
-	// Requested is the target the node asks for.
+	// Requested is what the node asks for (spec.pools[].requested; see Request).
 	Requested int
 	// Demand is in use plus pods and ADDs waiting for an address.
 	Demand int
@@ -228,7 +272,7 @@ func (s *State) Stats(now time.Time) []PoolStats {
 			Held:         count(p.held),
 			InUse:        len(p.inUse),
 			Releasing:    len(p.releasing),
-			Requested:    s.Target(name),
+			Requested:    s.Request(name),
 			Demand:       s.Demand(name),
 			Exhausted:    p.cfg.Exhausted,
 			Unattributed: count(p.unattributed),
@@ -329,4 +373,38 @@ func (s *State) Reason(pool string, now time.Time) string {
 		return fmt.Sprintf("the controller has not answered: node %s requested %d addresses of pool %s and holds %d%s; check that ipwarden controller is running",
 			s.node, s.Target(pool), pool, holding, coolNote)
 	}
+}
+
+// SpecWorthWriting says whether the node's desired request differs from the published one in a
+// way the controller must see: a pool's requested count or claims changed, or addresses to give
+// back (or their cooled mark) were added, or a pool entry came or went. A desired request that
+// only drops releasing entries (the controller took them, the node forgot them) is not worth a
+// write of its own: the controller never hands a node an address its spec lists as releasing,
+// so the stale entries are harmless, and they go with the node's next write. That saves the
+// "clear" write after every give-back (and the status write it would cause).
+func SpecWorthWriting(published, desired []PoolRequest) bool {
+	if len(published) != len(desired) {
+		return true
+	}
+	byPool := make(map[string]PoolRequest, len(published))
+	for _, r := range published {
+		byPool[r.Pool] = r
+	}
+	for _, d := range desired {
+		p, ok := byPool[d.Pool]
+		if !ok || p.Requested != d.Requested || !p.Claimed.Equal(d.Claimed) ||
+			!p.Releasing.ContainsSet(d.Releasing) || !p.ReleasingCooled.ContainsSet(d.ReleasingCooled) {
+			return true
+		}
+	}
+	return false
+}
+
+// NumReleasing counts the addresses of pool the node gives back and the controller has not
+// taken yet.
+func (s *State) NumReleasing(pool string) int {
+	if p, ok := s.pools[pool]; ok {
+		return len(p.releasing)
+	}
+	return 0
 }

@@ -60,6 +60,13 @@ type poolState struct {
 	usable      addr.Set
 	usableKnown bool
 	gone        bool
+	// excessSince is when the holding went beyond scaling.Keep (the release delay runs from
+	// then); releaseWake is when the delay ends. Zero: not beyond. Memory only.
+	excessSince, releaseWake time.Time
+	// relCooled is the part of relSet that was past its reuse cooldown on this node (or never
+	// used) when it was marked releasing: the controller may hand it to another node at once.
+	// Memory only: after a restart every releasing address cools in the pool again.
+	relCooled addr.Set
 }
 
 // setConfig sets the pool's configuration and what it lets the node hand out.
@@ -189,6 +196,7 @@ func (p *poolState) recompute() {
 		rel = append(rel, a)
 	}
 	p.relSet = addr.SetOfAddrs(rel...)
+	p.relCooled = p.relCooled.Intersect(p.relSet)
 	p.unattributed = p.unattributed.Intersect(p.held).Subtract(p.relSet).Subtract(p.inUseSet())
 	p.fresh = p.held.Subtract(p.relSet).Subtract(p.inUseSet()).Subtract(p.coolingSet()).Subtract(p.unattributed)
 	if p.usableKnown {
@@ -200,6 +208,17 @@ func (p *poolState) inUseSet() addr.Set {
 	as := make([]netip.Addr, 0, len(p.inUse))
 	for a := range p.inUse {
 		as = append(as, a)
+	}
+	return addr.SetOfAddrs(as...)
+}
+
+// stillCooling returns the freed addresses whose reuse cooldown has not passed at now.
+func (p *poolState) stillCooling(now time.Time) addr.Set {
+	as := make([]netip.Addr, 0, len(p.cooling))
+	for a, t := range p.cooling {
+		if !p.cooled(t, now) {
+			as = append(as, a)
+		}
 	}
 	return addr.SetOfAddrs(as...)
 }
@@ -420,24 +439,27 @@ func sortAddresses(as []Address) {
 // cooled reports whether a cooling address freed at t may be handed out at now.
 func (p *poolState) cooled(t, now time.Time) bool { return !now.Before(t.Add(p.cfg.Cooldown)) }
 
-// next returns the address the pool would hand out at now: the lowest fresh address, else the
-// address freed longest ago if its cooldown has passed.
+// next returns the address the pool would hand out at now: the lowest of the fresh addresses
+// and those whose cooldown has passed.
 func (p *poolState) next(now time.Time) (a netip.Addr, fromCooling bool, ok bool) {
 	if !p.heldKnown {
 		return netip.Addr{}, false, false
 	}
+	// The lowest address that may be handed out, fresh or past its cooldown: pods pack the low
+	// end of the node's holding, so the free addresses gather at the high end, where the node
+	// gives back whole run ends (scaling.ChooseRelease) instead of holes that split its runs.
 	if !p.fresh.IsEmpty() {
-		return p.fresh.Ranges()[0].First, false, true
+		a, ok = p.fresh.Ranges()[0].First, true
 	}
 	for _, c := range p.coolq {
 		if !p.cooled(c.FreedAt, now) {
 			break
 		}
-		if p.held.Contains(c.Addr) && p.isUsable(c.Addr) {
-			return c.Addr, true, true
+		if (!ok || c.Addr.Less(a)) && p.held.Contains(c.Addr) && p.isUsable(c.Addr) {
+			a, fromCooling, ok = c.Addr, true, true
 		}
 	}
-	return netip.Addr{}, false, false
+	return a, fromCooling, ok
 }
 
 // take marks a as in use by k, removing it from fresh or the cooling queue.

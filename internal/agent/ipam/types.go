@@ -244,6 +244,9 @@ type PoolRequest struct {
 	Pool      string
 	Requested int
 	Releasing addr.Set
+	// ReleasingCooled is the part of Releasing past its reuse cooldown on the node (or never
+	// used): the controller returns it to the free pool without another cooldown.
+	ReleasingCooled addr.Set
 	// Claimed are addresses the node's attachments use that its status lacks (record.go).
 	Claimed addr.Set
 }
