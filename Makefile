@@ -1,7 +1,7 @@
 # ipwarden — build, generate, test.
 #
-#   make test      everything CI runs: generated files up to date, vet, unit + fuzz seeds +
-#                  integration tests against a real kube-apiserver and etcd
+#   make test      everything CI runs: generated files up to date, gofmt, go vet, staticcheck,
+#                  unit + fuzz seeds + integration tests against a real kube-apiserver and etcd
 #   make tools     build the pinned test control plane, kubectl, the real-node suite's kubelet,
 #                  kube-controller-manager and kube-scheduler, and controller-gen into _bin/ (once)
 #   make generate  regenerate deepcopy code and CRD YAML from api/v1alpha1
@@ -13,10 +13,11 @@ TOOLS_DIR  := hack/tools
 GO         ?= go
 FUZZTIME   ?= 30s
 CONTROLLER_GEN := $(BIN)/controller-gen
+STATICCHECK    := $(BIN)/staticcheck
 
 export IPWARDEN_BIN_DIR := $(BIN)
 
-.PHONY: all build test unit integration vet verify-generated generate tools fuzz clean
+.PHONY: all build test unit integration vet staticcheck verify-generated generate tools fuzz clean
 
 all: build
 
@@ -32,6 +33,12 @@ tools: $(CONTROLLER_GEN)
 $(CONTROLLER_GEN): $(TOOLS_DIR)/go.mod $(TOOLS_DIR)/go.sum
 	@mkdir -p $(BIN)
 	cd $(TOOLS_DIR) && $(GO) build -o $(BIN)/ sigs.k8s.io/controller-tools/cmd/controller-gen
+
+# staticcheck comes from its own module (hack/staticcheck/go.mod), so its pin does not touch the
+# control plane's in hack/tools.
+$(STATICCHECK): hack/staticcheck/go.mod hack/staticcheck/go.sum
+	@mkdir -p $(BIN)
+	cd hack/staticcheck && $(GO) build -o $(BIN)/ honnef.co/go/tools/cmd/staticcheck
 
 generate: $(CONTROLLER_GEN)
 	$(CONTROLLER_GEN) object paths=./api/...
@@ -54,13 +61,16 @@ vet:
 	  if [ -n "$$unformatted" ]; then echo "gofmt needed: $$unformatted" >&2; exit 1; fi
 	$(GO) vet ./...
 
+staticcheck: $(STATICCHECK)
+	$(STATICCHECK) ./...
+
 unit:
 	$(GO) test -count=1 $$($(GO) list ./... | grep -v /test/)
 
 integration: tools
 	$(GO) test -count=1 ./test/...
 
-test: verify-generated vet tools
+test: verify-generated vet staticcheck tools
 	$(GO) test -count=1 -timeout 30m ./...
 
 fuzz:

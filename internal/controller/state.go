@@ -56,8 +56,6 @@ type nodeState struct {
 	pending map[string]addr.Set // reserved for a write whose outcome is unknown
 	claims  map[string]addr.Set // pool -> addresses its pods use that it asked back (spec)
 	labels  labels.Set
-	deficit bool
-	atCap   bool
 }
 
 // NewState returns an empty state.

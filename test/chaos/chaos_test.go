@@ -79,7 +79,6 @@ type chaos struct {
 	liveMu   sync.Mutex
 	running  map[string]*podRun // pods left running at the end, by name
 	counts   sync.Map           // name -> *atomic.Int64
-	apiDown  atomic.Bool
 	problems []string
 	probMu   sync.Mutex
 }
@@ -90,7 +89,6 @@ type chaosNode struct {
 	agent   *localcluster.Process
 	net     *localcluster.Network
 	deleted atomic.Bool
-	mu      sync.RWMutex // held for reading by lifecycles, for writing while the agent restarts
 }
 
 type podRun struct {
