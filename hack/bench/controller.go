@@ -102,18 +102,17 @@ func (b *controllerBench) run(ctx context.Context) ([]figure, error) {
 		}); err != nil {
 			return nil, err
 		}
-		for {
+		if err := localcluster.WaitFor(ctx, time.Minute, 2*time.Millisecond, func() error {
 			a := &ipwardenv1.NodeIPAllocation{}
 			if err := b.c.Get(ctx, client.ObjectKey{Name: name}, a); err != nil {
-				return nil, err
+				return err
 			}
-			if len(a.Status.Pools) == 1 && a.Status.Pools[0].Held == req {
-				break
+			if len(a.Status.Pools) != 1 || a.Status.Pools[0].Held != req {
+				return fmt.Errorf("node %s not filled to %d", name, req)
 			}
-			if time.Since(t0) > time.Minute {
-				return nil, fmt.Errorf("node %s not filled to %d within a minute", name, req)
-			}
-			time.Sleep(2 * time.Millisecond) // poll interval
+			return nil
+		}); err != nil {
+			return nil, err
 		}
 		lat = append(lat, time.Since(t0))
 	}
@@ -165,9 +164,8 @@ func (b *controllerBench) forEachNode(ctx context.Context, f func(string) error)
 }
 
 func (b *controllerBench) waitAllocated(ctx context.Context, want int64, timeout time.Duration) error {
-	deadline := time.Now().Add(timeout)
 	last := time.Now()
-	for time.Now().Before(deadline) {
+	return localcluster.WaitFor(ctx, timeout, 50*time.Millisecond, func() error {
 		p := &ipwardenv1.IPPool{}
 		if err := b.c.Get(ctx, client.ObjectKey{Name: "bench"}, p); err != nil {
 			return err
@@ -179,9 +177,8 @@ func (b *controllerBench) waitAllocated(ctx context.Context, want int64, timeout
 			b.log("  %d of %d addresses allocated", p.Status.Allocated, want)
 			last = time.Now()
 		}
-		time.Sleep(50 * time.Millisecond) // poll interval
-	}
-	return fmt.Errorf("pool not filled to %d within %s", want, timeout)
+		return fmt.Errorf("pool not filled to %d: %d allocated", want, p.Status.Allocated)
+	})
 }
 
 // benchProc is a controller process of the bench and when it started.

@@ -17,7 +17,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -27,6 +26,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/ipwarden/ipwarden/internal/localcluster"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
@@ -140,7 +140,7 @@ func Start(ctx context.Context, opts Options) (cp *ControlPlane, err error) {
 }
 
 func (cp *ControlPlane) startEtcd(ctx context.Context) error {
-	ports, err := freePorts(2)
+	ports, err := localcluster.FreePorts(2)
 	if err != nil {
 		return err
 	}
@@ -178,7 +178,7 @@ func (cp *ControlPlane) RestartEtcd(ctx context.Context) error {
 func (cp *ControlPlane) StopEtcd() error { return cp.etcd.kill() }
 
 func (cp *ControlPlane) startAPIServer(ctx context.Context) error {
-	ports, err := freePorts(1)
+	ports, err := localcluster.FreePorts(1)
 	if err != nil {
 		return err
 	}
@@ -302,27 +302,6 @@ func waitFor(ctx context.Context, p *process, name string, ready func() bool) er
 		case <-tick.C:
 		}
 	}
-}
-
-// freePorts reserves n distinct free loopback TCP ports. The ports are released before return,
-// so another process could take one in between; Start fails clearly if that happens.
-func freePorts(n int) ([]int, error) {
-	var ls []net.Listener
-	defer func() {
-		for _, l := range ls {
-			l.Close()
-		}
-	}()
-	var ports []int
-	for range n {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			return nil, fmt.Errorf("find a free loopback port: %w", err)
-		}
-		ls = append(ls, l)
-		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
-	}
-	return ports, nil
 }
 
 func writeRSAKey(path string) error {

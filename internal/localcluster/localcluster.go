@@ -34,41 +34,37 @@ type Binaries struct {
 // the local cluster, the end-to-end tests and the bench run.
 const PluginsVersion = "v1.9.1"
 
-// Build compiles ipwarden and ipwarden-cni from the tree at root into binDir and installs the
-// bridge and host-local plugins (PluginsVersion) when they are missing.
+// Build compiles ipwarden and ipwarden-cni from the tree at root into binDir (once per process,
+// with -race in a race-built program: GoBuild) and installs the bridge and host-local plugins
+// (PluginsVersion) when they are missing.
 func Build(root, binDir string, log io.Writer) (Binaries, error) {
 	b := Binaries{Ipwarden: filepath.Join(binDir, "ipwarden"), CNIDir: filepath.Join(binDir, "cni")}
 	if err := os.MkdirAll(b.CNIDir, 0o755); err != nil {
 		return b, err
 	}
-	goBuild := func(out, pkg string) error {
-		cmd := exec.Command("go", "build", "-o", out, pkg)
-		cmd.Dir = root
-		if out, err := cmd.CombinedOutput(); err != nil {
-			return fmt.Errorf("go build %s: %v\n%s", pkg, err, out)
-		}
-		return nil
-	}
-	if err := goBuild(b.Ipwarden, "./cmd/ipwarden"); err != nil {
+	if err := BuildOnce(root, b.Ipwarden, "./cmd/ipwarden"); err != nil {
 		return b, err
 	}
-	if err := goBuild(filepath.Join(b.CNIDir, "ipwarden"), "./cmd/ipwarden-cni"); err != nil {
+	if err := BuildOnce(root, filepath.Join(b.CNIDir, "ipwarden"), "./cmd/ipwarden-cni"); err != nil {
 		return b, err
 	}
-	for _, plugin := range []string{"main/bridge", "ipam/host-local"} {
-		if _, err := os.Stat(filepath.Join(b.CNIDir, filepath.Base(plugin))); err == nil {
+	return b, InstallPlugins(b.CNIDir, log, "main/bridge", "ipam/host-local")
+}
+
+// InstallPlugins installs the containernetworking plugins named (e.g. "main/bridge") at
+// PluginsVersion into cniDir when they are missing.
+func InstallPlugins(cniDir string, log io.Writer, plugins ...string) error {
+	for _, plugin := range plugins {
+		if _, err := os.Stat(filepath.Join(cniDir, filepath.Base(plugin))); err == nil {
 			continue
 		}
 		pkg := "github.com/containernetworking/plugins/plugins/" + plugin + "@" + PluginsVersion
-		fmt.Fprintln(log, "installing", pkg, "into", b.CNIDir)
-		cmd := exec.Command("go", "install", pkg)
-		cmd.Dir = os.TempDir() // outside the module: go install pkg@version
-		cmd.Env = append(os.Environ(), "GOBIN="+b.CNIDir)
-		if out, err := cmd.CombinedOutput(); err != nil {
-			return b, fmt.Errorf("go install %s: %v\n%s", pkg, err, out)
+		fmt.Fprintln(log, "installing", pkg, "into", cniDir)
+		if err := GoInstall(pkg, cniDir, nil); err != nil {
+			return err
 		}
 	}
-	return b, nil
+	return nil
 }
 
 // Process is a running ipwarden component.
@@ -114,6 +110,20 @@ func (p *Process) Pid() int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.cmd.Process.Pid
+}
+
+// Cmd is the current run's command (its Process.Pid, for signals and /proc).
+func (p *Process) Cmd() *exec.Cmd {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.cmd
+}
+
+// Done is closed when the current run exits.
+func (p *Process) Done() <-chan struct{} {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.done
 }
 
 // Running says whether the process has not exited.
@@ -187,6 +197,28 @@ func (p *Process) LogTail(n int) string {
 	b, _ := os.ReadFile(p.Log)
 	if len(b) > n {
 		b = b[len(b)-n:]
+	}
+	return string(b)
+}
+
+// DataRace returns the first data race report in the process's log, "" when there is none. A
+// program built with -race (GoBuild in a race-built test) reports a race there and runs on.
+func (p *Process) DataRace() string { return DataRaceIn(p.Log) }
+
+// DataRaceIn returns the first data race report in the log file at path ("" when none).
+func DataRaceIn(path string) string {
+	b, _ := os.ReadFile(path)
+	const mark = "WARNING: DATA RACE"
+	i := strings.Index(string(b), mark)
+	if i < 0 {
+		return ""
+	}
+	b = b[i:]
+	if j := strings.Index(string(b[len(mark):]), "=================="); j >= 0 {
+		b = b[:len(mark)+j]
+	}
+	if len(b) > 6000 {
+		b = b[:6000]
 	}
 	return string(b)
 }
