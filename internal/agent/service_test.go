@@ -161,16 +161,12 @@ func TestServiceAddWaitsForController(t *testing.T) {
 	done := make(chan *cniproto.Response)
 	go func() { done <- h.do(addReq("c1")) }()
 	// The monitor publishes a request; the controller answers it.
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		if spec := h.pub.last(); len(spec) == 1 && spec[0].Requested >= 4 {
-			break
+	wait(t, "the request to be published", func() error {
+		if spec := h.pub.last(); len(spec) != 1 || spec[0].Requested < 4 {
+			return fmt.Errorf("published %v", spec)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("no request published: %v", h.pub.last())
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+		return nil
+	})
 	h.hold(map[string]string{"v4": "10.1.1.0/30"})
 	select {
 	case resp := <-done:
@@ -397,16 +393,12 @@ func TestMonitorRoundWhenCooldownEnds(t *testing.T) {
 	for i := range 8 {
 		h.do(cniproto.Request{Op: cniproto.OpDel, ContainerID: fmt.Sprint(i), IfName: "eth0"})
 	}
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		if spec := h.pub.last(); len(spec) == 1 && spec[0].Requested == 4 {
-			return
+	wait(t, "the request to drop to 4 after the cooldown", func() error {
+		if spec := h.pub.last(); len(spec) != 1 || spec[0].Requested != 4 {
+			return fmt.Errorf("published %+v", spec)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the request did not drop to 4 after the cooldown: %+v", h.pub.last())
-		}
-		time.Sleep(10 * time.Millisecond) // polling interval
-	}
+		return nil
+	})
 }
 
 func TestSocketPermissionsAndRoundTrip(t *testing.T) {
