@@ -202,21 +202,20 @@ func (b *controllerBench) startController(ctx context.Context, extra ...string) 
 func (p *benchProc) stop() { p.Stop() }
 
 func (p *benchProc) waitLog(ctx context.Context, s string, timeout time.Duration) error {
-	deadline := time.Now().Add(timeout)
-	for time.Now().Before(deadline) {
+	var exited bool
+	err := localcluster.WaitFor(ctx, timeout, 5*time.Millisecond, func() error {
 		if strings.Contains(p.LogTail(1<<20), s) {
 			return nil
 		}
-		if !p.Running() {
-			return fmt.Errorf("controller exited; log %s", p.Log)
+		if exited = !p.Running(); exited {
+			return nil
 		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(5 * time.Millisecond): // poll interval
-		}
+		return fmt.Errorf("no %q in the controller log", s)
+	})
+	if exited {
+		return fmt.Errorf("controller exited; log %s", p.Log)
 	}
-	return fmt.Errorf("no %q in the controller log within %s", s, timeout)
+	return err
 }
 
 // cpu is the process's user+system CPU time so far.
