@@ -74,9 +74,10 @@ type Process struct {
 	bin  string
 	args []string
 
-	mu   sync.Mutex
-	cmd  *exec.Cmd
-	done chan struct{}
+	mu      sync.Mutex
+	cmd     *exec.Cmd
+	done    chan struct{}
+	exitErr error // the last run's exit, once done is closed
 }
 
 // Start runs bin with args, logging to logPath. The process dies with this one (Pdeathsig).
@@ -86,7 +87,7 @@ func Start(name, bin, logPath string, args ...string) (*Process, error) {
 }
 
 func (p *Process) start() error {
-	f, err := os.OpenFile(p.Log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	f, err := os.OpenFile(p.Log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
 		return err
 	}
@@ -98,7 +99,14 @@ func (p *Process) start() error {
 		return fmt.Errorf("start %s: %w", p.Name, err)
 	}
 	done := make(chan struct{})
-	go func() { _ = cmd.Wait(); f.Close(); close(done) }()
+	go func() {
+		err := cmd.Wait()
+		f.Close()
+		p.mu.Lock()
+		p.exitErr = err
+		p.mu.Unlock()
+		close(done)
+	}()
 	p.mu.Lock()
 	p.cmd, p.done = cmd, done
 	p.mu.Unlock()
@@ -124,6 +132,13 @@ func (p *Process) Done() <-chan struct{} {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.done
+}
+
+// ExitErr is how the current run ended (nil while it runs or after a clean exit).
+func (p *Process) ExitErr() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.exitErr
 }
 
 // Running says whether the process has not exited.
@@ -252,14 +267,17 @@ func ScrapeSum(url, metric string) float64 {
 }
 
 // WaitFor polls cond every interval until it returns nil, ctx ends or timeout passes; the error
-// then carries cond's last answer. Tests, the demo and the bench wait on conditions with it,
-// never on sleeps.
+// then carries cond's last answer. A cond that returns Abort(err) ends the wait at once with err.
+// Tests, the demo, the bench and the control plane wait on conditions with it, never on sleeps.
 func WaitFor(ctx context.Context, timeout, interval time.Duration, cond func() error) error {
 	deadline := time.Now().Add(timeout)
 	for {
 		last := cond()
 		if last == nil {
 			return nil
+		}
+		if a, ok := last.(abortError); ok {
+			return a.err
 		}
 		if time.Now().After(deadline) {
 			return fmt.Errorf("timed out after %s: %w", timeout, last)
@@ -271,3 +289,12 @@ func WaitFor(ctx context.Context, timeout, interval time.Duration, cond func() e
 		}
 	}
 }
+
+// Abort makes WaitFor return err at once instead of polling on (the awaited thing cannot happen:
+// the process exited).
+func Abort(err error) error { return abortError{err} }
+
+type abortError struct{ err error }
+
+func (a abortError) Error() string { return a.err.Error() }
+func (a abortError) Unwrap() error { return a.err }
