@@ -1,8 +1,11 @@
 // Package localcluster runs ipwarden on this machine as a user would run it on a cluster: real
 // `ipwarden controller` and `ipwarden agent` processes against a local control plane
 // (internal/controlplane), and pods started through the real CNI plugin binary, in network
-// namespaces with the bridge plugin when run as root. The demo, the bench and the chaos suite
-// use it.
+// namespaces with the bridge plugin when run as root. It is the one way to run local things:
+// one binary builder (GoBuild, BuildOnce), one process runner (Start, Process), one condition
+// poller (WaitFor) and one free-port helper (FreePorts, FreeAddr), used by the control plane,
+// the integration, end-to-end, chaos and real-node tests, the plugin's tests, the demo and the
+// bench.
 package localcluster
 
 import (
