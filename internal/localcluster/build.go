@@ -89,18 +89,23 @@ type buildResult struct {
 // process asks for out, and returns the first build's error after that: a test binary builds
 // each program once however many tests run it.
 func BuildOnce(root, out, pkg string) error {
+	return GoBuild{Dir: root, Out: out, Pkgs: []string{pkg}}.Once()
+}
+
+// Once runs the build the first time this process asks for b.Out (see BuildOnce).
+func (b GoBuild) Once() error {
 	onceMu.Lock()
-	r, ok := built[out]
+	r, ok := built[b.Out]
 	if !ok {
 		r = &buildResult{}
-		built[out] = r
+		built[b.Out] = r
 	}
 	onceMu.Unlock()
 	r.once.Do(func() {
-		if r.err = os.MkdirAll(filepath.Dir(out), 0o755); r.err != nil {
+		if r.err = os.MkdirAll(filepath.Dir(b.Out), 0o755); r.err != nil {
 			return
 		}
-		r.err = GoBuild{Dir: root, Out: out, Pkgs: []string{pkg}}.Run()
+		r.err = b.Run()
 	})
 	return r.err
 }

@@ -33,6 +33,7 @@ type agentProcess struct {
 	socket   string
 	stateDir string
 	metrics  string
+	bin      string // the ipwarden binary ("": ipwardenBinary)
 	proc     *localcluster.Process
 	cmd      *exec.Cmd
 	log      string
@@ -45,6 +46,12 @@ type agentProcess struct {
 // test and its log printed if the test failed (or IPWARDEN_TEST_LOGS is set).
 func startAgent(t *testing.T, node, stateDir string, args ...string) *agentProcess {
 	t.Helper()
+	return startAgentBinary(t, "", node, stateDir, args...)
+}
+
+// startAgentBinary is startAgent running the ipwarden binary bin ("": ipwardenBinary).
+func startAgentBinary(t *testing.T, bin, node, stateDir string, args ...string) *agentProcess {
+	t.Helper()
 	runDir, err := os.MkdirTemp("", "ipw-run-")
 	if err != nil {
 		t.Fatal(err)
@@ -53,7 +60,7 @@ func startAgent(t *testing.T, node, stateDir string, args ...string) *agentProce
 	if stateDir == "" {
 		stateDir = t.TempDir()
 	}
-	a := &agentProcess{node: node, socket: filepath.Join(runDir, "s", "agent.sock"), stateDir: stateDir, metrics: freeAddr(t)}
+	a := &agentProcess{node: node, socket: filepath.Join(runDir, "s", "agent.sock"), stateDir: stateDir, metrics: freeAddr(t), bin: bin}
 	a.start(t, args...)
 	return a
 }
@@ -68,7 +75,11 @@ func (a *agentProcess) start(t *testing.T, args ...string) {
 	base := []string{"agent", "--kubeconfig", kubeconfigPath, "--node-name", a.node, "--socket", a.socket,
 		"--state-dir", a.stateDir, "--metrics-bind-address", a.metrics, "--health-probe-bind-address=0", "--zap-log-level=debug",
 		"--netns-dirs", netnsDir}
-	a.proc = startProcess(t, "agent "+a.node, logf.Name(), append(base, args...)...)
+	bin := a.bin
+	if bin == "" {
+		bin = ipwardenBinary(t)
+	}
+	a.proc = startProgram(t, bin, "agent "+a.node, logf.Name(), append(base, args...)...)
 	a.cmd, a.log, a.done = a.proc.Cmd(), a.proc.Log, a.proc.Done()
 }
 

@@ -43,12 +43,33 @@ func testBinary(t *testing.T, name, pkg string) string {
 	return out
 }
 
+// plainIpwardenBinary is cmd/ipwarden built without -race even when the tests run with it, for
+// a test that measures the program's own memory (the race runtime multiplies it).
+func plainIpwardenBinary(t *testing.T) string {
+	t.Helper()
+	root, err := controlplane.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := filepath.Join(controlplane.BinDir(root), "test", "plain", "ipwarden")
+	if err := (localcluster.GoBuild{Dir: root, Out: out, Pkgs: []string{"./cmd/ipwarden"}, NoRace: true}).Once(); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
 // startProcess runs ipwarden with args (localcluster.Start), logging to logPath. At the end of
 // the test it is killed, a data race it reported fails the test, and its log is printed if the
 // test failed (or IPWARDEN_TEST_LOGS is set).
 func startProcess(t *testing.T, name, logPath string, args ...string) *localcluster.Process {
 	t.Helper()
-	p, err := localcluster.Start(name, ipwardenBinary(t), logPath, args...)
+	return startProgram(t, ipwardenBinary(t), name, logPath, args...)
+}
+
+// startProgram is startProcess with the ipwarden binary bin.
+func startProgram(t *testing.T, bin, name, logPath string, args ...string) *localcluster.Process {
+	t.Helper()
+	p, err := localcluster.Start(name, bin, logPath, args...)
 	if err != nil {
 		t.Fatal(err)
 	}
