@@ -69,8 +69,9 @@ staticcheck: $(STATICCHECK)
 # runs with -race too, and a race they report fails the test (internal/localcluster). These run
 # without: the chaos suite's faults are timed against a 2 s lease and a 3 s claim settle, and the
 # real-node suite runs ipwarden from static container images (no race runtime).
-NORACE_PKGS := ./test/chaos ./test/node
-RACE_PKGS    = $$($(GO) list ./... | grep -v -e /test/chaos -e /test/node)
+# (`make test NORACE_PKGS="./test/chaos ./test/node ./test/integration"` leaves more out.)
+NORACE_PKGS ?= ./test/chaos ./test/node
+RACE_PKGS    = $$($(GO) list ./... | grep -vxF -f <($(GO) list $(NORACE_PKGS)))
 
 unit:
 	$(GO) test -race -count=1 $$($(GO) list ./... | grep -v /test/)
