@@ -472,6 +472,10 @@ func (x *chaos) faults(ctx context.Context) {
 		case 6:
 			x.inc("leader paused past its lease")
 			l, holder := x.leaderAndHolder()
+			if holder == "" {
+				x.inc("leader pause skipped (Lease unreadable)")
+				break
+			}
 			l.Pause()
 			// Paused past its lease: resume once the Lease shows another holder or has run out.
 			if err := localcluster.WaitFor(context.Background(), 15*time.Second, 100*time.Millisecond, func() error { return x.leaseOutlived(holder) }); err != nil {
