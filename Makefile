@@ -5,7 +5,7 @@
 #                  with -race where a package can take it
 #   make tools     build the pinned test control plane, kubectl, the real-node suite's kubelet,
 #                  kube-controller-manager and kube-scheduler, and controller-gen into _bin/ (once)
-#   make generate  regenerate deepcopy code and CRD YAML from api/v1alpha1
+#   make generate  regenerate deepcopy code and CRD YAML from api/v1alpha1 (and the Helm chart's copy)
 #   make fuzz      run each fuzz target for FUZZTIME (default 30s)
 
 SHELL      := /bin/bash
@@ -15,6 +15,9 @@ GO         ?= go
 FUZZTIME   ?= 30s
 CONTROLLER_GEN := $(BIN)/controller-gen
 STATICCHECK    := $(BIN)/staticcheck
+# The version both binaries report (ipwarden version, the plugin's VERSION answer).
+VERSION    ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+LDFLAGS    := -X github.com/ipwarden/ipwarden/internal/buildinfo.Version=$(VERSION)
 
 export IPWARDEN_BIN_DIR := $(BIN)
 
@@ -23,7 +26,7 @@ export IPWARDEN_BIN_DIR := $(BIN)
 all: build
 
 build:
-	$(GO) build -o $(BIN)/ ./cmd/ipwarden ./cmd/ipwarden-cni
+	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN)/ ./cmd/ipwarden ./cmd/ipwarden-cni
 
 # Tools come from hack/tools/go.mod (kube-apiserver and etcd built from the Kubernetes and etcd
 # Go modules, controller-gen from controller-tools), so their versions are pinned there. The test
@@ -44,6 +47,7 @@ $(STATICCHECK): hack/staticcheck/go.mod hack/staticcheck/go.sum
 generate: $(CONTROLLER_GEN)
 	$(CONTROLLER_GEN) object paths=./api/...
 	$(CONTROLLER_GEN) crd paths=./api/... output:crd:artifacts:config=config/crd
+	cp config/crd/ipwarden.io_*.yaml deploy/helm/ipwarden/crds/
 
 # Regenerates in place and fails if that changed anything (CI: the committed files were stale).
 verify-generated: $(CONTROLLER_GEN)
@@ -51,8 +55,9 @@ verify-generated: $(CONTROLLER_GEN)
 	  cp -r api config $$tmp/ && \
 	  $(CONTROLLER_GEN) object paths=./api/... && \
 	  $(CONTROLLER_GEN) crd paths=./api/... output:crd:artifacts:config=config/crd && \
-	  if ! diff -ru $$tmp/api api >/dev/null || ! diff -ru $$tmp/config config >/dev/null; then \
-	    diff -ru $$tmp/api api; diff -ru $$tmp/config config; \
+	  cp -r deploy/helm/ipwarden/crds $$tmp/helm-crds && cp config/crd/ipwarden.io_*.yaml deploy/helm/ipwarden/crds/ && \
+	  if ! diff -ru $$tmp/api api >/dev/null || ! diff -ru $$tmp/config config >/dev/null || ! diff -ru $$tmp/helm-crds deploy/helm/ipwarden/crds >/dev/null; then \
+	    diff -ru $$tmp/api api; diff -ru $$tmp/config config; diff -ru $$tmp/helm-crds deploy/helm/ipwarden/crds; \
 	    echo "generated files were stale: they are regenerated now; review and commit them" >&2; exit 1; \
 	  fi
 	@echo ">> generated files are up to date"

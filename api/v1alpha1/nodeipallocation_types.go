@@ -48,6 +48,15 @@ type NodeIPAllocationSpec struct {
 	// +listMapKey=pool
 	// +optional
 	Pools []NodePoolRequest `json:"pools,omitempty"`
+	// AcknowledgedLeader is the controller (its leader election Lease holder identity) for which
+	// the agent computed the claims above from a fresh read of this object: the agent writes it
+	// with a precondition on the resource version it read, so the claims account for the status
+	// as it stood. A controller that starts leading fills no node from the free pool until every
+	// node has acknowledged it (or its --claim-settle bound passes), so addresses a rewound
+	// record lost are claimed before they can be handed to another node.
+	// +kubebuilder:validation:MaxLength=253
+	// +optional
+	AcknowledgedLeader string `json:"acknowledgedLeader,omitempty"`
 }
 
 // NodePoolStatus is what a node holds from one pool.

@@ -89,8 +89,14 @@ pod, or on the node's NodeIPAllocation when the pod object is gone from the agen
 		"directories in which the agent sees pods' network namespaces (mount the host's read-only, with HostToContainer propagation)")
 	fs.StringVar(&f.cfg.LeaseNamespace, "lease-namespace", orDefault(os.Getenv("POD_NAMESPACE"), "default"),
 		"namespace of the node's Lease ipwarden-agent-<node> (one agent per node; default $POD_NAMESPACE, else default)")
+	fs.StringVar(&f.cfg.ControllerLease, "controller-lease", "ipwarden-controller",
+		"name of the controller's leader election Lease in --lease-namespace: the agent acknowledges each new leader (spec.acknowledgedLeader) after writing its claims from a fresh read, and the controller fills no node until every node has (\"\" disables)")
 	fs.BoolVar(&f.cfg.GCDryRun, "gc-dry-run", false,
 		"leak collection and CNI GC only report what they would free (log, IPAddressGarbageCollectionDryRun events, ipwarden_agent_gc_dry_run_total) and free nothing")
+	fs.BoolVar(&f.cfg.ExhaustedTaint, "exhausted-taint", false,
+		"with the Node condition ipwarden.io/AddressesExhausted (shown while pods wait on a node that can get no more addresses), also set the NoSchedule taint ipwarden.io/addresses-exhausted so the scheduler places new pods elsewhere")
+	fs.IntVar(&f.cfg.ExhaustedClearFree, "exhausted-clear-free", 2,
+		"the AddressesExhausted condition (and taint) clear once every pool of the node has this many free addresses")
 	fs.DurationVar(&f.cfg.RebuildHold, "rebuild-hold", 5*time.Minute,
 		"after the journal was lost or damaged and rebuilt from the pods, held addresses no attachment accounts for stay out of use until every pod on the node has reported its addresses or is gone, at most this long")
 	gofs := goflag.NewFlagSet("zap", goflag.ContinueOnError)
@@ -118,6 +124,9 @@ func runAgent(ctx context.Context, f *agentFlags) error {
 	}
 	if f.cfg.GCSandboxGrace <= 0 {
 		return fmt.Errorf("--gc-sandbox-grace %s: must be positive", f.cfg.GCSandboxGrace)
+	}
+	if f.cfg.ExhaustedClearFree < 1 {
+		return fmt.Errorf("--exhausted-clear-free %d: must be at least 1", f.cfg.ExhaustedClearFree)
 	}
 	if f.cfg.GCFullCheckInterval <= 0 {
 		return fmt.Errorf("--gc-full-check-interval %s: must be positive", f.cfg.GCFullCheckInterval)

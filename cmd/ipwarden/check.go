@@ -59,7 +59,7 @@ It only lists objects: it takes no lock and blocks nothing. Exit status: 0 consi
 			if output != "text" && output != "json" {
 				return &exitError{2, fmt.Sprintf("unknown output format %q: use text or json", output)}
 			}
-			cfg, err := restConfig(kubeconfig)
+			cfg, err := cliConfig(kubeconfig)
 			if err != nil {
 				return &exitError{2, err.Error()}
 			}
@@ -102,7 +102,7 @@ It only lists objects: it takes no lock and blocks nothing. Exit status: 0 consi
 			return nil
 		},
 	}
-	cmd.Flags().StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file; in-cluster configuration when empty")
+	cmd.Flags().StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file; else $KUBECONFIG, ~/.kube/config, or the in-cluster configuration")
 	cmd.Flags().StringVarP(&output, "output", "o", "text", "output format: text or json")
 	cmd.Flags().DurationVar(&timeout, "timeout", 2*time.Minute, "give up reading the cluster after this long")
 	cmd.Flags().StringArrayVar(&agents, "agent", nil, "also check this agent's attachments: NODE=SOCKET (repeatable)")

@@ -2,7 +2,7 @@
 // kube-apiserver on loopback, CRDs installed).
 //
 //	go run ./hack/controlplane ensure   build the binaries into _bin/ if they are missing or stale
-//	go run ./hack/controlplane ensure kubectl|node|all
+//	go run ./hack/controlplane ensure kubectl|node|helm|promcheck|all
 //	                                    also kubectl, or the real-node suite's kubelet,
 //	                                    kube-controller-manager and kube-scheduler, or all of them
 //	go run ./hack/controlplane up       start a control plane, print its kubeconfig, run until Ctrl-C
@@ -27,7 +27,7 @@ func main() {
 
 func run(args []string) error {
 	if len(args) < 1 || len(args) > 2 || (len(args) == 2 && args[0] != "ensure") {
-		return fmt.Errorf("usage: controlplane ensure [kubectl|node|all] | up")
+		return fmt.Errorf("usage: controlplane ensure [kubectl|node|helm|promcheck|all] | up")
 	}
 	root, err := controlplane.RepoRoot()
 	if err != nil {
@@ -81,8 +81,22 @@ func ensure(root string, sets []string) error {
 		}
 		paths = append(paths, n.Kubelet, n.KubeControllerManager, n.KubeScheduler)
 	}
+	if set == "helm" || set == "all" {
+		p, err := controlplane.EnsureHelm(root, bin, os.Stderr)
+		if err != nil {
+			return err
+		}
+		paths = append(paths, p)
+	}
+	if set == "promcheck" || set == "all" {
+		p, err := controlplane.EnsurePromcheck(root, bin, os.Stderr)
+		if err != nil {
+			return err
+		}
+		paths = append(paths, p)
+	}
 	if len(paths) == 0 {
-		return fmt.Errorf("unknown tool set %q: use kubectl, node or all", set)
+		return fmt.Errorf("unknown tool set %q: use kubectl, node, helm, promcheck or all", set)
 	}
 	for _, p := range paths {
 		fmt.Println(p)

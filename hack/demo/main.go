@@ -344,6 +344,7 @@ func (d *demo) startNode(ctx context.Context, name string, bridgeMode bool) (*no
 		"agent", "--node-name", name, "--kubeconfig", d.cp.Kubeconfig, "--socket", n.socket,
 		"--state-dir", filepath.Join(dir, "state"), "--metrics-bind-address", n.metrics,
 		"--health-probe-bind-address=0", "--gc-grace=2s", "--address-wait=3s",
+		"--lease-namespace="+controlplane.ControllerNamespace, // acknowledge each new controller leader
 		// Without root the plugin runs IPAM-only (CNI_NETNS /proc/self/ns/net, which the agent
 		// cannot check): a deleted pod's address is then freed this long after the pod is gone.
 		"--gc-sandbox-grace=2s")

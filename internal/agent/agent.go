@@ -86,6 +86,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/rest"
@@ -93,6 +94,7 @@ import (
 
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
 	"github.com/ipwarden/ipwarden/internal/agent/journal"
+	"github.com/ipwarden/ipwarden/internal/agent/nodesignal"
 	"github.com/ipwarden/ipwarden/internal/cniproto"
 )
 
@@ -127,9 +129,17 @@ type Config struct {
 	NetnsDirs []string
 	// LeaseNamespace holds the node's Lease ipwarden-agent-<node> (one agent per node).
 	LeaseNamespace string
+	// ControllerLease names the controller's leader election Lease in LeaseNamespace; the agent
+	// acknowledges each new leader (spec.acknowledgedLeader). Empty: it acknowledges none.
+	ControllerLease string
 	// RebuildHold bounds the unattributed hold after the journal was rebuilt from the pods.
 	RebuildHold time.Duration
-	Log         logr.Logger
+	// ExhaustedTaint adds the NoSchedule taint ipwarden.io/addresses-exhausted with the Node
+	// condition ipwarden.io/AddressesExhausted (the condition is always shown).
+	ExhaustedTaint bool
+	// ExhaustedClearFree: the signal clears when every pool has this many free addresses.
+	ExhaustedClearFree int
+	Log                logr.Logger
 }
 
 // Run runs the agent until ctx ends.
@@ -166,7 +176,7 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	st := ipam.New(cfg.Node)
 	for _, p := range st.Restore(snap) {
-		log.Error(nil, "journal: "+p)
+		log.Error(nil, "journal restore found a problem", "problem", p)
 	}
 	if snap.IsEmpty() {
 		log.Info("the journal is empty (new node, or the journal was lost): attachments will be rebuilt from the pods' status.podIPs", "journal", j.Path())
@@ -270,11 +280,13 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 		var err error
 		if kube == nil {
 			// The informer cache needs the API server's discovery to be set up.
-			if kube, err = NewKube(cfg.RestConfig, cfg.Scheme, cfg.Node, cfg.Pools, svc, log.WithName("kube")); err == nil {
+			ctrlLease := types.NamespacedName{Namespace: cfg.LeaseNamespace, Name: cfg.ControllerLease}
+			if kube, err = NewKube(cfg.RestConfig, cfg.Scheme, cfg.Node, cfg.Pools, ctrlLease, svc, log.WithName("kube")); err == nil {
+				kube.OnLeaderChange(svc.kick)
 				svc.SetEvents(events.NewRecorder(eventScheme(cfg.Scheme), corev1.EventSource{Component: "ipwarden-agent", Host: cfg.Node}), kube.NodeRef)
 				svc.SetPodLookup(kube.GetPod)
 				collector = NewCollector(svc, kube, CollectorOptions{Grace: cfg.GCGrace, FullCheckInterval: cfg.GCFullCheckInterval,
-					SandboxGrace: cfg.GCSandboxGrace, NetnsDirs: cfg.NetnsDirs, Log: log.WithName("gc")})
+					SandboxGrace: cfg.GCSandboxGrace, NetnsDirs: cfg.NetnsDirs, QueueMetrics: svc.metrics.Queue, Log: log.WithName("gc")})
 				kube.OnPodDelete(collector.OnPodDelete)
 			} else {
 				kube = nil
@@ -353,15 +365,16 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 		svc.StartHold(until)
 	}
 	svc.gate.setSynced()
-	svc.With(func(st *ipam.State) {
-		log.Info("reconciled with the API server", "pools", st.Served(), "attachments", st.NumAttachments(), "rebuiltFromPods", n)
-		for _, want := range cfg.Pools {
-			if _, ok := st.PoolConfig(want); !ok {
-				log.Error(nil, "--pools names a pool that does not exist", "pool", want)
-			}
-		}
-	})
+	served, attachments, unknown := svc.servedSummary(cfg.Pools)
+	log.Info("reconciled with the API server", "pools", served, "attachments", attachments, "rebuiltFromPods", n)
+	for _, want := range unknown {
+		log.Error(nil, "--pools names a pool that does not exist", "pool", want)
+	}
 	mon := NewMonitor(svc, kube, cfg.Resync, log.WithName("monitor"))
+	signal := NewNodeSignal(kube.API(), cfg.Node, cfg.ExhaustedTaint, nodesignal.Params{ClearFree: cfg.ExhaustedClearFree}, log.WithName("signal"))
+	signal.SetReporting(events.NewRecorder(eventScheme(cfg.Scheme), corev1.EventSource{Component: "ipwarden-agent", Host: cfg.Node}),
+		svc.metrics.AddressesExhausted)
+	mon.SetSignal(signal)
 	svc.SetKick(mon.Kick)
 	if err := mon.Round(ctx); err != nil {
 		log.Error(err, "first pool monitor round failed; retrying in the background")

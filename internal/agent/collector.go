@@ -77,8 +77,14 @@ type CollectorOptions struct {
 	MaxRetries int
 	// RetryBase and RetryMax bound the exponential retry delay (default 500ms and 1m).
 	RetryBase, RetryMax time.Duration
-	Log                 logr.Logger
+	// QueueMetrics receives the work queue's metrics (nil: client-go's global provider). The
+	// agent passes one registered with the registry its metrics endpoint serves.
+	QueueMetrics workqueue.MetricsProvider
+	Log          logr.Logger
 }
+
+// GCQueueName is the leak collector's work queue, the name label of its workqueue_* metrics.
+const GCQueueName = "ipwarden_agent_pod_gc"
 
 // gcItem is one unit of the collector's work: look at the attachments of one pod name.
 type gcItem struct {
@@ -143,7 +149,7 @@ func NewCollector(svc *Service, pods PodSource, opts CollectorOptions) *Collecto
 	}
 	q := workqueue.NewTypedRateLimitingQueueWithConfig(
 		workqueue.NewTypedItemExponentialFailureRateLimiter[gcItem](opts.RetryBase, opts.RetryMax),
-		workqueue.TypedRateLimitingQueueConfig[gcItem]{Name: "ipwarden_agent_pod_gc"})
+		workqueue.TypedRateLimitingQueueConfig[gcItem]{Name: GCQueueName, MetricsProvider: opts.QueueMetrics})
 	return &Collector{svc: svc, pods: pods, grace: opts.Grace, interval: opts.FullCheckInterval, workers: opts.Workers,
 		maxRetries: opts.MaxRetries, log: opts.Log, queue: q, netnsDirs: opts.NetnsDirs,
 		timing:    gc.Timing{Grace: opts.Grace, SandboxGrace: opts.SandboxGrace, Poll: opts.SandboxPoll, SlowPoll: time.Minute},

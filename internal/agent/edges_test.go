@@ -109,7 +109,7 @@ func TestAddWithoutPodIdentity(t *testing.T) {
 				t.Fatalf("ADD: %+v", resp.Error)
 			}
 			var ok bool
-			h.svc.With(func(st *ipam.State) { _, ok = st.Attachment(ipam.Key{ContainerID: req.ContainerID, IfName: "eth0"}) })
+			h.svc.locked(func(st *ipam.State) { _, ok = st.Attachment(ipam.Key{ContainerID: req.ContainerID, IfName: "eth0"}) })
 			if ok {
 				t.Fatal("a refused ADD left an attachment")
 			}
@@ -212,18 +212,14 @@ func TestServeCancelsWaitingAddWhosePluginHungUp(t *testing.T) {
 	start := time.Now()
 	sendAndHangUp(t, sock, addReq("waits"), func() {
 		wait(t, "the ADD to wait", func() error {
-			var n int
-			svc.With(func(st *ipam.State) { n = st.Stats(time.Now())[0].Demand })
-			if n < 2 {
+			if n := svc.demand("v4"); n < 2 {
 				return errors.New("not waiting")
 			}
 			return nil
 		})
 	})
 	wait(t, "the waiting ADD to stop", func() error {
-		var n int
-		svc.With(func(st *ipam.State) { n = st.Stats(time.Now())[0].Demand })
-		if n != 1 {
+		if n := svc.demand("v4"); n != 1 {
 			return errors.New("still waiting")
 		}
 		return nil
@@ -337,14 +333,21 @@ func value(t interface{ Fatal(...any) }, m prometheus.Metric) float64 {
 	return d.Gauge.GetValue()
 }
 
-// numAttachments and hold read the state under the service's lock (Serve's goroutines write it).
+// locked runs f with the service's state under its lock (Serve's goroutines write it).
+func (s *Service) locked(f func(st *ipam.State)) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	f(s.st)
+}
+
+// numAttachments and hold read the state under the service's lock.
 func (s *Service) numAttachments() (n int) {
-	s.With(func(st *ipam.State) { n = st.NumAttachments() })
+	s.locked(func(st *ipam.State) { n = st.NumAttachments() })
 	return n
 }
 
 func (s *Service) hold() (on bool) {
-	s.With(func(st *ipam.State) { on, _ = st.Hold() })
+	s.locked(func(st *ipam.State) { on, _ = st.Hold() })
 	return on
 }
 

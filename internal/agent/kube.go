@@ -4,18 +4,18 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net/netip"
 	"slices"
 	"sync"
 	"time"
 
 	"github.com/go-logr/logr"
+	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
-	k8slabels "k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/rest"
 	toolscache "k8s.io/client-go/tools/cache"
 	"sigs.k8s.io/controller-runtime/pkg/cache"
@@ -25,7 +25,8 @@ import (
 	"github.com/ipwarden/ipwarden/internal/addr"
 	"github.com/ipwarden/ipwarden/internal/agent/gc"
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
-	"github.com/ipwarden/ipwarden/internal/scaling"
+	"github.com/ipwarden/ipwarden/internal/ippool"
+	"github.com/ipwarden/ipwarden/internal/podinfo"
 )
 
 // fieldOwner names the agent in managed fields.
@@ -45,6 +46,14 @@ type Kube struct {
 	trigger chan struct{}
 	// podDeleted, when set, also receives the pod informer's delete notifications.
 	podDeleted func(obj any)
+	// ctrlLease is the controller's leader election Lease; onLeader is called when it changes.
+	ctrlLease types.NamespacedName
+	onLeader  func()
+
+	// recordMu serializes handing the service a NodeIPAllocation (Push) with the
+	// acknowledgement (ack), so an older cached status never lands between the fresh read an
+	// acknowledgement's claims are computed from and the write that carries them.
+	recordMu sync.Mutex
 
 	mu          sync.Mutex
 	lastWritten writtenSpec
@@ -62,18 +71,23 @@ type writtenSpec struct {
 	baseRV, newRV string
 }
 
-// NewKube creates the informers' cache and an API client for node.
-func NewKube(cfg *rest.Config, scheme *runtime.Scheme, node string, only []string, svc *Service, log logr.Logger) (*Kube, error) {
+// NewKube creates the informers' cache and an API client for node. ctrlLease names the
+// controller's leader election Lease (empty: the agent acknowledges no controller).
+func NewKube(cfg *rest.Config, scheme *runtime.Scheme, node string, only []string, ctrlLease types.NamespacedName, svc *Service, log logr.Logger) (*Kube, error) {
 	byName := fields.OneTermEqualSelector("metadata.name", node)
-	c, err := cache.New(cfg, cache.Options{
-		Scheme: scheme,
-		ByObject: map[client.Object]cache.ByObject{
-			&corev1.Pod{}:                  {Field: fields.OneTermEqualSelector("spec.nodeName", node)},
-			&corev1.Node{}:                 {Field: byName},
-			&ipwardenv1.NodeIPAllocation{}: {Field: byName},
-			&ipwardenv1.IPPool{}:           {},
-		},
-	})
+	byObject := map[client.Object]cache.ByObject{
+		&corev1.Pod{}:                  {Field: fields.OneTermEqualSelector("spec.nodeName", node)},
+		&corev1.Node{}:                 {Field: byName},
+		&ipwardenv1.NodeIPAllocation{}: {Field: byName},
+		&ipwardenv1.IPPool{}:           {},
+	}
+	if ctrlLease.Name != "" {
+		byObject[&coordinationv1.Lease{}] = cache.ByObject{
+			Namespaces: map[string]cache.Config{ctrlLease.Namespace: {}},
+			Field:      fields.OneTermEqualSelector("metadata.name", ctrlLease.Name),
+		}
+	}
+	c, err := cache.New(cfg, cache.Options{Scheme: scheme, ByObject: byObject})
 	if err != nil {
 		return nil, fmt.Errorf("create informer cache: %w", err)
 	}
@@ -81,7 +95,24 @@ func NewKube(cfg *rest.Config, scheme *runtime.Scheme, node string, only []strin
 	if err != nil {
 		return nil, fmt.Errorf("create API client: %w", err)
 	}
-	return &Kube{node: node, only: only, cache: c, api: api, log: log, svc: svc, trigger: make(chan struct{}, 1)}, nil
+	return &Kube{node: node, only: only, ctrlLease: ctrlLease, cache: c, api: api, log: log, svc: svc, trigger: make(chan struct{}, 1)}, nil
+}
+
+// OnLeaderChange makes f run after every event on the controller's Lease (the monitor's kick:
+// its round acknowledges a new leader). Call it before Start.
+func (k *Kube) OnLeaderChange(f func()) { k.onLeader = f }
+
+// Leader is the holder of the controller's Lease as the cache shows it ("" when there is none,
+// or the agent watches no Lease).
+func (k *Kube) Leader(ctx context.Context) string {
+	if k.ctrlLease.Name == "" {
+		return ""
+	}
+	var l coordinationv1.Lease
+	if err := k.cache.Get(ctx, k.ctrlLease, &l); err != nil || l.Spec.HolderIdentity == nil {
+		return ""
+	}
+	return *l.Spec.HolderIdentity
 }
 
 // OnPodDelete makes f receive the pod informer's delete notifications (a *corev1.Pod or a
@@ -97,7 +128,11 @@ func (k *Kube) Start(ctx context.Context) error {
 	if k.handled == nil {
 		k.handled = map[string]bool{}
 	}
-	for _, obj := range []client.Object{&corev1.Pod{}, &corev1.Node{}, &ipwardenv1.NodeIPAllocation{}, &ipwardenv1.IPPool{}} {
+	objs := []client.Object{&corev1.Pod{}, &corev1.Node{}, &ipwardenv1.NodeIPAllocation{}, &ipwardenv1.IPPool{}}
+	if k.ctrlLease.Name != "" {
+		objs = append(objs, &coordinationv1.Lease{})
+	}
+	for _, obj := range objs {
 		name := fmt.Sprintf("%T", obj)
 		if k.handled[name] {
 			continue
@@ -106,7 +141,15 @@ func (k *Kube) Start(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("informer for %T: %w", obj, err)
 		}
-		onDelete := func(any) { k.Trigger() }
+		onEvent := k.Trigger
+		if _, isLease := obj.(*coordinationv1.Lease); isLease {
+			onEvent = func() {
+				if k.onLeader != nil {
+					k.onLeader()
+				}
+			}
+		}
+		onDelete := func(any) { onEvent() }
 		if _, isPod := obj.(*corev1.Pod); isPod && k.podDeleted != nil {
 			onDelete = func(o any) {
 				k.podDeleted(o)
@@ -114,8 +157,8 @@ func (k *Kube) Start(ctx context.Context) error {
 			}
 		}
 		if _, err := inf.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
-			AddFunc:    func(any) { k.Trigger() },
-			UpdateFunc: func(any, any) { k.Trigger() },
+			AddFunc:    func(any) { onEvent() },
+			UpdateFunc: func(any, any) { onEvent() },
 			DeleteFunc: onDelete,
 		}); err != nil {
 			return fmt.Errorf("watch %T: %w", obj, err)
@@ -199,57 +242,23 @@ func (k *Kube) Push(ctx context.Context) ([]ipam.Pod, error) {
 	var served []string
 	for i := range poolList.Items {
 		p := &poolList.Items[i]
-		cfg, err := PoolFromAPI(p)
+		spec, err := ippool.Parse(p.Spec)
 		if err != nil {
 			k.log.Error(err, "ignoring an IPPool the agent cannot read", "pool", p.Name)
 			continue
 		}
-		pools = append(pools, cfg)
-		sel, err := selects(p, nodeLabels)
-		if err != nil {
-			k.log.Error(err, "ignoring an IPPool with a bad nodeSelector", "pool", p.Name)
-			continue
-		}
-		if sel && (len(k.only) == 0 || slices.Contains(k.only, p.Name)) {
+		pools = append(pools, ipam.PoolOf(p.Name, spec, p.Status.Exhausted))
+		if spec.Selects(nodeLabels) && (len(k.only) == 0 || slices.Contains(k.only, p.Name)) {
 			served = append(served, p.Name)
 		}
 	}
 	k.svc.SetPools(pools, served)
 
-	var nipa ipwardenv1.NodeIPAllocation
-	err := k.cache.Get(ctx, client.ObjectKey{Name: k.node}, &nipa)
-	rec := RecordOf{}
-	switch {
-	case err == nil && k.svc.Rewound(string(nipa.UID), nipa.Generation),
-		apierrors.IsNotFound(err):
-		// The cache shows an object older than the node's own last write, or none: confirm
-		// with the API server (the cache may just lag) before acting on it.
-		nipa = ipwardenv1.NodeIPAllocation{}
-		err = k.api.Get(ctx, client.ObjectKey{Name: k.node}, &nipa)
-		if err == nil {
-			rec.Rewound = k.svc.Rewound(string(nipa.UID), nipa.Generation)
-		}
-	}
-	if err == nil {
-		rec.UID, rec.Generation = string(nipa.UID), nipa.Generation
-		holdings := map[string]addr.Set{}
-		for _, ps := range nipa.Status.Pools {
-			s, err := addr.ParseSet(ps.Addresses)
-			if err != nil {
-				// Never guess: an unreadable holding is treated as unknown-but-kept (no change).
-				k.log.Error(err, "NodeIPAllocation status holds an unreadable address list; keeping the previous view", "pool", ps.Pool)
-				return nil, fmt.Errorf("NodeIPAllocation %s status for pool %s: %w", k.node, ps.Pool, err)
-			}
-			holdings[ps.Pool] = s
-		}
-		k.svc.SetHoldings(holdings, rec)
-	} else if apierrors.IsNotFound(err) {
-		k.svc.SetRecordMissing(true)
-		if err := k.recreate(ctx, &node); err != nil {
-			k.log.Error(err, "cannot re-create this node's NodeIPAllocation; retrying on the next event", "nodeIPAllocation", k.node)
-		}
-	} else {
-		return nil, fmt.Errorf("read NodeIPAllocation %s: %w", k.node, err)
+	k.recordMu.Lock()
+	err := k.pushRecord(ctx, &node)
+	k.recordMu.Unlock()
+	if err != nil {
+		return nil, err
 	}
 
 	var podList corev1.PodList
@@ -262,6 +271,57 @@ func (k *Kube) Push(ctx context.Context) ([]ipam.Pod, error) {
 	}
 	k.svc.SetPods(pods)
 	return pods, nil
+}
+
+// pushRecord hands the service the node's NodeIPAllocation from the cache, confirmed by a
+// fresh read when the cache shows none or an object older than the node's own last write.
+// Callers hold recordMu.
+func (k *Kube) pushRecord(ctx context.Context, node *corev1.Node) error {
+	var nipa ipwardenv1.NodeIPAllocation
+	err := k.cache.Get(ctx, client.ObjectKey{Name: k.node}, &nipa)
+	fresh := false
+	switch {
+	case err == nil && k.svc.Rewound(string(nipa.UID), nipa.Generation),
+		apierrors.IsNotFound(err):
+		// The cache shows an object older than the node's own last write, or none: confirm
+		// with the API server (the cache may just lag) before acting on it.
+		nipa = ipwardenv1.NodeIPAllocation{}
+		err = k.api.Get(ctx, client.ObjectKey{Name: k.node}, &nipa)
+		fresh = true
+	}
+	switch {
+	case err == nil:
+		return k.setRecord(&nipa, fresh)
+	case apierrors.IsNotFound(err):
+		k.svc.SetRecordMissing(true)
+		if err := k.recreate(ctx, node); err != nil {
+			k.log.Error(err, "cannot re-create this node's NodeIPAllocation; retrying on the next event", "nodeIPAllocation", k.node)
+		}
+		return nil
+	default:
+		return fmt.Errorf("read NodeIPAllocation %s: %w", k.node, err)
+	}
+}
+
+// setRecord hands the service the node's holdings from nipa; fresh says nipa comes from the API
+// server itself (only then may it count as a rewind).
+func (k *Kube) setRecord(nipa *ipwardenv1.NodeIPAllocation, fresh bool) error {
+	rec := RecordOf{UID: string(nipa.UID), Generation: nipa.Generation}
+	if fresh {
+		rec.Rewound = k.svc.Rewound(rec.UID, rec.Generation)
+	}
+	holdings := map[string]addr.Set{}
+	for _, ps := range nipa.Status.Pools {
+		s, err := addr.ParseSet(ps.Addresses)
+		if err != nil {
+			// Never guess: an unreadable holding is treated as unknown-but-kept (no change).
+			k.log.Error(err, "NodeIPAllocation status holds an unreadable address list; keeping the previous view", "pool", ps.Pool)
+			return fmt.Errorf("NodeIPAllocation %s status for pool %s: %w", k.node, ps.Pool, err)
+		}
+		holdings[ps.Pool] = s
+	}
+	k.svc.SetHoldings(holdings, rec)
+	return nil
 }
 
 // Run pushes the cache into the service after every watch event, coalesced.
@@ -346,6 +406,9 @@ func (k *Kube) PublishSpec(ctx context.Context, reqs []ipam.PoolRequest) (bool, 
 	if err := k.cache.Get(ctx, client.ObjectKey{Name: k.node}, &nipa); err != nil {
 		return false, fmt.Errorf("read NodeIPAllocation %s: %w", k.node, err)
 	}
+	if leader := k.Leader(ctx); leader != "" && nipa.Spec.AcknowledgedLeader != leader {
+		return k.acknowledge(ctx, leader)
+	}
 	k.mu.Lock()
 	lw := k.lastWritten
 	k.mu.Unlock()
@@ -376,6 +439,55 @@ func (k *Kube) PublishSpec(ctx context.Context, reqs []ipam.PoolRequest) (bool, 
 	}
 }
 
+// acknowledge tells a controller that started leading that this node's claims are complete
+// (docs/design.md, "Claims and rewinds"): it reads the NodeIPAllocation from the API server,
+// hands its status to the service (a rewound record is distrusted and its lost addresses
+// claimed, as on any read), and writes the resulting request with spec.acknowledgedLeader,
+// conditioned on the resource version it read. The claims therefore account for the status as
+// it stood; the controller's own later writes only add addresses or remove released ones.
+func (k *Kube) acknowledge(ctx context.Context, leader string) (bool, error) {
+	k.recordMu.Lock()
+	defer k.recordMu.Unlock()
+	for attempt := 0; ; attempt++ {
+		var nipa ipwardenv1.NodeIPAllocation
+		err := k.api.Get(ctx, client.ObjectKey{Name: k.node}, &nipa)
+		switch {
+		case apierrors.IsNotFound(err):
+			return false, nil // re-created first (pushRecord); the next round acknowledges
+		case err != nil:
+			return false, fmt.Errorf("read NodeIPAllocation %s to acknowledge the controller %s: %w", k.node, leader, err)
+		case nipa.Spec.AcknowledgedLeader == leader:
+			return false, nil
+		}
+		if err := k.setRecord(&nipa, true); err != nil {
+			return false, err
+		}
+		reqs := k.svc.Spec()
+		base := nipa.DeepCopy()
+		nipa.Spec.Pools = specPools(reqs)
+		nipa.Spec.AcknowledgedLeader = leader
+		err = k.api.Patch(ctx, &nipa, client.MergeFromWithOptions(base, client.MergeFromWithOptimisticLock{}), fieldOwner)
+		if err == nil {
+			k.svc.NoteSpecWritten(string(nipa.UID), nipa.Generation)
+			k.mu.Lock()
+			k.lastWritten = writtenSpec{pools: nipa.Spec.Pools, baseRV: base.ResourceVersion, newRV: nipa.ResourceVersion}
+			k.mu.Unlock()
+			k.svc.metrics.LeaderAcks.Inc()
+			claimed := 0
+			for _, r := range reqs {
+				n, _ := r.Claimed.Size().Uint64()
+				claimed += int(n)
+			}
+			k.log.Info("acknowledged the controller's new leader: claims written from a fresh read of the node's record",
+				"leader", leader, "claimed", claimed)
+			return true, nil
+		}
+		if !apierrors.IsConflict(err) || attempt >= 5 {
+			return false, fmt.Errorf("acknowledge the controller %s in NodeIPAllocation %s: %w", leader, k.node, err)
+		}
+	}
+}
+
 // recreate creates the node's NodeIPAllocation after it was deleted by hand while the node's
 // pods use addresses (docs/design.md, "Claims and rewinds"): with the controller down, nothing
 // else would, and a controller that restarts must see the node's claims before it fills others.
@@ -383,13 +495,8 @@ func (k *Kube) PublishSpec(ctx context.Context, reqs []ipam.PoolRequest) (bool, 
 // and its pods use addresses; the controller creates new nodes' objects and deletes those of
 // nodes that are gone. The admission policy lets an agent create only its own node's object.
 func (k *Kube) recreate(ctx context.Context, node *corev1.Node) error {
-	var mark ipam.RecordMark
-	uses := 0
-	k.svc.With(func(st *ipam.State) {
-		mark = st.Mark()
-		uses = st.NumAttachments()
-	})
-	if mark.UID == "" || uses == 0 || node.UID == "" {
+	mark, uses := k.svc.recordUse()
+	if !ipam.ShouldRecreate(mark, uses, node.UID != "") {
 		return nil
 	}
 	obj := &ipwardenv1.NodeIPAllocation{ObjectMeta: metav1.ObjectMeta{
@@ -432,94 +539,24 @@ func poolsEqual(a, b []ipwardenv1.NodePoolRequest) bool {
 	})
 }
 
-// PoolFromAPI converts an IPPool into what the state machine needs.
+// PoolFromAPI converts an IPPool into what the state machine needs (through package ippool, the
+// one conversion the controller uses too).
 func PoolFromAPI(p *ipwardenv1.IPPool) (ipam.Pool, error) {
-	cfg := ipam.Pool{
-		Name: p.Name,
-		Scaling: scaling.Params{
-			BatchSize:     int(p.Spec.Scaling.BatchSize),
-			BufferPercent: int(p.Spec.Scaling.BufferPercent),
-			MaxPerNode:    int(p.Spec.Scaling.MaxPerNode),
-		},
-		Cooldown:  p.Spec.ReuseCooldown.Duration,
-		Exhausted: p.Status.Exhausted,
-	}
-	if err := cfg.Scaling.Validate(); err != nil {
-		return ipam.Pool{}, fmt.Errorf("spec.scaling: %w", err)
-	}
-	for _, c := range p.Spec.CIDRs {
-		pfx, err := netip.ParsePrefix(string(c))
-		if err != nil {
-			return ipam.Pool{}, fmt.Errorf("spec.cidrs: %w", err)
-		}
-		cfg.CIDRs = append(cfg.CIDRs, pfx)
-	}
-	for i, e := range p.Spec.Exclude {
-		pfx, err := parsePrefixOrAddr(string(e))
-		if err != nil {
-			return ipam.Pool{}, fmt.Errorf("spec.exclude[%d]: %w", i, err)
-		}
-		cfg.Exclude = append(cfg.Exclude, pfx)
-	}
-	if p.Spec.Gateway != "" {
-		gw, err := netip.ParseAddr(string(p.Spec.Gateway))
-		if err != nil {
-			return ipam.Pool{}, fmt.Errorf("spec.gateway: %w", err)
-		}
-		cfg.Gateway = gw
-	}
-	for _, r := range p.Spec.Routes {
-		dst, err := netip.ParsePrefix(string(r.Dst))
-		if err != nil {
-			return ipam.Pool{}, fmt.Errorf("spec.routes: %w", err)
-		}
-		rt := ipam.Route{Dst: dst}
-		if r.GW != "" {
-			if rt.GW, err = netip.ParseAddr(string(r.GW)); err != nil {
-				return ipam.Pool{}, fmt.Errorf("spec.routes: %w", err)
-			}
-		}
-		cfg.Routes = append(cfg.Routes, rt)
-	}
-	return cfg, nil
-}
-
-// parsePrefixOrAddr reads an address or a CIDR (spec.exclude) as a prefix.
-func parsePrefixOrAddr(s string) (netip.Prefix, error) {
-	if a, err := netip.ParseAddr(s); err == nil {
-		return netip.PrefixFrom(a, a.BitLen()), nil
-	}
-	p, err := netip.ParsePrefix(s)
+	spec, err := ippool.Parse(p.Spec)
 	if err != nil {
-		return netip.Prefix{}, err
+		return ipam.Pool{}, err
 	}
-	return p.Masked(), nil
+	return ipam.PoolOf(p.Name, spec, p.Status.Exhausted), nil
 }
 
-// selects reports whether the pool's nodeSelector selects a node with labels.
-func selects(p *ipwardenv1.IPPool, labels map[string]string) (bool, error) {
-	if p.Spec.NodeSelector == nil {
-		return true, nil
-	}
-	sel, err := metav1.LabelSelectorAsSelector(p.Spec.NodeSelector)
-	if err != nil {
-		return false, err
-	}
-	return sel.Matches(k8slabels.Set(labels)), nil
-}
-
-// PodFromAPI converts a pod bound to the node.
+// PodFromAPI converts a pod bound to the node (through package podinfo, the one Pod conversion).
 func PodFromAPI(p *corev1.Pod) ipam.Pod {
-	out := ipam.Pod{
-		Ref:         ipam.PodRef{Namespace: p.Namespace, Name: p.Name, UID: string(p.UID)},
-		HostNetwork: p.Spec.HostNetwork,
-		Finished:    p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed,
-		Deleting:    p.DeletionTimestamp != nil,
+	v := podinfo.Of(p)
+	return ipam.Pod{
+		Ref:         ipam.PodRef{Namespace: v.Namespace, Name: v.Name, UID: v.UID},
+		IPs:         v.IPs,
+		HostNetwork: v.HostNetwork,
+		Finished:    v.Finished,
+		Deleting:    v.Deleting,
 	}
-	for _, ip := range p.Status.PodIPs {
-		if a, err := netip.ParseAddr(ip.IP); err == nil {
-			out.IPs = append(out.IPs, a)
-		}
-	}
-	return out
 }

@@ -47,7 +47,7 @@ type NodeLease struct {
 
 // NewNodeLease returns the Lease keeper of node for identity.
 func NewNodeLease(api client.Client, namespace, node, identity string, svc *Service, log logr.Logger) *NodeLease {
-	return &NodeLease{api: api, namespace: namespace, node: node, identity: identity, svc: svc, log: log, heldCh: make(chan struct{})}
+	return &NodeLease{api: client.WithFieldOwner(api, string(fieldOwner)), namespace: namespace, node: node, identity: identity, svc: svc, log: log, heldCh: make(chan struct{})}
 }
 
 // Held is closed once the agent has held the Lease.

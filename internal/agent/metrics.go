@@ -31,6 +31,8 @@ type Metrics struct {
 	RecordRewinds prometheus.Counter
 	// RecordRecreated counts re-creations of the node's NodeIPAllocation by the agent.
 	RecordRecreated prometheus.Counter
+	// LeaderAcks counts acknowledgements of a new controller leader (spec.acknowledgedLeader).
+	LeaderAcks prometheus.Counter
 
 	// Leak collection, by path (PathEvent, PathFullCheck, PathCNIGC).
 	GCCandidates   *prometheus.CounterVec
@@ -55,6 +57,13 @@ type Metrics struct {
 	Busy             prometheus.Counter
 	BadRequests      prometheus.Counter
 	AbandonedAdds    prometheus.Counter
+
+	// AddressesExhausted is 1 while the node shows the scheduler signal (condition
+	// ipwarden.io/AddressesExhausted).
+	AddressesExhausted prometheus.Gauge
+
+	// Queue holds the leak collector's work queue metrics (workqueue_*{name="ipwarden_agent_pod_gc"}).
+	Queue *QueueMetrics
 
 	pools map[string]bool // pool labels set by setPools
 }
@@ -113,6 +122,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Times the node's NodeIPAllocation was found older than the node's own last write (etcd restored from a backup, or the object re-created)."}),
 		RecordRecreated: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "record_recreated_total",
 			Help: "Times the agent re-created its node's NodeIPAllocation after it was deleted while its pods used addresses."}),
+		LeaderAcks: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "leader_acknowledgements_total",
+			Help: "Times the agent acknowledged a new controller leader: its claims written from a fresh read of its NodeIPAllocation, with spec.acknowledgedLeader."}),
 
 		GCCandidates: gcCounter("gc_candidates_total",
 			"Attachments the leak collector considered freeing: re-checked against the API server (event, full-check) or missing from the runtime's valid list (cni-gc)."),
@@ -142,9 +153,13 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			v.WithLabelValues(path)
 		}
 	}
+	m.Queue = NewQueueMetrics(reg)
+	m.AddressesExhausted = prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "addresses_exhausted",
+		Help: "1 while the node shows the condition ipwarden.io/AddressesExhausted: pods wait and it can get no more addresses (at maxPerNode, or its pool exhausted)."})
 	if reg != nil {
+		reg.MustRegister(m.AddressesExhausted)
 		reg.MustRegister(m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict, m.Outside,
-			m.Attachments, m.OpDuration, m.IPWait, m.JournalWrite, m.Errors, m.SpecWrites, m.Conflicts, m.RecordRewinds, m.RecordRecreated,
+			m.Attachments, m.OpDuration, m.IPWait, m.JournalWrite, m.Errors, m.SpecWrites, m.Conflicts, m.RecordRewinds, m.RecordRecreated, m.LeaderAcks,
 			m.GCCandidates, m.GCCollected, m.GCKept, m.GCFailed, m.GCDryRun, m.GCDeleteToFree, m.GCFullChecks, m.GCQueueDepth,
 			m.Unattributed, m.JournalRecovered, m.HoldActive, m.Conns, m.Busy, m.BadRequests, m.AbandonedAdds,
 			m.GCSandboxHeld, m.GCSandboxOutlived)

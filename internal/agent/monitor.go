@@ -2,7 +2,6 @@ package agent
 
 import (
 	"context"
-	"fmt"
 	"time"
 
 	"github.com/go-logr/logr"
@@ -30,12 +29,17 @@ type Monitor struct {
 	// nextCooled is when the next address counted as cooling by the last round's target leaves
 	// its cooldown (zero: none); Run does a round then.
 	nextCooled time.Time
+	// signal, when set, shows the scheduler signal on the Node after each round.
+	signal *NodeSignal
 }
 
 // NewMonitor returns a monitor; Run starts it.
 func NewMonitor(svc *Service, pub SpecPublisher, resync time.Duration, log logr.Logger) *Monitor {
 	return &Monitor{svc: svc, pub: pub, resync: resync, log: log, kick: make(chan struct{}, 1), metrics: svc.metrics}
 }
+
+// SetSignal makes each round show the scheduler signal through sig (call before Run).
+func (m *Monitor) SetSignal(sig *NodeSignal) { m.signal = sig }
 
 // Kick asks for a round soon; it never blocks.
 func (m *Monitor) Kick() {
@@ -84,33 +88,24 @@ func (m *Monitor) Run(ctx context.Context) {
 // Round does one round: release what is beyond the target, then publish the request.
 func (m *Monitor) Round(ctx context.Context) error {
 	s := m.svc
-	s.mu.Lock()
-	now := s.now()
-	plan := s.st.Release(now)
-	s.mu.Unlock()
-	if !plan.Change.IsEmpty() {
-		if err := s.journal.Commit(plan.Change); err != nil {
-			s.mu.Lock()
-			s.st.UnmarkReleasing(plan)
-			s.notifyLocked()
-			s.mu.Unlock()
-			return fmt.Errorf("journal the addresses to release: %w", err)
-		}
-		for pool, set := range plan.Marked {
-			m.log.Info("releasing addresses beyond the target", "pool", pool, "addresses", set.String())
-		}
+	r, err := s.releaseRound()
+	if err != nil {
+		return err
 	}
-	s.mu.Lock()
-	spec := s.st.Spec()
-	// The target counted addresses cooling at the state's clock, which is at least now: every
-	// one of them leaves its cooldown no earlier than NextCooled(now).
-	m.nextCooled = s.st.NextCooled(now)
-	stats := s.st.Stats(s.now())
-	n := s.st.NumAttachments()
-	s.mu.Unlock()
-	m.metrics.setPools(stats, n)
+	for pool, set := range r.marked {
+		m.log.Info("releasing addresses beyond the target", "pool", pool, "addresses", set.String())
+	}
+	spec := r.spec
+	m.nextCooled = r.nextCooled
+	m.metrics.setPools(r.stats, r.attachments)
 	if s.gate.enforce && !s.gate.leaseIsHeld() {
 		return nil // another agent holds the node's Lease: it publishes the node's request
+	}
+	if m.signal != nil {
+		// A failed Node write is retried at the next round; it never holds up the request.
+		if err := m.signal.Update(ctx, r.stats); err != nil {
+			m.log.Error(err, "cannot show the scheduler signal on the Node; retrying at the next round")
+		}
 	}
 	wrote, err := m.pub.PublishSpec(ctx, spec)
 	switch {

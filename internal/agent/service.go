@@ -148,11 +148,88 @@ func (s *Service) notifyLocked() {
 	s.changed = make(chan struct{})
 }
 
-// With runs f with the state locked, for the Kubernetes side and tests.
-func (s *Service) With(f func(st *ipam.State)) {
+// roundResult is what one pool monitor round needs from the state.
+type roundResult struct {
+	marked      map[string]addr.Set // addresses newly marked releasing, per pool
+	spec        []ipam.PoolRequest
+	nextCooled  time.Time
+	stats       []ipam.PoolStats
+	attachments int
+}
+
+// releaseRound marks what is beyond each pool's target as releasing (plan, journal, then apply
+// or abort: the marks are undone when the journal write fails) and returns the request to
+// publish. The target counted addresses cooling at the state's clock, which is at least now:
+// every one of them leaves its cooldown no earlier than nextCooled.
+func (s *Service) releaseRound() (roundResult, error) {
+	s.mu.Lock()
+	now := s.now()
+	plan := s.st.Release(now)
+	s.mu.Unlock()
+	if !plan.Change.IsEmpty() {
+		if err := s.commit(plan); err != nil {
+			return roundResult{}, fmt.Errorf("journal the addresses to release: %w", err)
+		}
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	f(s.st)
+	return roundResult{
+		marked:      plan.Marked,
+		spec:        s.st.Spec(),
+		nextCooled:  s.st.NextCooled(now),
+		stats:       s.st.Stats(s.now()),
+		attachments: s.st.NumAttachments(),
+	}, nil
+}
+
+// recordUse is what re-creating the node's NodeIPAllocation needs: the record mark (set once the
+// node had one) and how many attachments use addresses.
+func (s *Service) recordUse() (ipam.RecordMark, int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.st.Mark(), s.st.NumAttachments()
+}
+
+// servedSummary is the pools the node serves, the number of attachments, and which of names
+// are not pools the agent knows.
+func (s *Service) servedSummary(names []string) (served []string, attachments int, unknown []string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, n := range names {
+		if _, ok := s.st.PoolConfig(n); !ok {
+			unknown = append(unknown, n)
+		}
+	}
+	return s.st.Served(), s.st.NumAttachments(), unknown
+}
+
+// demand is the named pool's demand (tests).
+func (s *Service) demand(pool string) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.st.Demand(pool)
+}
+
+// Spec is the node's request as the state computes it now (requested, releasing, claimed).
+func (s *Service) Spec() []ipam.PoolRequest {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.st.Spec()
+}
+
+// commit runs the one commit protocol (package ipam, plan.go) for a plan made under the lock:
+// journal it outside the lock, then apply it, or abort it when the journal refused it.
+func (s *Service) commit(p ipam.Plan) error {
+	err := s.journal.Commit(p.Changes())
+	s.mu.Lock()
+	if err != nil {
+		s.st.Abort(p)
+	} else {
+		s.st.Apply(p)
+	}
+	s.notifyLocked()
+	s.mu.Unlock()
+	return err
 }
 
 // commitBestEffort journals a change whose loss a restart repairs (pool settings, holdings, and
@@ -630,16 +707,11 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 		}
 		s.metrics.IPWait.Observe(s.now().Sub(start).Seconds())
 		if !ch.IsEmpty() {
-			if err := s.journal.Commit(ch); err != nil {
-				s.mu.Lock()
-				s.st.AbortAdd(key)
-				s.notifyLocked()
-				s.mu.Unlock()
+			if err := s.commit(ipam.AddPlan{Key: key, Change: ch}); err != nil {
 				return errResp(cniproto.CodeTryAgainLater, "ipwarden: cannot record the attachment in the journal: "+cniproto.Truncate(err.Error(), 300),
 					"nothing was handed out; check the agent's --state-dir disk"), nil
 			}
 			s.mu.Lock()
-			s.st.ConfirmAdd(key)
 			on, _ := s.st.Hold()
 			s.mu.Unlock()
 			s.log.V(1).Info("ADD", "attachment", cniproto.Truncate(key.String(), logIDBytes), "pod", att.Pod.String(), "addresses", fmtAddresses(att.Addresses))
@@ -741,13 +813,9 @@ func (s *Service) delKeyIf(key ipam.Key, accept func(ipam.Attachment) bool) (ipa
 	if !plan.Found {
 		return ipam.Attachment{}, false, nil
 	}
-	if err := s.journal.Commit(plan.Change); err != nil {
+	if err := s.commit(plan); err != nil {
 		return ipam.Attachment{}, false, err
 	}
-	s.mu.Lock()
-	s.st.ApplyDel(plan)
-	s.notifyLocked()
-	s.mu.Unlock()
 	s.log.V(1).Info("DEL", "attachment", key.String(), "pod", att.Pod.String(), "addresses", fmtAddresses(att.Addresses))
 	s.kick()
 	return att, true, nil

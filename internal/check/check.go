@@ -11,7 +11,7 @@ import (
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/addr"
-	"github.com/ipwarden/ipwarden/internal/controller"
+	"github.com/ipwarden/ipwarden/internal/ippool"
 )
 
 // Pod is what the checker needs of a Pod.
@@ -115,7 +115,7 @@ func Check(in Input) Report {
 		}
 		poolCIDRs = poolCIDRs.Union(cidrs)
 		// What the controller hands out: CIDRs minus exclusions and reserved addresses.
-		if cfg, err := controller.ParsePool(p.Spec); err == nil {
+		if cfg, err := ippool.Parse(p.Spec); err == nil {
 			pools[p.Name] = cfg.Addresses
 		} else {
 			pools[p.Name] = cidrs

@@ -3,7 +3,6 @@ package check
 import (
 	"context"
 	"fmt"
-	"net/netip"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -11,6 +10,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
+	"github.com/ipwarden/ipwarden/internal/podinfo"
 )
 
 // Collect reads a snapshot from the API server in the order Input asks for (pools, pods,
@@ -53,15 +53,11 @@ func Collect(ctx context.Context, c client.Reader) (Input, error) {
 	return in, nil
 }
 
-// PodOf extracts what the checker needs of a pod.
+// PodOf extracts what the checker needs of a pod (through package podinfo, the one Pod
+// conversion the agent uses too). A pod runs, for the checker, when it is bound, may run, is not
+// being deleted and has addresses.
 func PodOf(p *corev1.Pod) Pod {
-	out := Pod{Namespace: p.Namespace, Name: p.Name, UID: string(p.UID), Node: p.Spec.NodeName}
-	for _, ip := range p.Status.PodIPs {
-		if a, err := netip.ParseAddr(ip.IP); err == nil {
-			out.IPs = append(out.IPs, a)
-		}
-	}
-	out.Running = p.Spec.NodeName != "" && !p.Spec.HostNetwork && p.DeletionTimestamp == nil &&
-		p.Status.Phase != corev1.PodSucceeded && p.Status.Phase != corev1.PodFailed && len(out.IPs) > 0
-	return out
+	v := podinfo.Of(p)
+	return Pod{Namespace: v.Namespace, Name: v.Name, UID: v.UID, Node: v.Node, IPs: v.IPs,
+		Running: v.Node != "" && v.MayRun() && !v.Deleting && len(v.IPs) > 0}
 }

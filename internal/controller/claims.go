@@ -2,6 +2,7 @@ package controller
 
 import (
 	"fmt"
+	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -18,8 +19,11 @@ import (
 //   - grants a claimed address back to the node when no other node holds it (even while it
 //     cools down: a pod uses it, so it is not free);
 //   - never hands a claimed address to any other node;
-//   - after it starts leading, fills nobody from the free pool for a settle time, so agents
-//     that saw the record rewind can claim first;
+//   - after it starts leading, fills nobody from the free pool until every node's agent has
+//     acknowledged it (spec.acknowledgedLeader: claims written from a fresh read of the node's
+//     record, conditioned on its resource version), or a settle bound passes for agents that
+//     do not answer; without leader election there is no leader to acknowledge and the bound
+//     alone applies;
 //   - reports a claim it cannot grant, because another node holds the address, as a conflict on
 //     both nodes (condition, event, metric): two nodes' pods may use one address and only an
 //     operator can say which keeps it.
@@ -61,6 +65,44 @@ func (s *State) SetClaims(name string, spec ipwardenv1.NodeIPAllocationSpec) {
 
 // SettleUntil makes PlanFill serve only claims and take-backs until t.
 func (s *State) SettleUntil(t time.Time) { s.settleUntil = t }
+
+// EndSettle lets PlanFill fill from the free pool again (every node acknowledged the leader).
+func (s *State) EndSettle() { s.settleUntil = time.Time{} }
+
+// Unacknowledged lists, sorted, the nodes whose agent has not acknowledged leader. nodes maps
+// every existing Node to whether a serving pool selects it. A node counts when it exists and
+//
+//   - its NodeIPAllocation's spec.acknowledgedLeader names another controller, or
+//   - its NodeIPAllocation is missing or being deleted while a pool selects it: deleted by hand,
+//     its record (and the holdings this leader rebuilt from it) is gone while its pods may still
+//     use addresses; it waits until the object is back (the agent or this controller re-creates
+//     it) and the agent has claimed on it.
+//
+// A NodeIPAllocation whose Node is gone waits for deletion, not for an agent.
+func Unacknowledged(allocs []ipwardenv1.NodeIPAllocation, nodes map[string]bool, leader string) []string {
+	var out []string
+	has := map[string]bool{}
+	for i := range allocs {
+		a := &allocs[i]
+		if _, exists := nodes[a.Name]; !exists {
+			continue
+		}
+		if a.DeletionTimestamp == nil {
+			has[a.Name] = true
+			if a.Spec.AcknowledgedLeader == leader {
+				continue
+			}
+		}
+		out = append(out, a.Name)
+	}
+	for name, selected := range nodes {
+		if selected && !has[name] && !slices.Contains(out, name) {
+			out = append(out, name)
+		}
+	}
+	sort.Strings(out)
+	return out
+}
 
 // Settling says whether fills from the free pool wait at now.
 func (s *State) Settling(now time.Time) bool { return now.Before(s.settleUntil) }

@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"runtime/debug"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/go-logr/logr"
@@ -45,9 +46,15 @@ type Options struct {
 	Now func() time.Time
 	// Fence is the write permit from leader election [NoFence: unfenced, no leader election].
 	Fence *Fence
-	// ClaimSettle is how long after it starts leading the controller serves only claims and
-	// take-backs before it fills nodes from the free pool [10s].
+	// ClaimSettle bounds how long after it starts leading the controller serves only claims
+	// and take-backs, waiting for every node's agent to acknowledge it, before it fills nodes
+	// from the free pool anyway [60s]. Without leader election nothing acknowledges, and it
+	// waits exactly this long.
 	ClaimSettle time.Duration
+	// PerNodeMetrics exports the node x pool gauges (node_held_addresses,
+	// node_requested_addresses, node_deficit_addresses) [false: each agent exports the same
+	// figures for its node, and at thousands of nodes these are tens of thousands of series].
+	PerNodeMetrics bool
 }
 
 func (o *Options) setDefaults() {
@@ -84,7 +91,7 @@ func (o *Options) setDefaults() {
 	if o.ClaimSettle < 0 {
 		o.ClaimSettle = 0
 	} else if o.ClaimSettle == 0 {
-		o.ClaimSettle = 10 * time.Second
+		o.ClaimSettle = 60 * time.Second
 	}
 }
 
@@ -109,17 +116,25 @@ type Controller struct {
 	workersWG   sync.WaitGroup
 	fence       *Fence
 	stop        context.CancelCauseFunc // ends Start with ErrFenced
+	// awaitAcks is set from the start of leading until every node acknowledged this leader
+	// or ClaimSettle passed; ledAt is when it started leading.
+	awaitAcks atomic.Bool
+	ledAt     time.Time
 }
 
+// FieldManager is the field manager of every write the controller makes (managedFields shows
+// which fields it owns).
+const FieldManager = "ipwarden-controller"
+
 // New returns a controller reading through c (an informer cache), reader (the API server,
-// uncached) and writing through writer.
+// uncached) and writing through writer, as FieldManager.
 func New(c cache.Cache, reader client.Reader, writer client.Client, events record.EventRecorder, m *Metrics, log logr.Logger, opts Options) *Controller {
 	opts.setDefaults()
 	s := NewScheduler(opts.MinSyncInterval, opts.BackoffBase, opts.BackoffMax)
 	s.Jitter = rand.Float64
 	s.Now = opts.Now
 	return &Controller{
-		opts: opts, cache: c, reader: reader, writer: writer, events: events, metrics: m, log: log,
+		opts: opts, cache: c, reader: reader, writer: client.WithFieldOwner(writer, FieldManager), events: events, metrics: m, log: log,
 		sched: s, state: NewState(opts.Exhaustion), nodeFlags: map[string][2]bool{},
 		poolWake: make(chan struct{}, 1), fence: opts.Fence,
 	}
@@ -212,13 +227,30 @@ func (c *Controller) Start(ctx context.Context) error {
 	go c.every(ctx, c.opts.ResyncPeriod, func() { c.resync(ctx) })
 	go c.every(ctx, c.opts.AuditPeriod, func() { c.runAudit(ctx) })
 	c.enqueueAll(ctx)
+	if c.awaitAcks.Load() {
+		c.checkAcks(ctx) // agents may have acknowledged before this process finished starting
+	}
 	c.workersWG.Add(1)
 	go func() {
-		// Claims first: after the settle time, every node is synced again and fills resume.
+		// Claims first: once every node acknowledged (checkAcks), or at the latest after the
+		// settle bound, every node is synced again and fills resume.
 		defer c.workersWG.Done()
 		select {
 		case <-ctx.Done():
 		case <-time.After(c.opts.ClaimSettle):
+			if c.awaitAcks.CompareAndSwap(true, false) {
+				missing, _ := c.unacknowledged(ctx)
+				c.log.Error(nil, "nodes did not acknowledge this leader within --claim-settle; filling from the free pool anyway. "+
+					"Their agents may be down or too old: addresses their pods use that their status lost can go to another node (docs/design.md, \"Claims and rewinds\")",
+					"claimSettle", c.opts.ClaimSettle.String(), "nodes", len(missing), "first", firstN(missing, 10))
+				for _, name := range missing {
+					alloc := &ipwardenv1.NodeIPAllocation{}
+					if err := c.cache.Get(ctx, client.ObjectKey{Name: name}, alloc); err == nil {
+						c.events.Eventf(alloc, corev1.EventTypeWarning, "LeaderNotAcknowledged",
+							"the node's agent did not acknowledge controller %s within %s; the controller fills other nodes anyway", c.fence.Holder(), c.opts.ClaimSettle)
+					}
+				}
+			}
 			c.enqueueAll(ctx)
 		}
 	}()
@@ -283,6 +315,8 @@ func (c *Controller) rebuild(ctx context.Context) error {
 	c.mu.Lock()
 	twice := c.state.Rebuild(pools.Items, allocs.Items, c.opts.Now())
 	c.state.SettleUntil(c.opts.Now().Add(c.opts.ClaimSettle))
+	c.ledAt = c.opts.Now()
+	c.awaitAcks.Store(c.fence.Stamp() != nil) // with leader election: wait for the agents' acknowledgements
 	c.mu.Unlock()
 	n, _ := twice.Size().Uint64()
 	c.metrics.AddressesTwice.Set(float64(n))
@@ -306,12 +340,59 @@ func (c *Controller) nodeEvent(obj any) {
 	if m := metaOf(obj); m != nil {
 		c.enqueue(m.GetName())
 	}
+	if c.awaitAcks.Load() {
+		c.checkAcks(context.Background())
+	}
 }
 
 func (c *Controller) allocEvent(obj any) {
 	if m := metaOf(obj); m != nil {
 		c.enqueue(m.GetName())
 	}
+	if c.awaitAcks.Load() {
+		c.checkAcks(context.Background())
+	}
+}
+
+// checkAcks ends the settle once every node's agent has acknowledged this leader: their claims
+// are in, so the free pool holds no address a node's pods use.
+func (c *Controller) checkAcks(ctx context.Context) {
+	missing, err := c.unacknowledged(ctx)
+	if err != nil {
+		c.log.Error(err, "cannot check the nodes' acknowledgements; the next event retries")
+		return
+	}
+	c.metrics.Unacked.Set(float64(len(missing)))
+	if len(missing) > 0 || !c.awaitAcks.CompareAndSwap(true, false) {
+		return
+	}
+	c.mu.Lock()
+	c.state.EndSettle()
+	c.mu.Unlock()
+	c.log.Info("every node acknowledged this leader with its claims; filling from the free pool",
+		"waited", c.opts.Now().Sub(c.ledAt).Round(time.Millisecond).String())
+	c.enqueueAll(ctx)
+}
+
+// unacknowledged lists the nodes whose agent has not acknowledged this leader (Unacknowledged
+// over the cache).
+func (c *Controller) unacknowledged(ctx context.Context) ([]string, error) {
+	var allocs ipwardenv1.NodeIPAllocationList
+	if err := c.cache.List(ctx, &allocs); err != nil {
+		return nil, fmt.Errorf("list NodeIPAllocations: %w", err)
+	}
+	nodes := &metav1.PartialObjectMetadataList{}
+	nodes.SetGroupVersionKind(corev1.SchemeGroupVersion.WithKind("NodeList"))
+	if err := c.cache.List(ctx, nodes); err != nil {
+		return nil, fmt.Errorf("list nodes: %w", err)
+	}
+	selected := make(map[string]bool, len(nodes.Items))
+	c.mu.Lock()
+	for _, n := range nodes.Items {
+		selected[n.Name] = c.state.Selected(n.Labels)
+	}
+	c.mu.Unlock()
+	return Unacknowledged(allocs.Items, selected, c.fence.Holder()), nil
 }
 
 func (c *Controller) poolEvent(obj any, deleted bool) {
@@ -808,9 +889,11 @@ func (c *Controller) updateNodeMetrics(name string, spec ipwardenv1.NodeIPAlloca
 	for pool, pf := range f.Pools {
 		held := count(pf.Held)
 		d := max(requested[pool]-held, 0)
-		c.metrics.NodeHeld.WithLabelValues(name, pool).Set(float64(held))
-		c.metrics.NodeRequested.WithLabelValues(name, pool).Set(float64(requested[pool]))
-		c.metrics.NodeDeficit.WithLabelValues(name, pool).Set(float64(d))
+		if c.opts.PerNodeMetrics {
+			c.metrics.NodeHeld.WithLabelValues(name, pool).Set(float64(held))
+			c.metrics.NodeRequested.WithLabelValues(name, pool).Set(float64(requested[pool]))
+			c.metrics.NodeDeficit.WithLabelValues(name, pool).Set(float64(d))
+		}
 		if d > 0 {
 			deficit = true
 		}
@@ -993,3 +1076,6 @@ func (c *Controller) countWrite(resource, verb string, err error) {
 	}
 	c.metrics.APIWrites.WithLabelValues(resource, verb, result).Inc()
 }
+
+// firstN returns at most n of names.
+func firstN(names []string, n int) []string { return names[:min(n, len(names))] }

@@ -38,6 +38,7 @@ type Metrics struct {
 	Epoch          prometheus.Gauge
 	ClaimsGranted  *prometheus.CounterVec
 	ClaimConflicts prometheus.Gauge
+	Unacked        prometheus.Gauge
 }
 
 // NewMetrics creates the metrics and registers them with reg (nil: not registered).
@@ -77,12 +78,14 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		Epoch:          prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "leader_epoch", Help: "The leader election epoch (Lease leaderTransitions) this controller writes with; 0 until it leads."}),
 		ClaimsGranted:  prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "claims_granted_total", Help: "Claimed addresses (used by a node's pods, missing from its status) granted back to the node."}, pool),
 		ClaimConflicts: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "claim_conflict_addresses", Help: "Addresses a node's pods use while another node holds them (must be 0; see ipwarden check)."}),
+		Unacked: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "unacknowledged_nodes",
+			Help: "Nodes whose agent has not yet acknowledged this leader (spec.acknowledgedLeader); no node is filled from the free pool until it is 0 or --claim-settle has passed."}),
 	}
 	if reg != nil {
 		reg.MustRegister(m.PoolCapacity, m.PoolAllocated, m.PoolFree, m.PoolCooling, m.PoolExhausted, m.PoolConflicts,
 			m.NodeHeld, m.NodeRequested, m.NodeDeficit, m.NodesInDeficit, m.NodesAtCapacity, m.Nodes,
 			m.Allocations, m.Releases, m.APIWrites, m.SyncDuration, m.SyncErrors, m.QueueDepth, m.AddressesTwice, m.NodesReleased, m.GCCandidates, m.GCCollected, m.GCFailed,
-			m.FencedWrites, m.Epoch, m.ClaimsGranted, m.ClaimConflicts)
+			m.FencedWrites, m.Epoch, m.ClaimsGranted, m.ClaimConflicts, m.Unacked)
 	}
 	return m
 }

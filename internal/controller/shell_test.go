@@ -152,3 +152,30 @@ func TestShellRejectedWriteReturnsItsAddresses(t *testing.T) {
 		t.Fatal("the status changed")
 	}
 }
+
+// Every write the controller makes names its field manager: New wraps the writer it is given.
+func TestShellWritesAsFieldManager(t *testing.T) {
+	var managers []string
+	ctl, c := shell(t, nil)
+	recording := interceptor.NewClient(c.(client.WithWatch), interceptor.Funcs{
+		SubResourceUpdate: func(ctx context.Context, c client.Client, sub string, obj client.Object, opts ...client.SubResourceUpdateOption) error {
+			o := &client.SubResourceUpdateOptions{}
+			o.ApplyOptions(opts)
+			managers = append(managers, o.FieldManager)
+			return c.Status().Update(ctx, obj, opts...)
+		},
+	})
+	fresh := New(readerCache{r: c}, c, recording, record.NewFakeRecorder(100), NewMetrics(nil), logr.Discard(), Options{Now: func() time.Time { return t0 }})
+	fresh.state = ctl.state
+	if err := fresh.fill(context.Background(), getAlloc(t, c)); err != nil {
+		t.Fatal(err)
+	}
+	if len(managers) == 0 {
+		t.Fatal("the fill wrote no status")
+	}
+	for _, m := range managers {
+		if m != "ipwarden-controller" {
+			t.Errorf("status written with field manager %q, want ipwarden-controller (all: %v)", m, managers)
+		}
+	}
+}

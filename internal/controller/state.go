@@ -12,6 +12,7 @@ import (
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/addr"
+	"github.com/ipwarden/ipwarden/internal/ippool"
 )
 
 // State is the controller's in-memory record of pools and what each node holds. It does no IO:
@@ -30,7 +31,7 @@ type State struct {
 type poolState struct {
 	name      string
 	created   time.Time
-	cfg       PoolConfig
+	cfg       ippool.Pool
 	parseErr  error  // spec could not be used
 	overlaps  string // older pool this one overlaps
 	deleted   bool   // IPPool object is gone; kept while nodes hold its addresses
@@ -156,10 +157,10 @@ func (s *State) setPool(obj *ipwardenv1.IPPool) (selectorChanged bool) {
 		s.pools[obj.Name] = p
 	}
 	oldSel := ""
-	if p.cfg.Selector != nil {
-		oldSel = p.cfg.Selector.String()
+	if p.cfg.NodeSelector != nil {
+		oldSel = p.cfg.NodeSelector.String()
 	}
-	cfg, err := ParsePool(obj.Spec)
+	cfg, err := ippool.Parse(obj.Spec)
 	p.created = obj.CreationTimestamp.Time
 	p.deleted = false
 	p.parseErr = err
@@ -167,7 +168,7 @@ func (s *State) setPool(obj *ipwardenv1.IPPool) (selectorChanged bool) {
 		p.cfg = cfg
 	} else {
 		p.cfg.Addresses = addr.Set{}
-		p.cfg.Selector = labels.Nothing()
+		p.cfg.NodeSelector = labels.Nothing()
 	}
 	if p.alloc == nil {
 		p.alloc = addr.NewAllocator(p.cfg.Addresses, p.cfg.Cooldown)
@@ -176,7 +177,7 @@ func (s *State) setPool(obj *ipwardenv1.IPPool) (selectorChanged bool) {
 		p.alloc.SetCooldown(p.cfg.Cooldown)
 	}
 	p.dirty = true
-	return existed && p.cfg.Selector.String() != oldSel
+	return existed && p.cfg.NodeSelector.String() != oldSel
 }
 
 func (s *State) servingSnapshot() string {
@@ -225,7 +226,7 @@ func (s *State) SetNodeLabels(name string, l map[string]string) { s.node(name).l
 // Selected says whether some serving pool selects a node with these labels.
 func (s *State) Selected(l map[string]string) bool {
 	for _, p := range s.pools {
-		if p.serving() && p.cfg.Selector.Matches(labels.Set(l)) {
+		if p.serving() && p.cfg.NodeSelector.Matches(labels.Set(l)) {
 			return true
 		}
 	}
@@ -367,7 +368,7 @@ func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now 
 		f.Conflicts = append(f.Conflicts, s.heldConflicts(name, pool, v.Held)...)
 		held := v.Held.Union(granted)
 		v.Held = held
-		v.Serving = p.serving() && p.cfg.Selector.Matches(n.labels)
+		v.Serving = p.serving() && p.cfg.NodeSelector.Matches(n.labels)
 		plan := Plan(v)
 		pf := &PoolFill{Plan: plan, Added: granted, Granted: granted, Removed: plan.Remove, Held: held.Subtract(plan.Remove)}
 		if plan.Add > 0 && settling {
@@ -439,7 +440,7 @@ func (s *State) NeedOfNode(name string, spec ipwardenv1.NodeIPAllocationSpec) Ne
 		rel, _ := addr.ParseSet(blocks(req.Releasing))
 		p := s.pool(req.Pool)
 		plans[req.Pool] = Plan(PoolView{Held: n.held[req.Pool], Requested: int(req.Requested), Releasing: rel,
-			Serving: p.serving() && p.cfg.Selector.Matches(n.labels)})
+			Serving: p.serving() && p.cfg.NodeSelector.Matches(n.labels)})
 	}
 	need := NeedOf(plans)
 	for pool, c := range n.claims {

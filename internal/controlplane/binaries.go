@@ -47,19 +47,28 @@ func BinDir(root string) string {
 	return filepath.Join(root, "_bin")
 }
 
-// A toolSet is a group of hack/tools mains built by one `go build` into binDir and stamped with
-// the hash of hack/tools' sources, so a change there rebuilds them.
+// A toolSet is a group of mains of one tool module under hack/ (hack/tools unless module says
+// otherwise) built by one `go build` into binDir and stamped with the hash of that module's
+// sources, so a change there rebuilds them.
 type toolSet struct {
 	what  string   // for the progress line
 	stamp string   // file in binDir holding the sources hash the set was built from
-	mains []string // directories under hack/tools/cmd; each builds the binary of that name
+	mains []string // directories under hack/<module>/cmd; each builds the binary of that name
+	// module is the directory under hack/ holding the tool module ("" is tools); pkgs, when
+	// set, are the packages to build instead of ./cmd/<main> (one per main, same order).
+	module string
+	pkgs   []string
 }
 
 var (
-	controlPlaneTools = toolSet{"kube-apiserver and etcd", ".controlplane-sources", []string{"kube-apiserver", "etcd"}}
-	kubectlTool       = toolSet{"kubectl", ".kubectl-sources", []string{"kubectl"}}
+	controlPlaneTools = toolSet{"kube-apiserver and etcd", ".controlplane-sources", []string{"kube-apiserver", "etcd"}, "", nil}
+	kubectlTool       = toolSet{"kubectl", ".kubectl-sources", []string{"kubectl"}, "", nil}
 	nodeTools         = toolSet{"kubelet, kube-controller-manager and kube-scheduler", ".node-sources",
-		[]string{"kubelet", "kube-controller-manager", "kube-scheduler"}}
+		[]string{"kubelet", "kube-controller-manager", "kube-scheduler"}, "", nil}
+	// helm in its own module (hack/helm): its dependencies never move hack/tools' pins.
+	helmTool = toolSet{"helm", ".helm-sources", []string{"helm"}, "helm", []string{"helm.sh/helm/v3/cmd/helm"}}
+	// promcheck (hack/promcheck): Prometheus' rule and PromQL parsers, in their own module.
+	promcheckTool = toolSet{"promcheck", ".promcheck-sources", []string{"promcheck"}, "promcheck", nil}
 )
 
 // EnsureBinaries returns kube-apiserver and etcd, building them from hack/tools into binDir when
@@ -73,6 +82,19 @@ func EnsureBinaries(root, binDir string, log io.Writer) (Binaries, error) {
 // EnsureKubectl returns kubectl (with its built-in kustomize), built like EnsureBinaries.
 func EnsureKubectl(root, binDir string, log io.Writer) (string, error) {
 	paths, err := ensureTools(root, binDir, log, kubectlTool)
+	return paths[0], err
+}
+
+// EnsureHelm returns helm, built from its Go module pinned in hack/helm, like EnsureBinaries.
+func EnsureHelm(root, binDir string, log io.Writer) (string, error) {
+	paths, err := ensureTools(root, binDir, log, helmTool)
+	return paths[0], err
+}
+
+// EnsurePromcheck returns promcheck (hack/promcheck: parses rule files and dashboards with
+// Prometheus' own parsers and lists the metrics they use), built like EnsureBinaries.
+func EnsurePromcheck(root, binDir string, log io.Writer) (string, error) {
+	paths, err := ensureTools(root, binDir, log, promcheckTool)
 	return paths[0], err
 }
 
@@ -97,11 +119,18 @@ func ensureTools(root, binDir string, log io.Writer, set toolSet) ([]string, err
 	for i, m := range set.mains {
 		paths[i] = filepath.Join(binDir, m)
 		pkgs[i] = "./cmd/" + m
+		if set.pkgs != nil {
+			pkgs[i] = set.pkgs[i]
+		}
 	}
 	if err := os.MkdirAll(binDir, 0o755); err != nil {
 		return paths, err
 	}
-	toolsDir := filepath.Join(root, "hack", "tools")
+	module := set.module
+	if module == "" {
+		module = "tools"
+	}
+	toolsDir := filepath.Join(root, "hack", module)
 	want, err := sourcesHash(toolsDir)
 	if err != nil {
 		return paths, fmt.Errorf("hash %s: %w", toolsDir, err)

@@ -10,7 +10,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
-	"github.com/ipwarden/ipwarden/internal/controller"
+	"github.com/ipwarden/ipwarden/internal/ippool"
 	"github.com/ipwarden/ipwarden/internal/scaling"
 )
 
@@ -238,7 +238,7 @@ func (c Config) PoolSpec() (ipwardenv1.IPPoolSpec, error) {
 	for _, p := range cidrs {
 		spec.CIDRs = append(spec.CIDRs, ipwardenv1.CIDR(p.String()))
 	}
-	cfg, err := controller.ParsePool(spec)
+	cfg, err := ippool.Parse(spec)
 	if err != nil {
 		return spec, fmt.Errorf("pool: %w", err)
 	}
@@ -248,10 +248,14 @@ func (c Config) PoolSpec() (ipwardenv1.IPPoolSpec, error) {
 	size := uint64(c.PoolSize)
 	have, _ := cfg.Addresses.Size().Uint64()
 	if have > size {
-		for _, b := range cfg.Addresses.Subtract(cfg.Addresses.First(int(size))).Strings() {
-			spec.Exclude = append(spec.Exclude, ipwardenv1.IPOrCIDR(b))
+		for _, b := range cfg.Addresses.Subtract(cfg.Addresses.First(int(size))).Prefixes() {
+			e := b.String()
+			if b.IsSingleIP() {
+				e = b.Addr().String()
+			}
+			spec.Exclude = append(spec.Exclude, ipwardenv1.IPOrCIDR(e))
 		}
-		if cfg, err = controller.ParsePool(spec); err != nil {
+		if cfg, err = ippool.Parse(spec); err != nil {
 			return spec, fmt.Errorf("pool: %w", err)
 		}
 		have, _ = cfg.Addresses.Size().Uint64()

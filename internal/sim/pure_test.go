@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ipwarden/ipwarden/internal/controller"
+	"github.com/ipwarden/ipwarden/internal/ippool"
 )
 
 func TestConfigValidate(t *testing.T) {
@@ -63,7 +63,7 @@ func TestPoolSpec(t *testing.T) {
 		if err != nil {
 			t.Fatalf("PoolSpec(size %d): %v", size, err)
 		}
-		cfg, err := controller.ParsePool(spec)
+		cfg, err := ippool.Parse(spec)
 		if err != nil {
 			t.Fatalf("PoolSpec(size %d) = %+v, which the controller rejects: %v", size, spec, err)
 		}

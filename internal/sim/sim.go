@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
-	"net/netip"
 	"slices"
 	"strconv"
 	"time"
@@ -17,6 +16,7 @@ import (
 	"github.com/ipwarden/ipwarden/internal/addr"
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
 	"github.com/ipwarden/ipwarden/internal/controller"
+	"github.com/ipwarden/ipwarden/internal/ippool"
 )
 
 const (
@@ -207,11 +207,11 @@ func (s *simulator) setup() error {
 	s.ctl = controller.NewState(controller.DefaultExhaustionMarks)
 	s.ctl.SetPool(&s.poolObj)
 	s.poolStatus, _ = s.ctl.PoolStatus(poolName, ipwardenv1.IPPoolStatus{}, 1, t(0))
-	var cidrs []netip.Prefix
-	for _, c := range spec.CIDRs {
-		cidrs = append(cidrs, netip.MustParsePrefix(string(c))) // ParsePool checked them
+	parsed, err := ippool.Parse(spec)
+	if err != nil {
+		return err
 	}
-	s.agentPool = ipam.Pool{Name: poolName, CIDRs: cidrs, Scaling: cfg.Scaling, Cooldown: cfg.ReuseCooldown}
+	s.agentPool = ipam.PoolOf(poolName, parsed, false)
 
 	s.sched = controller.NewScheduler(cfg.MinSyncInterval, 250*time.Millisecond, 2*time.Minute)
 	s.limiter = newTokenBucket(cfg.KubeAPIQPS, cfg.KubeAPIBurst)

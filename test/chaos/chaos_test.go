@@ -50,10 +50,10 @@ var (
 	seed     = flag.Uint64("chaos.seed", 0, "random seed (0: from the clock; printed either way)")
 	workers  = flag.Int("chaos.workers", 6, "concurrent pod lifecycles")
 	keep     = flag.Bool("chaos.keep", false, "keep the run's directory (component logs) after a failure")
-	// The short CI run leaves the etcd restore out: with the controller's claim settle a time
-	// bound (docs/design.md, "Claims and rewinds"), a restore under this load can still put one
-	// address on two pods (seed 1795379025702928941); the long runs keep it, to measure that.
-	rewindFault = flag.Bool("chaos.rewind", false, "restore etcd from a snapshot once per run (on by default for runs of 2m or more)")
+	// Every run restores etcd from a snapshot once (docs/design.md, "Claims and rewinds"); with
+	// the claim settle a mere time bound, such a restore once put one address on two pods (seed
+	// 1795379025702928941), which the agents' acknowledgement of each new leader closes.
+	rewindFault = flag.Bool("chaos.rewind", true, "restore etcd from a snapshot once per run")
 )
 
 // maxLongRunning bounds the pods per node that run to the end of the run.
@@ -216,7 +216,7 @@ func (x *chaos) setup() {
 	}
 	for i := range 2 {
 		c, err := localcluster.Start(fmt.Sprintf("controller-%d", i), x.bins.Ipwarden, filepath.Join(x.dir, fmt.Sprintf("controller-%d.log", i)),
-			"controller", "--kubeconfig", x.kc, "--claim-settle=3s", "--metrics-bind-address=0", "--health-probe-bind-address=0",
+			"controller", "--kubeconfig", x.kc, "--claim-settle=30s", "--metrics-bind-address=0", "--health-probe-bind-address=0",
 			"--leader-elect=true", "--leader-election-namespace="+controlplane.ControllerNamespace, "--leader-election-id="+controlplane.ControllerLease,
 			"--leader-election-lease-duration=2s", "--leader-election-renew-deadline=1500ms", "--leader-election-retry-period=250ms",
 			"--min-sync-interval=20ms", "--resync-period=5s", "--audit-period=10s", "--backoff-base=50ms", "--backoff-max=2s")
@@ -265,7 +265,7 @@ func (x *chaos) startNode(ctx context.Context, name string) *chaosNode {
 	n.agent, err = localcluster.Start("agent "+name, x.bins.Ipwarden, filepath.Join(x.dir, name+".log"),
 		"agent", "--node-name", name, "--kubeconfig", x.kc, "--socket", n.socket, "--state-dir", filepath.Join(dir, "state"),
 		"--metrics-bind-address=0", "--health-probe-bind-address=0", "--resync=5s", "--address-wait=5s",
-		"--gc-grace=3s", "--gc-full-check-interval=5s",
+		"--gc-grace=3s", "--gc-full-check-interval=5s", "--lease-namespace="+controlplane.ControllerNamespace,
 		// IPAM only: CNI_NETNS is /proc/self/ns/net, which the agent cannot check, so a deleted
 		// pod's address is freed --gc-sandbox-grace after the pod is gone.
 		"--gc-sandbox-grace=3s")
@@ -439,7 +439,7 @@ func (x *chaos) faults(ctx context.Context) {
 			deletedNode = true
 			x.deleteNode()
 		}
-		if !snapshotted && (*rewindFault || *duration >= 2*time.Minute) && time.Since(start) > *duration/8 {
+		if !snapshotted && *rewindFault && time.Since(start) > *duration/8 {
 			snapshotted = true
 			if err := x.cp.SnapshotEtcd(context.Background(), snapshot); err != nil {
 				x.problem("etcd snapshot: %v", err)

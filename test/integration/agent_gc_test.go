@@ -166,6 +166,14 @@ func TestAgentGCEventPath(t *testing.T) {
 	if v := ag.metric(t, `ipwarden_agent_gc_delete_to_free_seconds_count{path="event"}`); v != 1 {
 		t.Fatalf("delete-to-free samples = %v", v)
 	}
+	// The collector's work queue reports on the endpoint the agent serves (not a registry
+	// nobody scrapes): the deletion went through it.
+	if v := ag.metric(t, `workqueue_adds_total{name="ipwarden_agent_pod_gc"}`); v < 1 {
+		t.Fatalf("workqueue_adds_total of the leak collector's queue = %v, want >= 1 (-1: not served)", v)
+	}
+	if v := ag.metric(t, `workqueue_depth{name="ipwarden_agent_pod_gc"}`); v < 0 {
+		t.Fatalf("workqueue_depth of the leak collector's queue not served")
+	}
 
 	// StatefulSet: the pod is deleted and recreated under its name; the new pod's sandbox gets
 	// an address, whichever comes first of that and the old pod's deletion reaching the agent.

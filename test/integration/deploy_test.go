@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -20,9 +21,11 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/types"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/util/retry"
@@ -91,9 +94,10 @@ func TestDeployManifests(t *testing.T) {
 			t.Fatalf("create %s %s: %v", u.GetKind(), u.GetName(), err)
 		}
 	}
-	want := map[string]int{"CustomResourceDefinition": 2, "Namespace": 1, "ServiceAccount": 2, "ClusterRole": 2,
-		"ClusterRoleBinding": 2, "Role": 2, "RoleBinding": 2, "ValidatingAdmissionPolicy": 2,
-		"ValidatingAdmissionPolicyBinding": 2, "Deployment": 1, "Service": 1, "ConfigMap": 1, "DaemonSet": 1}
+	want := map[string]int{"CustomResourceDefinition": 2, "Namespace": 1, "ServiceAccount": 2, "ClusterRole": 3,
+		"ClusterRoleBinding": 2, "Role": 2, "RoleBinding": 2, "ValidatingAdmissionPolicy": 3,
+		"ValidatingAdmissionPolicyBinding": 3, "Deployment": 1, "Service": 1, "ConfigMap": 1, "DaemonSet": 1,
+		"PodDisruptionBudget": 1}
 	for k, n := range want {
 		if kinds[k] != n {
 			t.Errorf("kustomize rendered %d %s, want %d (all: %v)", kinds[k], k, n, kinds)
@@ -134,6 +138,15 @@ func TestDeployManifests(t *testing.T) {
 	}
 	if *dep.Spec.Replicas != 2 {
 		t.Errorf("controller replicas %d, want 2", *dep.Spec.Replicas)
+	}
+	// A drain evicts one replica at a time and never the last one.
+	var pdb policyv1.PodDisruptionBudget
+	if err := k8s.Get(ctx, client.ObjectKey{Namespace: "ipwarden-system", Name: "ipwarden-controller"}, &pdb); err != nil {
+		t.Fatalf("controller PodDisruptionBudget: %v", err)
+	}
+	if pdb.Spec.MinAvailable == nil || pdb.Spec.MinAvailable.IntValue() != 1 || pdb.Spec.Selector == nil ||
+		!maps.Equal(pdb.Spec.Selector.MatchLabels, dep.Spec.Selector.MatchLabels) {
+		t.Errorf("controller PDB %+v: want minAvailable 1 selecting the Deployment's pods %v", pdb.Spec, dep.Spec.Selector.MatchLabels)
 	}
 	// hostNetwork replicas cannot surge onto a node that runs one, and two replicas may share a
 	// node: replace one at a time, declare no (host) ports, prefer spreading.
@@ -302,5 +315,66 @@ func TestDeployManifests(t *testing.T) {
 	}
 	if err := agentA.Create(ctx, &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "x"}}); !apierrors.IsForbidden(err) {
 		t.Errorf("agent created a Lease outside its namespace: %v", err)
+	}
+
+	// The scheduler signal: an agent patches only its own Node, and there only its condition
+	// and its taint.
+	for _, n := range []string{"vap-a", "vap-b"} {
+		node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n}}
+		if err := k8s.Create(ctx, node); err != nil && !apierrors.IsAlreadyExists(err) {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = k8s.Delete(context.Background(), node) })
+	}
+	condition := func(c client.Client, node, typ string) error {
+		body := fmt.Sprintf(`{"status":{"conditions":[{"type":%q,"status":"True","reason":"AtMaxPerNode","message":"test"}]}}`, typ)
+		return c.Status().Patch(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: node}}, client.RawPatch(types.StrategicMergePatchType, []byte(body)))
+	}
+	eventually(t, 30*time.Second, "the node signal policy to deny another node's condition", func() error {
+		err := condition(agentA, "vap-b", "ipwarden.io/AddressesExhausted")
+		if err == nil {
+			return fmt.Errorf("agent on vap-a wrote vap-b's condition")
+		}
+		if !strings.Contains(err.Error(), `this agent runs on node "vap-a", the object is "vap-b"`) {
+			return fmt.Errorf("unexpected error: %v", err)
+		}
+		return nil
+	})
+	if err := condition(agentA, "vap-a", "ipwarden.io/AddressesExhausted"); err != nil {
+		t.Errorf("agent cannot write its Node's AddressesExhausted condition: %v", err)
+	}
+	if err := condition(agentA, "vap-a", "Ready"); err == nil || !strings.Contains(err.Error(), "may change only its Node's condition ipwarden.io/AddressesExhausted") {
+		t.Errorf("agent wrote its Node's Ready condition: %v", err)
+	}
+	// Taints are replaced as a list: the agent sends the Node's taints plus or minus its own
+	// (the API server gave new Nodes node.kubernetes.io/not-ready).
+	edit := func(c client.Client, node string, change func(*corev1.Node)) error {
+		var n corev1.Node
+		if err := k8s.Get(ctx, client.ObjectKey{Name: node}, &n); err != nil {
+			return err
+		}
+		base := n.DeepCopy()
+		change(&n)
+		return c.Patch(ctx, &n, client.MergeFromWithOptions(base, client.MergeFromWithOptimisticLock{}))
+	}
+	addTaint := func(key string) func(*corev1.Node) {
+		return func(n *corev1.Node) {
+			n.Spec.Taints = append(n.Spec.Taints, corev1.Taint{Key: key, Effect: corev1.TaintEffectNoSchedule})
+		}
+	}
+	if err := edit(agentA, "vap-a", addTaint("ipwarden.io/addresses-exhausted")); err != nil {
+		t.Errorf("agent cannot taint its Node: %v", err)
+	}
+	if err := edit(agentA, "vap-a", addTaint("other")); err == nil || !strings.Contains(err.Error(), "may change only its Node's taint") {
+		t.Errorf("agent set another taint on its Node: %v", err)
+	}
+	if err := edit(agentA, "vap-a", func(n *corev1.Node) { n.Spec.Taints = nil }); err == nil {
+		t.Error("agent removed the other taints of its Node")
+	}
+	if err := edit(agentA, "vap-a", func(n *corev1.Node) { n.Labels = map[string]string{"x": "y"} }); err == nil {
+		t.Error("agent labeled its Node")
+	}
+	if err := edit(agentA, "vap-b", addTaint("ipwarden.io/addresses-exhausted")); err == nil {
+		t.Error("agent tainted another Node")
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
+	"github.com/ipwarden/ipwarden/internal/controlplane"
 )
 
 // etcd restored from an older snapshot, by Kubernetes' documented procedure (revision bumped
@@ -26,8 +27,11 @@ func TestEtcdRewindNeverPutsAnAddressOnTwoPods(t *testing.T) {
 	agentNode(t, "rewind-a", "rewind")
 	agentNode(t, "rewind-b", "rewind")
 	ctrl := startController(t)
-	a := startAgent(t, "rewind-a", "", "--gc-grace=1h", "--address-wait=20s")
-	b := startAgent(t, "rewind-b", "", "--gc-grace=1h", "--address-wait=20s")
+	// The agents watch the controller's Lease where the deployment keeps it, to acknowledge
+	// each new leader.
+	ackArgs := []string{"--gc-grace=1h", "--address-wait=60s", "--lease-namespace=" + controlplane.ControllerNamespace}
+	a := startAgent(t, "rewind-a", "", ackArgs...)
+	b := startAgent(t, "rewind-b", "", ackArgs...)
 	a.waitServing(t)
 	b.waitServing(t)
 	confA, confB := pluginConf("1.1.0", a.socket, "rewind"), pluginConf("1.1.0", b.socket, "rewind")
@@ -80,18 +84,34 @@ func TestEtcdRewindNeverPutsAnAddressOnTwoPods(t *testing.T) {
 		t.Fatalf("after the restore node a's status holds %v: the restore did not rewind it", h)
 	}
 	restored := time.Since(start)
-	// The production settle time: after a restart the controller fills nobody from the free pool
-	// until agents that saw the record rewind have had time to claim what their pods use.
-	startController(t, "--claim-settle=10s")
+	// The controller restarts leader-elected, as deployed. It fills nobody from the free pool
+	// until every node's agent has acknowledged it with claims written from a fresh read of its
+	// record; the settle bound is set far beyond the test's deadlines, so only the
+	// acknowledgements can end the wait.
+	freeLease(t)
+	ctrl2 := startController(t, "--leader-elect=true", "--leader-election-namespace="+controlplane.ControllerNamespace,
+		"--leader-election-id="+controlplane.ControllerLease, "--claim-settle=1h")
+	eventually(t, 60*time.Second, "both agents to acknowledge the new leader", func() error {
+		holder, _ := leaseHolder(t)
+		if holder == "" {
+			return fmt.Errorf("no leader yet")
+		}
+		for _, n := range []string{"rewind-a", "rewind-b"} {
+			if got := nipa(t, n).Spec.AcknowledgedLeader; got != holder {
+				return fmt.Errorf("node %s acknowledged %q, the leader is %q", n, got, holder)
+			}
+		}
+		return nil
+	})
 
 	// While the system converges, node a starts pods: none may get an address node b's pods use.
+	// They need a fill (node a gives back what its record wrongly shows), which only the
+	// acknowledgements can allow: every ADD must succeed.
 	for i := 10; i < 12; i++ {
-		r, e := cni(t, "ADD", confA, fmt.Sprintf("ra%d", i), podArgs("default", fmt.Sprintf("pod-ra%d", i), fmt.Sprintf("uid-ra%d", i)))
-		if e == nil {
-			for _, ip := range r.IPs {
-				if usedB.Contains(addrOf(t, ip.Address)) {
-					t.Fatalf("node a handed %s to a new pod while a pod on node b uses it", ip.Address)
-				}
+		r := mustAdd(t, confA, fmt.Sprintf("ra%d", i))
+		for _, ip := range r.IPs {
+			if usedB.Contains(addrOf(t, ip.Address)) {
+				t.Fatalf("node a handed %s to a new pod while a pod on node b uses it", ip.Address)
 			}
 		}
 		if u := usedBy(t, a); u.Overlaps(usedB) {
@@ -124,6 +144,9 @@ func TestEtcdRewindNeverPutsAnAddressOnTwoPods(t *testing.T) {
 				t.Errorf("node %s still claims %v after convergence", n, p.Claimed)
 			}
 		}
+	}
+	if !ctrl2.logContains(`every node acknowledged this leader`) {
+		t.Errorf("the controller's settle did not end by the agents' acknowledgements")
 	}
 	t.Logf("etcd restore took %s; converged %s after the restore began (addresses that had moved from node a to node b: %v)",
 		restored.Round(time.Millisecond), converged.Round(time.Millisecond), moved)

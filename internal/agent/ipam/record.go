@@ -141,3 +141,11 @@ func sortedNames[V any](m map[string]V) []string {
 func recordMissingReason(node string) string {
 	return fmt.Sprintf("NodeIPAllocation %s is missing (deleted?): the node hands out no new address until it is back with its holding (the agent and the controller re-create it)", node)
 }
+
+// ShouldRecreate says whether the agent re-creates its node's missing NodeIPAllocation itself
+// (docs/design.md, "A missing record"): only when the node had one before (its record mark is
+// set), its pods use addresses, and its Node exists. The controller creates new nodes' objects
+// and deletes those of nodes that are gone.
+func ShouldRecreate(mark RecordMark, attachments int, nodeExists bool) bool {
+	return mark.UID != "" && attachments > 0 && nodeExists
+}

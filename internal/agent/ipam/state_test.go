@@ -74,7 +74,7 @@ func (h *harness) add(cid string, pools ...string) (Attachment, error) {
 		return a, err
 	}
 	h.commit(ch)
-	h.s.ConfirmAdd(key(cid))
+	h.s.Apply(AddPlan{Key: key(cid), Change: ch})
 	return a, nil
 }
 
@@ -97,8 +97,8 @@ func (h *harness) del(cid string) bool {
 	if err != nil {
 		h.t.Fatalf("del %s: %v", cid, err)
 	}
-	h.commit(plan.Change)
-	h.s.ApplyDel(plan)
+	h.commit(plan.Changes())
+	h.s.Apply(plan)
 	return plan.Found
 }
 

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/ipwarden/ipwarden/internal/addr"
+	"github.com/ipwarden/ipwarden/internal/ippool"
 	"github.com/ipwarden/ipwarden/internal/scaling"
 )
 
@@ -80,10 +81,7 @@ func (a *Attachment) clone() *Attachment {
 }
 
 // Route is a route returned to the pod.
-type Route struct {
-	Dst netip.Prefix `json:"dst"`
-	GW  netip.Addr   `json:"gw,omitzero"`
-}
+type Route = ippool.Route
 
 // Pool is the part of an IPPool the agent needs.
 type Pool struct {
@@ -103,6 +101,21 @@ type Pool struct {
 	Served bool `json:"served,omitempty"`
 }
 
+// PoolOf is the agent's view of a pool whose spec ippool.Parse read; exhausted mirrors the
+// IPPool's status.exhausted.
+func PoolOf(name string, spec ippool.Pool, exhausted bool) Pool {
+	return Pool{
+		Name:      name,
+		CIDRs:     spec.CIDRs,
+		Gateway:   spec.Gateway,
+		Exclude:   spec.Exclude,
+		Routes:    spec.Routes,
+		Scaling:   spec.Scaling,
+		Cooldown:  spec.Cooldown,
+		Exhausted: exhausted,
+	}
+}
+
 // Is4 reports whether the pool is an IPv4 pool.
 func (p Pool) Is4() bool { return len(p.CIDRs) > 0 && p.CIDRs[0].Addr().Is4() }
 
@@ -114,25 +127,7 @@ func (p Pool) Usable() (addr.Set, bool) {
 	if len(p.CIDRs) == 0 {
 		return addr.Set{}, false
 	}
-	var reserved []netip.Addr
-	for _, c := range p.CIDRs {
-		c = c.Masked()
-		r := addr.PrefixRange(c)
-		switch {
-		case c.Addr().Is4() && c.Bits() <= 30:
-			reserved = append(reserved, r.First, r.Last)
-		case c.Addr().Is6() && c.Bits() <= 126:
-			reserved = append(reserved, r.First)
-		}
-	}
-	if p.Gateway.IsValid() {
-		reserved = append(reserved, p.Gateway)
-	}
-	masked := make([]netip.Prefix, len(p.CIDRs))
-	for i, c := range p.CIDRs {
-		masked[i] = c.Masked()
-	}
-	return addr.SetOfPrefixes(masked...).Subtract(addr.SetOfPrefixes(p.Exclude...)).Subtract(addr.SetOfAddrs(reserved...)), true
+	return ippool.Usable(p.CIDRs, p.Exclude, p.Gateway), true
 }
 
 // Prefix returns a with the prefix length of the pool CIDR that contains it, or a single-address

@@ -1,0 +1,99 @@
+// Package nodesignal decides the agent's scheduler signal: whether its Node carries the
+// condition ipwarden.io/AddressesExhausted (and, if the operator turned it on, the NoSchedule
+// taint of the same name), so the scheduler places new pods elsewhere instead of leaving them in
+// ContainerCreating on a node that can get no more addresses (docs/design.md, "Scheduler
+// signal"). It is pure; the agent's IO shell reads the pools and writes the Node.
+package nodesignal
+
+import (
+	"fmt"
+	"sort"
+	"strings"
+)
+
+// The Node condition and taint.
+const (
+	ConditionType = "ipwarden.io/AddressesExhausted"
+	TaintKey      = "ipwarden.io/addresses-exhausted"
+
+	// Reasons of the condition.
+	ReasonAtMaxPerNode       = "AtMaxPerNode"       // the node holds maxPerNode addresses of a pool and uses them all
+	ReasonPoolExhausted      = "PoolExhausted"      // a pool the node draws from is exhausted and the node has none free
+	ReasonAddressesAvailable = "AddressesAvailable" // cleared
+	ReasonAddressesReturning = "AddressesReturning" // some came back, not yet ClearFree in every pool
+)
+
+// Pool is what the decision needs of one pool the node serves (the agent's pool stats).
+type Pool struct {
+	Name string
+	// Held by the node; InUse by its attachments; Free to hand out now.
+	Held, InUse, Free int
+	// Requested is the node's target, which the agent clamps at maxPerNode.
+	Requested int
+	// Demand is in use plus the pods bound to the node and ADDs waiting for an address.
+	Demand int
+	// Exhausted is the pool's exhausted mark (set by the controller, with hysteresis).
+	Exhausted bool
+}
+
+// Params tune the hysteresis.
+type Params struct {
+	// ClearFree: once set, the signal clears only when every pool has at least this many free
+	// addresses (default 2), so one address freed and taken at once does not flap it.
+	ClearFree int
+}
+
+// Decision is the signal to show.
+type Decision struct {
+	Exhausted bool
+	// Reason and Message for the condition.
+	Reason, Message string
+}
+
+// Decide returns the signal given the pools the node serves and whether it shows the signal now.
+//
+// It sets the signal when pods wait (demand above in use) on a pool with no free address that
+// cannot give the node more: its target is clamped (requested no more than held: maxPerNode),
+// or the pool is exhausted. It clears it only when every pool has ClearFree free addresses.
+// Otherwise it keeps the current state.
+func Decide(pools []Pool, current bool, p Params) Decision {
+	if p.ClearFree <= 0 {
+		p.ClearFree = 2
+	}
+	sorted := append([]Pool(nil), pools...)
+	sort.Slice(sorted, func(i, j int) bool { return sorted[i].Name < sorted[j].Name })
+	var atMax, exhausted []string
+	waiting := 0
+	for _, pl := range sorted {
+		if pl.Free > 0 || pl.Demand <= pl.InUse {
+			continue
+		}
+		switch {
+		case pl.Exhausted:
+			exhausted = append(exhausted, pl.Name)
+		case pl.Requested <= pl.Held:
+			atMax = append(atMax, fmt.Sprintf("%s (%d held)", pl.Name, pl.Held))
+		default:
+			continue
+		}
+		waiting = max(waiting, pl.Demand-pl.InUse)
+	}
+	switch {
+	case len(exhausted) > 0:
+		return Decision{Exhausted: true, Reason: ReasonPoolExhausted, Message: fmt.Sprintf(
+			"%d pods wait for an address and pool %s is exhausted: add CIDRs to the pool", waiting, strings.Join(exhausted, ", "))}
+	case len(atMax) > 0:
+		return Decision{Exhausted: true, Reason: ReasonAtMaxPerNode, Message: fmt.Sprintf(
+			"%d pods wait for an address and the node holds maxPerNode of pool %s, all in use: raise maxPerNode or run fewer pods here", waiting, strings.Join(atMax, ", "))}
+	}
+	if !current {
+		return Decision{Reason: ReasonAddressesAvailable, Message: "the node can get addresses"}
+	}
+	for _, pl := range sorted {
+		if pl.Free < p.ClearFree {
+			return Decision{Exhausted: true, Reason: ReasonAddressesReturning, Message: fmt.Sprintf(
+				"pool %s has %d free addresses; the signal clears at %d", pl.Name, pl.Free, p.ClearFree)}
+		}
+	}
+	return Decision{Reason: ReasonAddressesAvailable, Message: fmt.Sprintf("every pool has at least %d free addresses", p.ClearFree)}
+}

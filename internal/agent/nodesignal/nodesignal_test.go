@@ -1,0 +1,41 @@
+package nodesignal
+
+import (
+	"strings"
+	"testing"
+)
+
+func TestDecide(t *testing.T) {
+	full := Pool{Name: "v4", Held: 16, InUse: 16, Free: 0, Requested: 16, Demand: 18} // at maxPerNode, 2 pods wait
+	for _, tc := range []struct {
+		name    string
+		pools   []Pool
+		current bool
+		want    bool
+		reason  string
+		msg     string
+	}{
+		{"at maxPerNode, pods wait: set", []Pool{full}, false, true, ReasonAtMaxPerNode, "2 pods wait"},
+		{"at maxPerNode, nobody waits: not set", []Pool{{Name: "v4", Held: 16, InUse: 16, Requested: 16, Demand: 16}}, false, false, ReasonAddressesAvailable, ""},
+		{"no free, but the controller can still grant more: not set", []Pool{{Name: "v4", Held: 16, InUse: 16, Requested: 32, Demand: 18}}, false, false, ReasonAddressesAvailable, ""},
+		{"pool exhausted, none free, pods wait: set", []Pool{{Name: "v4", Held: 8, InUse: 8, Requested: 9, Demand: 9, Exhausted: true}}, false, true, ReasonPoolExhausted, "pool v4 is exhausted"},
+		{"pool exhausted but addresses free: not set", []Pool{{Name: "v4", Held: 8, InUse: 6, Free: 2, Requested: 9, Demand: 9, Exhausted: true}}, false, false, ReasonAddressesAvailable, ""},
+		{"dual stack: one family full is enough", []Pool{{Name: "v6", Held: 32, InUse: 10, Free: 22, Requested: 32, Demand: 12}, full}, false, true, ReasonAtMaxPerNode, "v4 (16 held)"},
+		{"hysteresis: one address back keeps it", []Pool{{Name: "v4", Held: 16, InUse: 15, Free: 1, Requested: 16, Demand: 15}}, true, true, ReasonAddressesReturning, "clears at 2"},
+		{"hysteresis: two back clear it", []Pool{{Name: "v4", Held: 16, InUse: 14, Free: 2, Requested: 16, Demand: 14}}, true, false, ReasonAddressesAvailable, ""},
+		{"hysteresis: another pool still short keeps it", []Pool{{Name: "v4", Held: 16, InUse: 10, Free: 6, Requested: 16, Demand: 10}, {Name: "v6", Held: 16, InUse: 15, Free: 1, Requested: 16, Demand: 15}}, true, true, ReasonAddressesReturning, "pool v6 has 1 free"},
+		{"set while still full, whatever it showed", []Pool{full}, true, true, ReasonAtMaxPerNode, ""},
+		{"no pools: clear", nil, true, false, ReasonAddressesAvailable, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			d := Decide(tc.pools, tc.current, Params{})
+			if d.Exhausted != tc.want || d.Reason != tc.reason || !strings.Contains(d.Message, tc.msg) {
+				t.Errorf("Decide = %+v, want exhausted %v, reason %s, message containing %q", d, tc.want, tc.reason, tc.msg)
+			}
+		})
+	}
+	// A larger ClearFree holds it longer.
+	if d := Decide([]Pool{{Name: "v4", Held: 16, InUse: 13, Free: 3, Requested: 16, Demand: 13}}, true, Params{ClearFree: 4}); !d.Exhausted {
+		t.Errorf("ClearFree 4 with 3 free cleared: %+v", d)
+	}
+}

@@ -1,0 +1,170 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"slices"
+
+	"github.com/go-logr/logr"
+	"github.com/prometheus/client_golang/prometheus"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/record"
+	"k8s.io/client-go/util/retry"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/ipwarden/ipwarden/internal/agent/ipam"
+	"github.com/ipwarden/ipwarden/internal/agent/nodesignal"
+)
+
+// NodeSignal is the IO shell of the scheduler signal (package nodesignal decides): after each
+// pool monitor round it sets or clears the Node's condition ipwarden.io/AddressesExhausted and,
+// with Taint, the NoSchedule taint of that name. It writes the Node only when the decision
+// changes. Only the monitor calls it.
+type NodeSignal struct {
+	api    client.Client
+	node   string
+	taint  bool
+	params nodesignal.Params
+	log    logr.Logger
+	now    func() metav1.Time
+	events record.EventRecorder // nil: none
+	gauge  prometheus.Gauge     // nil: none
+
+	known   bool // shown and reason are what the Node shows
+	shown   bool
+	reason  string
+	tainted bool
+	uid     types.UID // the Node's, for events
+}
+
+// Event reasons on the Node.
+const (
+	EventAddressesExhausted = "AddressesExhausted" // Warning: the signal was set
+	EventAddressesAvailable = "AddressesAvailable" // Normal: it cleared
+)
+
+// SetReporting makes the signal record events on the Node and keep gauge at 1 while it is set.
+func (n *NodeSignal) SetReporting(events record.EventRecorder, gauge prometheus.Gauge) {
+	n.events, n.gauge = events, gauge
+}
+
+// NewNodeSignal returns the signal writer for node; taint adds the NoSchedule taint too.
+func NewNodeSignal(api client.Client, node string, taint bool, params nodesignal.Params, log logr.Logger) *NodeSignal {
+	return &NodeSignal{api: client.WithFieldOwner(api, string(fieldOwner)), node: node, taint: taint, params: params, log: log, now: metav1.Now}
+}
+
+// Update decides from the pool stats and writes the Node if the decision changed.
+func (n *NodeSignal) Update(ctx context.Context, stats []ipam.PoolStats) error {
+	if !n.known {
+		var node corev1.Node
+		if err := n.api.Get(ctx, client.ObjectKey{Name: n.node}, &node); apierrors.IsNotFound(err) {
+			return nil // no Node object (being deleted, or a test without one): nothing to show it on
+		} else if err != nil {
+			return fmt.Errorf("read Node %s: %w", n.node, err)
+		}
+		for _, c := range node.Status.Conditions {
+			if c.Type == nodesignal.ConditionType {
+				n.shown, n.reason = c.Status == corev1.ConditionTrue, c.Reason
+			}
+		}
+		n.tainted = slices.ContainsFunc(node.Spec.Taints, isSignalTaint)
+		n.uid = node.UID
+		n.known = true
+	}
+	pools := make([]nodesignal.Pool, 0, len(stats))
+	for _, s := range stats {
+		if !s.Served {
+			continue
+		}
+		pools = append(pools, nodesignal.Pool{Name: s.Pool, Held: s.Held, InUse: s.InUse, Free: s.Free, Requested: s.Requested,
+			Demand: s.Demand, Exhausted: s.Exhausted})
+	}
+	d := nodesignal.Decide(pools, n.shown, n.params)
+	// No condition yet and nothing to say: write nothing (no write per node at start).
+	if d.Exhausted != n.shown || (n.reason != "" && d.Reason != n.reason) {
+		if err := n.writeCondition(ctx, d); err != nil {
+			n.known = false
+			return err
+		}
+		if d.Exhausted != n.shown {
+			n.log.Info("scheduler signal changed", "condition", nodesignal.ConditionType, "exhausted", d.Exhausted, "reason", d.Reason, "message", d.Message)
+			if n.events != nil {
+				ref := &corev1.ObjectReference{Kind: "Node", Name: n.node, UID: n.uid, APIVersion: "v1"}
+				if d.Exhausted {
+					n.events.Event(ref, corev1.EventTypeWarning, EventAddressesExhausted, d.Message)
+				} else {
+					n.events.Event(ref, corev1.EventTypeNormal, EventAddressesAvailable, d.Message)
+				}
+			}
+		}
+		n.shown, n.reason = d.Exhausted, d.Reason
+	}
+	if n.gauge != nil {
+		n.gauge.Set(map[bool]float64{false: 0, true: 1}[n.shown])
+	}
+	wantTaint := n.taint && d.Exhausted
+	if wantTaint != n.tainted {
+		if err := n.writeTaint(ctx, wantTaint); err != nil {
+			n.known = false
+			return err
+		}
+		n.log.Info("scheduler signal taint changed", "taint", nodesignal.TaintKey, "present", wantTaint)
+		n.tainted = wantTaint
+	}
+	return nil
+}
+
+func isSignalTaint(t corev1.Taint) bool { return t.Key == nodesignal.TaintKey }
+
+// writeCondition patches the condition into the Node's status (strategic merge on the type).
+func (n *NodeSignal) writeCondition(ctx context.Context, d nodesignal.Decision) error {
+	status := corev1.ConditionFalse
+	if d.Exhausted {
+		status = corev1.ConditionTrue
+	}
+	now := n.now()
+	cond := corev1.NodeCondition{Type: nodesignal.ConditionType, Status: status, Reason: d.Reason, Message: d.Message,
+		LastHeartbeatTime: now}
+	if d.Exhausted != n.shown {
+		cond.LastTransitionTime = now
+	}
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n.node}}
+	body, err := json.Marshal(map[string]any{"status": map[string]any{"conditions": []corev1.NodeCondition{cond}}})
+	if err != nil {
+		return err
+	}
+	patch := client.RawPatch(types.StrategicMergePatchType, body)
+	if err := n.api.Status().Patch(ctx, node, patch); err != nil {
+		return fmt.Errorf("write condition %s on Node %s: %w", nodesignal.ConditionType, n.node, err)
+	}
+	return nil
+}
+
+// writeTaint adds or removes the taint, leaving every other taint as it is (optimistic lock).
+func (n *NodeSignal) writeTaint(ctx context.Context, present bool) error {
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		var node corev1.Node
+		if err := n.api.Get(ctx, client.ObjectKey{Name: n.node}, &node); err != nil {
+			return err
+		}
+		base := node.DeepCopy()
+		has := slices.ContainsFunc(node.Spec.Taints, isSignalTaint)
+		switch {
+		case present && !has:
+			node.Spec.Taints = append(node.Spec.Taints, corev1.Taint{Key: nodesignal.TaintKey, Effect: corev1.TaintEffectNoSchedule})
+		case !present && has:
+			node.Spec.Taints = slices.DeleteFunc(node.Spec.Taints, isSignalTaint)
+		default:
+			return nil
+		}
+		return n.api.Patch(ctx, &node, client.MergeFromWithOptions(base, client.MergeFromWithOptimisticLock{}))
+	})
+	if err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("write taint %s on Node %s: %w", nodesignal.TaintKey, n.node, err)
+	}
+	return err
+}

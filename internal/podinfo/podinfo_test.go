@@ -1,0 +1,46 @@
+package podinfo
+
+import (
+	"net/netip"
+	"slices"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+func TestOf(t *testing.T) {
+	now := metav1.Now()
+	base := corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "p", UID: "u1"},
+		Spec:       corev1.PodSpec{NodeName: "n1"},
+		Status: corev1.PodStatus{Phase: corev1.PodRunning,
+			PodIPs: []corev1.PodIP{{IP: "10.0.0.5"}, {IP: "garbage"}, {IP: "fd00::5"}}},
+	}
+	for _, tc := range []struct {
+		name   string
+		mod    func(*corev1.Pod)
+		mayRun bool
+		check  func(Pod) bool
+	}{
+		{"running", func(*corev1.Pod) {}, true, func(p Pod) bool {
+			return p.Namespace == "ns" && p.Name == "p" && p.UID == "u1" && p.Node == "n1" &&
+				slices.Equal(p.IPs, []netip.Addr{netip.MustParseAddr("10.0.0.5"), netip.MustParseAddr("fd00::5")})
+		}},
+		{"succeeded", func(p *corev1.Pod) { p.Status.Phase = corev1.PodSucceeded }, false, func(p Pod) bool { return p.Finished }},
+		{"failed", func(p *corev1.Pod) { p.Status.Phase = corev1.PodFailed }, false, func(p Pod) bool { return p.Finished }},
+		{"deleting may still run", func(p *corev1.Pod) { p.DeletionTimestamp = &now }, true, func(p Pod) bool { return p.Deleting }},
+		{"host network", func(p *corev1.Pod) { p.Spec.HostNetwork = true }, false, func(p Pod) bool { return p.HostNetwork }},
+		{"pending unscheduled", func(p *corev1.Pod) { p.Spec.NodeName = ""; p.Status = corev1.PodStatus{Phase: corev1.PodPending} }, true,
+			func(p Pod) bool { return p.Node == "" && len(p.IPs) == 0 }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			obj := *base.DeepCopy()
+			tc.mod(&obj)
+			got := Of(&obj)
+			if got.MayRun() != tc.mayRun || !tc.check(got) {
+				t.Fatalf("Of = %+v, MayRun %v (want %v)", got, got.MayRun(), tc.mayRun)
+			}
+		})
+	}
+}
