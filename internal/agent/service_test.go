@@ -409,7 +409,7 @@ func TestMonitorRoundWhenCooldownEnds(t *testing.T) {
 		if spec := h.pub.last(); len(spec) != 1 || spec[0].Requested == 4 {
 			t.Fatalf("while the freed addresses cool down: published %+v", spec)
 		}
-		time.Sleep(pool.Cooldown + time.Millisecond)
+		time.Sleep(pool.Cooldown + time.Millisecond) // the fake clock: the cooldown ends, at once
 		synctest.Wait()
 		if spec := h.pub.last(); len(spec) != 1 || spec[0].Requested != 4 {
 			t.Fatalf("the request did not drop to 4 when the cooldown ended: published %+v", spec)
