@@ -16,6 +16,7 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 
 	"github.com/ipwarden/ipwarden/internal/cniproto"
+	"github.com/ipwarden/ipwarden/internal/localcluster"
 )
 
 func TestParseConfig(t *testing.T) {
@@ -83,10 +84,7 @@ func plugin(t *testing.T) string {
 			return
 		}
 		pluginBin = filepath.Join(dir, "ipwarden-cni")
-		out, err := exec.Command("go", "build", "-o", pluginBin, ".").CombinedOutput()
-		if err != nil {
-			buildErr = errors.New(string(out))
-		}
+		buildErr = localcluster.BuildOnce(".", pluginBin, ".")
 	})
 	if buildErr != nil {
 		t.Fatalf("build plugin: %v", buildErr)

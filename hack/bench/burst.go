@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"fmt"
-	"net"
 	"os"
 	"sync"
 	"time"
@@ -82,14 +81,17 @@ func burstBench(ctx context.Context, env *benchEnv, pods int) ([]figure, error) 
 		fmt.Fprintln(os.Stderr, "  first failure:", firstErr)
 	}
 	// Count the writes once the controller's coalesced pool status write shows the burst.
-	deadline := time.Now().Add(30 * time.Second)
-	for time.Now().Before(deadline) {
+	// A pool status that never shows it still counts what was written (as before: no error).
+	_ = localcluster.WaitFor(ctx, 30*time.Second, 50*time.Millisecond, func() error {
 		p := &ipwardenv1.IPPool{}
-		if err := env.c.Get(ctx, client.ObjectKey{Name: "bench-burst"}, p); err == nil && p.Status.Allocated >= int64(pods) {
-			break
+		if err := env.c.Get(ctx, client.ObjectKey{Name: "bench-burst"}, p); err != nil {
+			return err
 		}
-		time.Sleep(50 * time.Millisecond) // poll interval
-	}
+		if p.Status.Allocated < int64(pods) {
+			return fmt.Errorf("%d allocated", p.Status.Allocated)
+		}
+		return nil
+	})
 	writes := localcluster.ScrapeSum("http://"+env.ctrlMetrics+"/metrics", "ipwarden_controller_api_writes_total") - ctrlBefore +
 		localcluster.ScrapeSum("http://"+n.metrics+"/metrics", "ipwarden_agent_spec_writes_total") - agentBefore
 	ok := waits[:0:0]
@@ -114,28 +116,30 @@ func (n *ipamNet) addPod(ctx context.Context, cid, ns, name, uid string) error {
 }
 
 func waitSocket(ctx context.Context, n *node) error {
-	deadline := time.Now().Add(60 * time.Second)
-	for time.Now().Before(deadline) {
+	err := localcluster.WaitFor(ctx, 60*time.Second, 50*time.Millisecond, func() error {
 		c, cancel := context.WithTimeout(ctx, time.Second)
+		defer cancel()
 		resp, err := cniproto.Call(c, n.socket, cniproto.Request{Op: cniproto.OpList})
-		cancel()
-		if err == nil && resp.AsError() == nil {
-			return nil
+		if err != nil {
+			return err
 		}
-		time.Sleep(50 * time.Millisecond) // poll interval
+		return resp.AsError()
+	})
+	if err != nil {
+		return fmt.Errorf("agent %s not serving (%v); log:\n%s", n.name, err, n.agent.LogTail(2000))
 	}
-	return fmt.Errorf("agent %s not serving; log:\n%s", n.name, n.agent.LogTail(2000))
+	return nil
 }
 
 func createNode(ctx context.Context, c client.Client, name string, labels map[string]string) error {
 	return c.Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}})
 }
 
+// freeAddr is a free loopback host:port (localcluster.FreeAddr), or port 0 if none is found.
 func freeAddr() string {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	a, err := localcluster.FreeAddr()
 	if err != nil {
 		return "127.0.0.1:0"
 	}
-	defer l.Close()
-	return l.Addr().String()
+	return a
 }

@@ -102,18 +102,17 @@ func (b *controllerBench) run(ctx context.Context) ([]figure, error) {
 		}); err != nil {
 			return nil, err
 		}
-		for {
+		if err := localcluster.WaitFor(ctx, time.Minute, 2*time.Millisecond, func() error {
 			a := &ipwardenv1.NodeIPAllocation{}
 			if err := b.c.Get(ctx, client.ObjectKey{Name: name}, a); err != nil {
-				return nil, err
+				return err
 			}
-			if len(a.Status.Pools) == 1 && a.Status.Pools[0].Held == req {
-				break
+			if len(a.Status.Pools) != 1 || a.Status.Pools[0].Held != req {
+				return fmt.Errorf("node %s not filled to %d", name, req)
 			}
-			if time.Since(t0) > time.Minute {
-				return nil, fmt.Errorf("node %s not filled to %d within a minute", name, req)
-			}
-			time.Sleep(2 * time.Millisecond) // poll interval
+			return nil
+		}); err != nil {
+			return nil, err
 		}
 		lat = append(lat, time.Since(t0))
 	}
@@ -165,9 +164,8 @@ func (b *controllerBench) forEachNode(ctx context.Context, f func(string) error)
 }
 
 func (b *controllerBench) waitAllocated(ctx context.Context, want int64, timeout time.Duration) error {
-	deadline := time.Now().Add(timeout)
 	last := time.Now()
-	for time.Now().Before(deadline) {
+	return localcluster.WaitFor(ctx, timeout, 50*time.Millisecond, func() error {
 		p := &ipwardenv1.IPPool{}
 		if err := b.c.Get(ctx, client.ObjectKey{Name: "bench"}, p); err != nil {
 			return err
@@ -179,9 +177,8 @@ func (b *controllerBench) waitAllocated(ctx context.Context, want int64, timeout
 			b.log("  %d of %d addresses allocated", p.Status.Allocated, want)
 			last = time.Now()
 		}
-		time.Sleep(50 * time.Millisecond) // poll interval
-	}
-	return fmt.Errorf("pool not filled to %d within %s", want, timeout)
+		return fmt.Errorf("pool not filled to %d: %d allocated", want, p.Status.Allocated)
+	})
 }
 
 // benchProc is a controller process of the bench and when it started.
@@ -205,21 +202,20 @@ func (b *controllerBench) startController(ctx context.Context, extra ...string) 
 func (p *benchProc) stop() { p.Stop() }
 
 func (p *benchProc) waitLog(ctx context.Context, s string, timeout time.Duration) error {
-	deadline := time.Now().Add(timeout)
-	for time.Now().Before(deadline) {
+	var exited bool
+	err := localcluster.WaitFor(ctx, timeout, 5*time.Millisecond, func() error {
 		if strings.Contains(p.LogTail(1<<20), s) {
 			return nil
 		}
-		if !p.Running() {
-			return fmt.Errorf("controller exited; log %s", p.Log)
+		if exited = !p.Running(); exited {
+			return nil
 		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(5 * time.Millisecond): // poll interval
-		}
+		return fmt.Errorf("no %q in the controller log", s)
+	})
+	if exited {
+		return fmt.Errorf("controller exited; log %s", p.Log)
 	}
-	return fmt.Errorf("no %q in the controller log within %s", s, timeout)
+	return err
 }
 
 // cpu is the process's user+system CPU time so far.

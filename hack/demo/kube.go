@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"fmt"
-	"net"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -18,6 +17,7 @@ import (
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/check"
 	"github.com/ipwarden/ipwarden/internal/cniproto"
+	"github.com/ipwarden/ipwarden/internal/localcluster"
 )
 
 // kube is what the demo does through the API server in place of a kubelet and a user.
@@ -153,11 +153,11 @@ func (d *demo) check(ctx context.Context) (check.Report, error) {
 	return check.Check(in), nil
 }
 
+// freeAddr is a free loopback host:port (localcluster.FreeAddr), or port 0 if none is found.
 func freeAddr() string {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	a, err := localcluster.FreeAddr()
 	if err != nil {
 		return "127.0.0.1:0"
 	}
-	defer l.Close()
-	return l.Addr().String()
+	return a
 }

@@ -12,13 +12,6 @@ func pfx(s string) netip.Prefix   { return netip.MustParsePrefix(s) }
 func ms(s string) Set             { return MustParseSetString(s) }
 func rg(first, last string) Range { return Range{ip(first), ip(last)} }
 func cnt(hi, lo uint64) Count     { return Count{Hi: hi, Lo: lo} }
-func addrsOf(ss ...string) []netip.Addr {
-	out := make([]netip.Addr, len(ss))
-	for i, s := range ss {
-		out[i] = ip(s)
-	}
-	return out
-}
 
 // checkCanonical verifies the representation invariants of s.
 func checkCanonical(s Set) error {
@@ -56,18 +49,6 @@ func mustCanonical(t testing.TB, s Set) {
 
 // model is a naive per-address set used to check Set on small universes.
 type model map[netip.Addr]bool
-
-func modelOf(s Set) model {
-	m := model{}
-	n, ok := s.Size().Uint64()
-	if !ok || n > 1<<16 {
-		panic("modelOf: set too large")
-	}
-	for _, a := range s.Addrs(int(n)) {
-		m[a] = true
-	}
-	return m
-}
 
 func (m model) set() Set {
 	as := make([]netip.Addr, 0, len(m))

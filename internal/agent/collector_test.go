@@ -354,13 +354,12 @@ func TestCollectorNeverFreesOnAPIErrorAndGivesUp(t *testing.T) {
 	go func() { h.col.Run(ctx); close(done) }()
 	defer func() { cancel(); <-done }()
 	h.col.OnPodDelete(pod("web", "u-web", nil))
-	deadline := time.Now().Add(10 * time.Second)
-	for h.rec.find("Pod/ns/web Warning IPAddressGarbageCollectionFailed") == "" {
-		if time.Now().After(deadline) {
-			t.Fatalf("no failure event; events %q", h.rec.all())
+	wait(t, "the failure event", func() error {
+		if h.rec.find("Pod/ns/web Warning IPAddressGarbageCollectionFailed") == "" {
+			return fmt.Errorf("events %q", h.rec.all())
 		}
-		time.Sleep(5 * time.Millisecond) // polling interval
-	}
+		return nil
+	})
 	if got := h.attachments(); got != "web" {
 		t.Fatalf("freed on an API error: %s", got)
 	}
@@ -376,12 +375,12 @@ func TestCollectorNeverFreesOnAPIErrorAndGivesUp(t *testing.T) {
 	// The API server is back: the next deletion notice (or full check) frees it.
 	h.pods.set(func(f *fakePods) { f.err = nil })
 	h.col.OnPodDelete(pod("web", "u-web", nil))
-	for h.attachments() != "" {
-		if time.Now().After(deadline) {
-			t.Fatal("not freed once the API server answered")
+	wait(t, "the free once the API server answered", func() error {
+		if got := h.attachments(); got != "" {
+			return fmt.Errorf("attachments %q", got)
 		}
-		time.Sleep(5 * time.Millisecond)
-	}
+		return nil
+	})
 }
 
 func TestCollectorDoesNotUndoARacingADD(t *testing.T) {

@@ -108,7 +108,9 @@ func TestAddWithoutPodIdentity(t *testing.T) {
 				!strings.Contains(resp.Error.Details, "allowNonKubernetes") {
 				t.Fatalf("ADD: %+v", resp.Error)
 			}
-			if _, ok := h.svc.st.Attachment(ipam.Key{ContainerID: req.ContainerID, IfName: "eth0"}); ok {
+			var ok bool
+			h.svc.locked(func(st *ipam.State) { _, ok = st.Attachment(ipam.Key{ContainerID: req.ContainerID, IfName: "eth0"}) })
+			if ok {
 				t.Fatal("a refused ADD left an attachment")
 			}
 		})
@@ -187,7 +189,7 @@ func TestServeRollsBackAddWhosePluginHungUp(t *testing.T) {
 	sendAndHangUp(t, sock, addReq("gone"), func() { <-g.entered })
 	close(g.release)
 	wait(t, "the abandoned ADD to be rolled back", func() error {
-		if svc.st.NumAttachments() != 0 || svc.metricsAbandoned() != 1 {
+		if svc.numAttachments() != 0 || svc.metricsAbandoned() != 1 {
 			return errors.New("not yet")
 		}
 		return nil
@@ -210,24 +212,20 @@ func TestServeCancelsWaitingAddWhosePluginHungUp(t *testing.T) {
 	start := time.Now()
 	sendAndHangUp(t, sock, addReq("waits"), func() {
 		wait(t, "the ADD to wait", func() error {
-			var n int
-			n = svc.demand("v4")
-			if n < 2 {
+			if n := svc.demand("v4"); n < 2 {
 				return errors.New("not waiting")
 			}
 			return nil
 		})
 	})
 	wait(t, "the waiting ADD to stop", func() error {
-		var n int
-		n = svc.demand("v4")
-		if n != 1 {
+		if n := svc.demand("v4"); n != 1 {
 			return errors.New("still waiting")
 		}
 		return nil
 	})
-	if time.Since(start) > 5*time.Second || svc.st.NumAttachments() != 1 {
-		t.Fatalf("after %s: %d attachments", time.Since(start), svc.st.NumAttachments())
+	if time.Since(start) > 5*time.Second || svc.numAttachments() != 1 {
+		t.Fatalf("after %s: %d attachments", time.Since(start), svc.numAttachments())
 	}
 }
 
@@ -335,6 +333,24 @@ func value(t interface{ Fatal(...any) }, m prometheus.Metric) float64 {
 	return d.Gauge.GetValue()
 }
 
+// locked runs f with the service's state under its lock (Serve's goroutines write it).
+func (s *Service) locked(f func(st *ipam.State)) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	f(s.st)
+}
+
+// numAttachments and hold read the state under the service's lock.
+func (s *Service) numAttachments() (n int) {
+	s.locked(func(st *ipam.State) { n = st.NumAttachments() })
+	return n
+}
+
+func (s *Service) hold() (on bool) {
+	s.locked(func(st *ipam.State) { on, _ = st.Hold() })
+	return on
+}
+
 func (s *Service) metricsAbandoned() float64 { return value(nil, s.metrics.AbandonedAdds) }
 
 func (m *Metrics) connsNow() float64 { return value(nil, m.Conns) }
@@ -375,12 +391,12 @@ func TestServiceHoldDeadlineWarns(t *testing.T) {
 	h := newGCHarness(t, false, CollectorOptions{})
 	h.svc.SetPods([]ipam.Pod{{Ref: ipam.PodRef{Namespace: "ns", Name: "silent", UID: "u-silent"}}})
 	h.svc.StartHold(h.now.Add(time.Minute))
-	if on, _ := h.svc.st.Hold(); !on {
+	if !h.svc.hold() {
 		t.Fatal("no hold")
 	}
 	h.advance(time.Minute)
 	h.svc.evaluateHold()
-	if on, _ := h.svc.st.Hold(); on {
+	if h.svc.hold() {
 		t.Fatal("the hold outlived its deadline")
 	}
 	if ev := h.rec.find("NodeIPAllocation//node-a Warning UnattributedHoldExpired"); !strings.Contains(ev, "ns/silent") {

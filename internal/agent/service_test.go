@@ -10,6 +10,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/go-logr/logr"
@@ -154,32 +155,36 @@ func TestServiceAddResultHasPrefixGatewayRoutes(t *testing.T) {
 // TestServiceAddWaitsForController: with nothing held the ADD waits, raises the request, and
 // succeeds once the (fake) controller fills it.
 func TestServiceAddWaitsForController(t *testing.T) {
-	h := newSvc(t, 10*time.Second, testV4)
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	go h.mon.Run(ctx)
-	done := make(chan *cniproto.Response)
-	go func() { done <- h.do(addReq("c1")) }()
-	// The monitor publishes a request; the controller answers it.
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		if spec := h.pub.last(); len(spec) == 1 && spec[0].Requested >= 4 {
-			break
+	// In a synctest bubble, synctest.Wait returns once the ADD waits and the monitor is idle.
+	synctest.Test(t, func(t *testing.T) {
+		h := newSvc(t, 10*time.Second, testV4)
+		ctx, cancel := context.WithCancel(context.Background())
+		ran := make(chan struct{})
+		go func() { h.mon.Run(ctx); close(ran) }()
+		defer func() { cancel(); <-ran }()
+		done := make(chan *cniproto.Response, 1)
+		go func() { done <- h.do(addReq("c1")) }()
+		// The monitor publishes a request; the controller answers it.
+		synctest.Wait()
+		if spec := h.pub.last(); len(spec) != 1 || spec[0].Requested < 4 {
+			t.Fatalf("no request published: %v", spec)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("no request published: %v", h.pub.last())
+		select {
+		case resp := <-done:
+			t.Fatalf("ADD finished with nothing held: %+v", resp)
+		default:
 		}
-		time.Sleep(5 * time.Millisecond)
-	}
-	h.hold(map[string]string{"v4": "10.1.1.0/30"})
-	select {
-	case resp := <-done:
-		if resp.Error != nil || resp.IPs[0].Address != "10.1.1.0/16" {
-			t.Fatalf("ADD after fill: %+v %v", resp.IPs, resp.Error)
+		h.hold(map[string]string{"v4": "10.1.1.0/30"})
+		synctest.Wait()
+		select {
+		case resp := <-done:
+			if resp.Error != nil || resp.IPs[0].Address != "10.1.1.0/16" {
+				t.Fatalf("ADD after fill: %+v %v", resp.IPs, resp.Error)
+			}
+		default:
+			t.Fatal("ADD did not finish after the holding arrived")
 		}
-	case <-time.After(5 * time.Second):
-		t.Fatal("ADD did not finish after the holding arrived")
-	}
+	})
 }
 
 func TestServiceAddTimesOutWithReason(t *testing.T) {
@@ -381,32 +386,35 @@ func TestMonitorJournalsReleasingBeforePublishing(t *testing.T) {
 // TestMonitorRoundWhenCooldownEnds: freed addresses count as demand while they cool down, so the
 // monitor lowers the request when the cooldown ends, with no other event and long before resync.
 func TestMonitorRoundWhenCooldownEnds(t *testing.T) {
-	pool := testV4
-	pool.Cooldown = 100 * time.Millisecond
-	h := newSvc(t, time.Second, pool)
-	h.hold(map[string]string{"v4": "10.1.1.0/28"})
-	for i := range 8 {
-		if resp := h.do(addReq(fmt.Sprint(i))); resp.Error != nil {
-			t.Fatal(resp.Error)
+	// In a synctest bubble the clock moves only when every goroutine waits: the cooldown ends
+	// at a known instant, and synctest.Wait returns once the monitor has acted on it.
+	synctest.Test(t, func(t *testing.T) {
+		pool := testV4
+		pool.Cooldown = 100 * time.Millisecond
+		h := newSvc(t, time.Second, pool)
+		h.hold(map[string]string{"v4": "10.1.1.0/28"})
+		for i := range 8 {
+			if resp := h.do(addReq(fmt.Sprint(i))); resp.Error != nil {
+				t.Fatal(resp.Error)
+			}
 		}
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { h.mon.Run(ctx); close(done) }()
-	defer func() { cancel(); <-done }()
-	for i := range 8 {
-		h.do(cniproto.Request{Op: cniproto.OpDel, ContainerID: fmt.Sprint(i), IfName: "eth0"})
-	}
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		if spec := h.pub.last(); len(spec) == 1 && spec[0].Requested == 4 {
-			return
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() { h.mon.Run(ctx); close(done) }()
+		defer func() { cancel(); <-done }()
+		for i := range 8 {
+			h.do(cniproto.Request{Op: cniproto.OpDel, ContainerID: fmt.Sprint(i), IfName: "eth0"})
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the request did not drop to 4 after the cooldown: %+v", h.pub.last())
+		synctest.Wait()
+		if spec := h.pub.last(); len(spec) != 1 || spec[0].Requested == 4 {
+			t.Fatalf("while the freed addresses cool down: published %+v", spec)
 		}
-		time.Sleep(10 * time.Millisecond) // polling interval
-	}
+		time.Sleep(pool.Cooldown + time.Millisecond) // the fake clock: the cooldown ends, at once
+		synctest.Wait()
+		if spec := h.pub.last(); len(spec) != 1 || spec[0].Requested != 4 {
+			t.Fatalf("the request did not drop to 4 when the cooldown ended: published %+v", spec)
+		}
+	})
 }
 
 func TestSocketPermissionsAndRoundTrip(t *testing.T) {

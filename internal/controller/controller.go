@@ -114,7 +114,6 @@ type Controller struct {
 	poolWritten sync.Map           // pool name -> time.Time of its last status write
 	poolWake    chan struct{}
 	workersWG   sync.WaitGroup
-	registered  bool
 	fence       *Fence
 	stop        context.CancelCauseFunc // ends Start with ErrFenced
 	// awaitAcks is set from the start of leading until every node acknowledged this leader

@@ -48,7 +48,7 @@ func shell(t *testing.T, nodeStatusUpdate func(ctx context.Context, c client.Cli
 	alloc.Spec = spec("p", 8)
 	base := fake.NewClientBuilder().WithScheme(s).WithObjects(&pool, &alloc).
 		WithStatusSubresource(&ipwardenv1.IPPool{}, &ipwardenv1.NodeIPAllocation{}).Build()
-	c := interceptor.NewClient(base.(client.WithWatch), interceptor.Funcs{
+	c := interceptor.NewClient(base, interceptor.Funcs{
 		SubResourceUpdate: func(ctx context.Context, c client.Client, sub string, obj client.Object, opts ...client.SubResourceUpdateOption) error {
 			if _, ok := obj.(*ipwardenv1.NodeIPAllocation); ok && nodeStatusUpdate != nil {
 				return nodeStatusUpdate(ctx, c, obj)

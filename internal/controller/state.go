@@ -60,8 +60,6 @@ type nodeState struct {
 	labels  labels.Set
 	// requested is spec.pools[].requested per pool, as last planned (for Regrowth).
 	requested map[string]int
-	deficit   bool
-	atCap     bool
 }
 
 // NewState returns an empty state.

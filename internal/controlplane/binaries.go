@@ -7,10 +7,11 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"sort"
 	"syscall"
+
+	"github.com/ipwarden/ipwarden/internal/localcluster"
 )
 
 // Binaries are the paths of the control plane programs.
@@ -154,10 +155,8 @@ func ensureTools(root, binDir string, log io.Writer, set toolSet) ([]string, err
 		return paths, nil
 	}
 	fmt.Fprintf(log, "tools: building %s into %s (minutes the first time)\n", set.what, binDir)
-	cmd := exec.Command("go", append([]string{"build", "-o", binDir + string(filepath.Separator)}, pkgs...)...)
-	cmd.Dir = toolsDir
-	cmd.Stdout, cmd.Stderr = log, log
-	if err := cmd.Run(); err != nil {
+	build := localcluster.GoBuild{Dir: toolsDir, Out: binDir + string(filepath.Separator), Pkgs: pkgs, NoRace: true, Log: log}
+	if err := build.Run(); err != nil {
 		return paths, fmt.Errorf("build %s in %s: %w", set.what, toolsDir, err)
 	}
 	return paths, os.WriteFile(stampPath, []byte(want), 0o644)

@@ -17,16 +17,15 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
 	"sync"
-	"syscall"
 	"time"
 
+	"github.com/ipwarden/ipwarden/internal/localcluster"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
@@ -69,8 +68,8 @@ type ControlPlane struct {
 	keep      bool
 	log       io.Writer
 	bins      Binaries
-	etcd      *process
-	apiserver *process
+	etcd      *localcluster.Process
+	apiserver *localcluster.Process
 	stopOnce  sync.Once
 	stopErr   error
 	etcdPeer  string
@@ -140,7 +139,7 @@ func Start(ctx context.Context, opts Options) (cp *ControlPlane, err error) {
 }
 
 func (cp *ControlPlane) startEtcd(ctx context.Context) error {
-	ports, err := freePorts(2)
+	ports, err := localcluster.FreePorts(2)
 	if err != nil {
 		return err
 	}
@@ -175,10 +174,10 @@ func (cp *ControlPlane) RestartEtcd(ctx context.Context) error {
 }
 
 // StopEtcd kills etcd (SIGKILL), leaving its data for RestartEtcd.
-func (cp *ControlPlane) StopEtcd() error { return cp.etcd.kill() }
+func (cp *ControlPlane) StopEtcd() error { return kill(cp.etcd) }
 
 func (cp *ControlPlane) startAPIServer(ctx context.Context) error {
-	ports, err := freePorts(1)
+	ports, err := localcluster.FreePorts(1)
 	if err != nil {
 		return err
 	}
@@ -259,7 +258,7 @@ func (cp *ControlPlane) RestartAPIServer(ctx context.Context) error {
 }
 
 // StopAPIServer kills kube-apiserver (SIGKILL).
-func (cp *ControlPlane) StopAPIServer() error { return cp.apiserver.kill() }
+func (cp *ControlPlane) StopAPIServer() error { return kill(cp.apiserver) }
 
 // Stop terminates kube-apiserver and etcd and removes the scratch directory (unless Keep).
 // It is safe to call more than once.
@@ -267,10 +266,10 @@ func (cp *ControlPlane) Stop() error {
 	cp.stopOnce.Do(func() {
 		var errs []error
 		if cp.apiserver != nil {
-			errs = append(errs, cp.apiserver.terminate(10*time.Second))
+			errs = append(errs, terminate(cp.apiserver))
 		}
 		if cp.etcd != nil {
-			errs = append(errs, cp.etcd.terminate(10*time.Second))
+			errs = append(errs, terminate(cp.etcd))
 		}
 		if !cp.keep && cp.Dir != "" {
 			errs = append(errs, os.RemoveAll(cp.Dir))
@@ -286,43 +285,26 @@ func (cp *ControlPlane) LogTail(component string, n int) string {
 	return tail(filepath.Join(cp.Dir, component+".log"), n)
 }
 
-// waitFor polls ready until it is true, the process exits, or ctx ends.
-func waitFor(ctx context.Context, p *process, name string, ready func() bool) error {
-	tick := time.NewTicker(100 * time.Millisecond)
-	defer tick.Stop()
-	for {
+// waitFor polls ready until it is true, the process exits, or ctx ends (localcluster.WaitFor;
+// ctx bounds the wait).
+func waitFor(ctx context.Context, p *localcluster.Process, name string, ready func() bool) error {
+	errNotReady := errors.New("not ready")
+	err := localcluster.WaitFor(ctx, 24*time.Hour, 100*time.Millisecond, func() error {
 		if ready() {
 			return nil
 		}
-		select {
-		case <-p.done:
-			return fmt.Errorf("%s exited before it was ready (%v); its log ends:\n%s", name, p.err, tail(p.logPath, 3000))
-		case <-ctx.Done():
-			return fmt.Errorf("%s not ready: %w; its log ends:\n%s", name, ctx.Err(), tail(p.logPath, 3000))
-		case <-tick.C:
+		if !p.Running() {
+			return localcluster.Abort(fmt.Errorf("%s exited before it was ready (%v)", name, p.ExitErr()))
 		}
+		return errNotReady
+	})
+	if err == nil {
+		return nil
 	}
-}
-
-// freePorts reserves n distinct free loopback TCP ports. The ports are released before return,
-// so another process could take one in between; Start fails clearly if that happens.
-func freePorts(n int) ([]int, error) {
-	var ls []net.Listener
-	defer func() {
-		for _, l := range ls {
-			l.Close()
-		}
-	}()
-	var ports []int
-	for range n {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			return nil, fmt.Errorf("find a free loopback port: %w", err)
-		}
-		ls = append(ls, l)
-		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
+	if ctx.Err() != nil {
+		err = fmt.Errorf("%s not ready: %w", name, ctx.Err())
 	}
-	return ports, nil
+	return fmt.Errorf("%w; its log ends:\n%s", err, tail(p.Log, 3000))
 }
 
 func writeRSAKey(path string) error {
@@ -355,65 +337,25 @@ func writeKubeconfig(path string, cfg *rest.Config) error {
 	return clientcmd.WriteToFile(*kc, path)
 }
 
-// process is a started program with its own process group, killed if this process dies.
-type process struct {
-	cmd     *exec.Cmd
-	logPath string
-	done    chan struct{}
-	err     error
+// startProcess runs bin in its own process group, killed if this process dies
+// (localcluster.Start).
+func startProcess(bin string, args []string, logPath string) (*localcluster.Process, error) {
+	return localcluster.Start(filepath.Base(bin), bin, logPath, args...)
 }
 
-func startProcess(bin string, args []string, logPath string) (*process, error) {
-	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
-	if err != nil {
-		return nil, err
+// kill sends SIGKILL to the process group and waits for the exit (nil: not started).
+func kill(p *localcluster.Process) error {
+	if p != nil {
+		p.Kill()
 	}
-	cmd := exec.Command(bin, args...)
-	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
-		logf.Close()
-		return nil, err
-	}
-	p := &process{cmd: cmd, logPath: logPath, done: make(chan struct{})}
-	go func() {
-		p.err = cmd.Wait()
-		logf.Close()
-		close(p.done)
-	}()
-	return p, nil
+	return nil
 }
 
-// terminate sends SIGTERM to the process group, then SIGKILL after grace.
-func (p *process) terminate(grace time.Duration) error {
-	select {
-	case <-p.done:
-		return nil
-	default:
+// terminate sends SIGTERM, then SIGKILL after 10 s, and waits for the exit.
+func terminate(p *localcluster.Process) error {
+	if p != nil {
+		p.Stop()
 	}
-	_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGTERM)
-	select {
-	case <-p.done:
-		return nil
-	case <-time.After(grace):
-		return p.kill()
-	}
-}
-
-// kill sends SIGKILL to the process group and waits for the process to be reaped.
-func (p *process) kill() error {
-	if p == nil {
-		return nil
-	}
-	select {
-	case <-p.done:
-		return nil
-	default:
-	}
-	if err := syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL); err != nil && !errors.Is(err, syscall.ESRCH) {
-		return err
-	}
-	<-p.done
 	return nil
 }
 
@@ -445,8 +387,8 @@ func (cp *ControlPlane) SnapshotEtcd(ctx context.Context, path string) error {
 // 1,000,000,000 and marked compacted (so every watcher relists rather than miss a change), start
 // etcd on it, start kube-apiserver. Everything written since the snapshot is gone.
 func (cp *ControlPlane) RestoreEtcd(ctx context.Context, path string) error {
-	_ = cp.apiserver.kill()
-	_ = cp.etcd.kill()
+	_ = kill(cp.apiserver)
+	_ = kill(cp.etcd)
 	dataDir := filepath.Join(cp.Dir, "etcd")
 	if err := os.Rename(dataDir, dataDir+fmt.Sprintf(".before-restore-%d", time.Now().UnixNano())); err != nil {
 		return err

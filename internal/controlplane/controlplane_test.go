@@ -7,8 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ipwarden/ipwarden/internal/localcluster"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
 )
 
@@ -50,15 +50,15 @@ func TestStartRestartStop(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The API server reconnects to etcd on its own; wait for a read with a deadline.
-	err = wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, time.Minute, true, func(ctx context.Context) (bool, error) {
+	err = localcluster.WaitFor(ctx, time.Minute, 100*time.Millisecond, func() error {
 		_, err := cs.CoreV1().Namespaces().Get(ctx, "default", metav1.GetOptions{})
-		return err == nil, nil
+		return err
 	})
 	if err != nil {
 		t.Fatalf("API server did not recover after etcd restart: %v", err)
 	}
 
-	pids := []int{cp.apiserver.cmd.Process.Pid, cp.etcd.cmd.Process.Pid}
+	pids := []int{cp.apiserver.Pid(), cp.etcd.Pid()}
 	dir := cp.Dir
 	if err := cp.Stop(); err != nil {
 		t.Fatal(err)

@@ -11,11 +11,11 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/ipwarden/ipwarden/internal/localcluster"
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
 	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/util/wait"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/rest"
 )
@@ -46,17 +46,17 @@ func InstallCRDs(ctx context.Context, cfg *rest.Config, dir string) error {
 		}
 	}
 	for _, crd := range crds {
-		err := wait.PollUntilContextTimeout(ctx, 50*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		err := localcluster.WaitFor(ctx, 30*time.Second, 50*time.Millisecond, func() error {
 			cur, err := api.Get(ctx, crd.Name, metav1.GetOptions{})
 			if err != nil {
-				return false, nil
+				return err
 			}
 			for _, c := range cur.Status.Conditions {
 				if c.Type == apiextensionsv1.Established && c.Status == apiextensionsv1.ConditionTrue {
-					return true, nil
+					return nil
 				}
 			}
-			return false, nil
+			return errors.New("not established yet")
 		})
 		if err != nil {
 			return fmt.Errorf("CRD %s not established: %w", crd.Name, err)

@@ -1,8 +1,11 @@
 // Package localcluster runs ipwarden on this machine as a user would run it on a cluster: real
 // `ipwarden controller` and `ipwarden agent` processes against a local control plane
 // (internal/controlplane), and pods started through the real CNI plugin binary, in network
-// namespaces with the bridge plugin when run as root. The demo, the bench and the chaos suite
-// use it.
+// namespaces with the bridge plugin when run as root. It is the one way to run local things:
+// one binary builder (GoBuild, BuildOnce), one process runner (Start, Process), one condition
+// poller (WaitFor) and one free-port helper (FreePorts, FreeAddr), used by the control plane,
+// the integration, end-to-end, chaos and real-node tests, the plugin's tests, the demo and the
+// bench.
 package localcluster
 
 import (
@@ -34,41 +37,37 @@ type Binaries struct {
 // the local cluster, the end-to-end tests and the bench run.
 const PluginsVersion = "v1.9.1"
 
-// Build compiles ipwarden and ipwarden-cni from the tree at root into binDir and installs the
-// bridge and host-local plugins (PluginsVersion) when they are missing.
+// Build compiles ipwarden and ipwarden-cni from the tree at root into binDir (once per process,
+// with -race in a race-built program: GoBuild) and installs the bridge and host-local plugins
+// (PluginsVersion) when they are missing.
 func Build(root, binDir string, log io.Writer) (Binaries, error) {
 	b := Binaries{Ipwarden: filepath.Join(binDir, "ipwarden"), CNIDir: filepath.Join(binDir, "cni")}
 	if err := os.MkdirAll(b.CNIDir, 0o755); err != nil {
 		return b, err
 	}
-	goBuild := func(out, pkg string) error {
-		cmd := exec.Command("go", "build", "-o", out, pkg)
-		cmd.Dir = root
-		if out, err := cmd.CombinedOutput(); err != nil {
-			return fmt.Errorf("go build %s: %v\n%s", pkg, err, out)
-		}
-		return nil
-	}
-	if err := goBuild(b.Ipwarden, "./cmd/ipwarden"); err != nil {
+	if err := BuildOnce(root, b.Ipwarden, "./cmd/ipwarden"); err != nil {
 		return b, err
 	}
-	if err := goBuild(filepath.Join(b.CNIDir, "ipwarden"), "./cmd/ipwarden-cni"); err != nil {
+	if err := BuildOnce(root, filepath.Join(b.CNIDir, "ipwarden"), "./cmd/ipwarden-cni"); err != nil {
 		return b, err
 	}
-	for _, plugin := range []string{"main/bridge", "ipam/host-local"} {
-		if _, err := os.Stat(filepath.Join(b.CNIDir, filepath.Base(plugin))); err == nil {
+	return b, InstallPlugins(b.CNIDir, log, "main/bridge", "ipam/host-local")
+}
+
+// InstallPlugins installs the containernetworking plugins named (e.g. "main/bridge") at
+// PluginsVersion into cniDir when they are missing.
+func InstallPlugins(cniDir string, log io.Writer, plugins ...string) error {
+	for _, plugin := range plugins {
+		if _, err := os.Stat(filepath.Join(cniDir, filepath.Base(plugin))); err == nil {
 			continue
 		}
 		pkg := "github.com/containernetworking/plugins/plugins/" + plugin + "@" + PluginsVersion
-		fmt.Fprintln(log, "installing", pkg, "into", b.CNIDir)
-		cmd := exec.Command("go", "install", pkg)
-		cmd.Dir = os.TempDir() // outside the module: go install pkg@version
-		cmd.Env = append(os.Environ(), "GOBIN="+b.CNIDir)
-		if out, err := cmd.CombinedOutput(); err != nil {
-			return b, fmt.Errorf("go install %s: %v\n%s", pkg, err, out)
+		fmt.Fprintln(log, "installing", pkg, "into", cniDir)
+		if err := GoInstall(pkg, cniDir, nil); err != nil {
+			return err
 		}
 	}
-	return b, nil
+	return nil
 }
 
 // Process is a running ipwarden component.
@@ -78,9 +77,10 @@ type Process struct {
 	bin  string
 	args []string
 
-	mu   sync.Mutex
-	cmd  *exec.Cmd
-	done chan struct{}
+	mu      sync.Mutex
+	cmd     *exec.Cmd
+	done    chan struct{}
+	exitErr error // the last run's exit, once done is closed
 }
 
 // Start runs bin with args, logging to logPath. The process dies with this one (Pdeathsig).
@@ -90,7 +90,7 @@ func Start(name, bin, logPath string, args ...string) (*Process, error) {
 }
 
 func (p *Process) start() error {
-	f, err := os.OpenFile(p.Log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	f, err := os.OpenFile(p.Log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
 		return err
 	}
@@ -102,7 +102,14 @@ func (p *Process) start() error {
 		return fmt.Errorf("start %s: %w", p.Name, err)
 	}
 	done := make(chan struct{})
-	go func() { _ = cmd.Wait(); f.Close(); close(done) }()
+	go func() {
+		err := cmd.Wait()
+		f.Close()
+		p.mu.Lock()
+		p.exitErr = err
+		p.mu.Unlock()
+		close(done)
+	}()
 	p.mu.Lock()
 	p.cmd, p.done = cmd, done
 	p.mu.Unlock()
@@ -114,6 +121,27 @@ func (p *Process) Pid() int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.cmd.Process.Pid
+}
+
+// Cmd is the current run's command (its Process.Pid, for signals and /proc).
+func (p *Process) Cmd() *exec.Cmd {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.cmd
+}
+
+// Done is closed when the current run exits.
+func (p *Process) Done() <-chan struct{} {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.done
+}
+
+// ExitErr is how the current run ended (nil while it runs or after a clean exit).
+func (p *Process) ExitErr() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.exitErr
 }
 
 // Running says whether the process has not exited.
@@ -191,6 +219,28 @@ func (p *Process) LogTail(n int) string {
 	return string(b)
 }
 
+// DataRace returns the first data race report in the process's log, "" when there is none. A
+// program built with -race (GoBuild in a race-built test) reports a race there and runs on.
+func (p *Process) DataRace() string { return DataRaceIn(p.Log) }
+
+// DataRaceIn returns the first data race report in the log file at path ("" when none).
+func DataRaceIn(path string) string {
+	b, _ := os.ReadFile(path)
+	const mark = "WARNING: DATA RACE"
+	i := strings.Index(string(b), mark)
+	if i < 0 {
+		return ""
+	}
+	b = b[i:]
+	if j := strings.Index(string(b[len(mark):]), "=================="); j >= 0 {
+		b = b[:len(mark)+j]
+	}
+	if len(b) > 6000 {
+		b = b[:6000]
+	}
+	return string(b)
+}
+
 // scrapeClient bounds a scrape: a paused process accepts the connection and never answers.
 var scrapeClient = &http.Client{Timeout: 2 * time.Second}
 
@@ -220,14 +270,17 @@ func ScrapeSum(url, metric string) float64 {
 }
 
 // WaitFor polls cond every interval until it returns nil, ctx ends or timeout passes; the error
-// then carries cond's last answer. Tests, the demo and the bench wait on conditions with it,
-// never on sleeps.
+// then carries cond's last answer. A cond that returns Abort(err) ends the wait at once with err.
+// Tests, the demo, the bench and the control plane wait on conditions with it, never on sleeps.
 func WaitFor(ctx context.Context, timeout, interval time.Duration, cond func() error) error {
 	deadline := time.Now().Add(timeout)
 	for {
 		last := cond()
 		if last == nil {
 			return nil
+		}
+		if a, ok := last.(abortError); ok {
+			return a.err
 		}
 		if time.Now().After(deadline) {
 			return fmt.Errorf("timed out after %s: %w", timeout, last)
@@ -239,3 +292,12 @@ func WaitFor(ctx context.Context, timeout, interval time.Duration, cond func() e
 		}
 	}
 }
+
+// Abort makes WaitFor return err at once instead of polling on (the awaited thing cannot happen:
+// the process exited).
+func Abort(err error) error { return abortError{err} }
+
+type abortError struct{ err error }
+
+func (a abortError) Error() string { return a.err.Error() }
+func (a abortError) Unwrap() error { return a.err }

@@ -33,7 +33,6 @@ type Network struct {
 
 	cni  *libcni.CNIConfig
 	list *libcni.NetworkConfigList
-	conf *libcni.NetworkConfig
 }
 
 // NewNetwork builds a network for the agent at socket. cacheDir holds libcni's result cache.

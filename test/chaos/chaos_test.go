@@ -15,6 +15,7 @@ package chaos
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"math/rand/v2"
@@ -79,7 +80,6 @@ type chaos struct {
 	liveMu   sync.Mutex
 	running  map[string]*podRun // pods left running at the end, by name
 	counts   sync.Map           // name -> *atomic.Int64
-	apiDown  atomic.Bool
 	problems []string
 	probMu   sync.Mutex
 }
@@ -90,7 +90,6 @@ type chaosNode struct {
 	agent   *localcluster.Process
 	net     *localcluster.Network
 	deleted atomic.Bool
-	mu      sync.RWMutex // held for reading by lifecycles, for writing while the agent restarts
 }
 
 type podRun struct {
@@ -277,33 +276,25 @@ func (x *chaos) startNode(ctx context.Context, name string) *chaosNode {
 	if n.net, err = localcluster.NewNetwork(x.bins.CNIDir, filepath.Join(dir, "cni-cache"), "chaos", n.socket, "", ""); err != nil {
 		t.Fatal(err)
 	}
-	deadline := time.Now().Add(60 * time.Second)
-	for !x.agentServing(n) {
-		if time.Now().After(deadline) {
-			t.Fatalf("agent %s not serving: %s", name, n.agent.LogTail(3000))
-		}
-		time.Sleep(50 * time.Millisecond) // poll interval
+	if err := localcluster.WaitFor(context.Background(), 60*time.Second, 50*time.Millisecond, func() error { return x.agentServing(n) }); err != nil {
+		t.Fatalf("agent %s not serving (%v): %s", name, err, n.agent.LogTail(3000))
 	}
 	return n
 }
 
-func (x *chaos) agentServing(n *chaosNode) bool {
+func (x *chaos) agentServing(n *chaosNode) error {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
 	resp, err := cniproto.Call(ctx, n.socket, cniproto.Request{Op: cniproto.OpList})
-	return err == nil && resp.AsError() == nil
+	if err != nil {
+		return err
+	}
+	return resp.AsError()
 }
 
-// retry runs f until it succeeds or d passes: what a kubelet or runtime does.
+// retry runs f until it succeeds or d passes, every 100 ms: what a kubelet or runtime does.
 func retry(d time.Duration, f func() error) error {
-	deadline := time.Now().Add(d)
-	var err error
-	for {
-		if err = f(); err == nil || time.Now().After(deadline) {
-			return err
-		}
-		time.Sleep(100 * time.Millisecond) // retry interval of the simulated kubelet
-	}
+	return localcluster.WaitFor(context.Background(), d, 100*time.Millisecond, f)
 }
 
 func (x *chaos) pickNode() *chaosNode {
@@ -480,9 +471,16 @@ func (x *chaos) faults(ctx context.Context) {
 			x.leader().Kill() // the supervisor restarts it
 		case 6:
 			x.inc("leader paused past its lease")
-			l := x.leader()
+			l, holder := x.leaderAndHolder()
+			if holder == "" {
+				x.inc("leader pause skipped (Lease unreadable)")
+				break
+			}
 			l.Pause()
-			time.Sleep(x.between(3*time.Second, 4*time.Second)) // the lease is 2 s
+			// Paused past its lease: resume once the Lease shows another holder or has run out.
+			if err := localcluster.WaitFor(context.Background(), 15*time.Second, 100*time.Millisecond, func() error { return x.leaseOutlived(holder) }); err != nil {
+				x.inc("leader resumed before its lease ran out")
+			}
 			l.Resume()
 		case 7:
 			x.inc("NodeIPAllocation deleted (controllers up)")
@@ -494,19 +492,19 @@ func (x *chaos) faults(ctx context.Context) {
 				c.Kill()
 			}
 			x.deleteRecord()
-			time.Sleep(x.between(500*time.Millisecond, 2*time.Second))
+			time.Sleep(x.between(500*time.Millisecond, 2*time.Second)) // the fault lasts a while
 			x.ctrlDown.Store(false)
 		case 2:
 			x.inc("API server restart")
 			_ = x.cp.StopAPIServer()
-			time.Sleep(x.between(200*time.Millisecond, 1500*time.Millisecond))
+			time.Sleep(x.between(200*time.Millisecond, 1500*time.Millisecond)) // down a while
 			if err := x.cp.RestartAPIServer(context.Background()); err != nil {
 				x.problem("restart API server: %v", err)
 			}
 		case 3:
 			x.inc("etcd restart")
 			_ = x.cp.StopEtcd()
-			time.Sleep(x.between(200*time.Millisecond, 1500*time.Millisecond))
+			time.Sleep(x.between(200*time.Millisecond, 1500*time.Millisecond)) // down a while
 			if err := x.cp.RestartEtcd(context.Background()); err != nil {
 				x.problem("restart etcd: %v", err)
 			}
@@ -583,15 +581,39 @@ func (x *chaos) supervise(ctx context.Context) {
 
 // leader is the controller process that holds the Lease (a random one if none does).
 func (x *chaos) leader() *localcluster.Process {
+	l, _ := x.leaderAndHolder()
+	return l
+}
+
+// leaderAndHolder is the controller the Lease names and the Lease's holder identity ("" and a
+// random controller when the Lease cannot be read).
+func (x *chaos) leaderAndHolder() (*localcluster.Process, string) {
 	var l coordinationv1.Lease
 	if err := x.c.Get(context.Background(), client.ObjectKey{Namespace: controlplane.ControllerNamespace, Name: controlplane.ControllerLease}, &l); err == nil && l.Spec.HolderIdentity != nil {
 		for _, c := range x.ctrls {
 			if strings.Contains(c.LogTail(1<<20), `"identity":"`+*l.Spec.HolderIdentity+`"`) {
-				return c
+				return c, *l.Spec.HolderIdentity
 			}
 		}
 	}
-	return x.ctrls[x.intn(len(x.ctrls))]
+	return x.ctrls[x.intn(len(x.ctrls))], ""
+}
+
+// leaseOutlived returns nil once the controller Lease is held by someone other than holder, or
+// its last renewal is older than its duration.
+func (x *chaos) leaseOutlived(holder string) error {
+	var l coordinationv1.Lease
+	if err := x.c.Get(context.Background(), client.ObjectKey{Namespace: controlplane.ControllerNamespace, Name: controlplane.ControllerLease}, &l); err != nil {
+		return err
+	}
+	if l.Spec.HolderIdentity == nil || *l.Spec.HolderIdentity != holder {
+		return nil
+	}
+	if l.Spec.RenewTime != nil && l.Spec.LeaseDurationSeconds != nil &&
+		time.Since(l.Spec.RenewTime.Time) > time.Duration(*l.Spec.LeaseDurationSeconds)*time.Second {
+		return nil
+	}
+	return errors.New("the Lease is still held and renewed")
 }
 
 // deleteRecord deletes a live node's NodeIPAllocation by hand, as an operator might.
@@ -653,14 +675,13 @@ func (x *chaos) quiesce() {
 	// Leak collection needs grace (3 s) + a full check (5 s); the controller a resync (5 s).
 	var r check.Report
 	var last error
-	deadline := time.Now().Add(90 * time.Second)
-	for time.Now().Before(deadline) {
+	_ = localcluster.WaitFor(context.Background(), 90*time.Second, 500*time.Millisecond, func() error {
 		r, last = x.snapshot()
-		if last == nil && r.OK() {
-			break
+		if last == nil && !r.OK() {
+			return errors.New("the invariants do not hold yet")
 		}
-		time.Sleep(500 * time.Millisecond) // poll interval
-	}
+		return last
+	})
 	if last != nil {
 		t.Fatalf("cannot check the invariants: %v", last)
 	}

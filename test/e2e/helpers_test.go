@@ -6,7 +6,6 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -41,6 +40,9 @@ func startProcess(t *testing.T, name string, args ...string) *localcluster.Proce
 	}
 	t.Cleanup(func() {
 		p.Kill()
+		if race := p.DataRace(); race != "" {
+			t.Errorf("%s reported a data race:\n%s", name, race)
+		}
 		if t.Failed() || os.Getenv("IPWARDEN_TEST_LOGS") != "" {
 			t.Logf("%s log (tail):\n%s", name, p.LogTail(12000))
 		}
@@ -92,14 +94,14 @@ func (a *agent) list() (*cniproto.Response, error) {
 	return resp, resp.AsError()
 }
 
+// freePort is a free loopback host:port (localcluster.FreeAddr).
 func freePort(t *testing.T) string {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	a, err := localcluster.FreeAddr()
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer l.Close()
-	return l.Addr().String()
+	return a
 }
 
 // eventually polls cond until it returns nil or the deadline passes.

@@ -342,7 +342,7 @@ func TestAgentDropsADDWhosePluginWentAway(t *testing.T) {
 func TestAgentSocketFlood(t *testing.T) {
 	const node = "socket-flood"
 	edgeSetup(t, node, "10.145.0.0/24")
-	ag := startAgent(t, node, "")
+	ag := startAgentBinary(t, plainIpwardenBinary(t), node, "") // its memory is measured: no race runtime
 	ag.waitServing(t)
 	conf := pluginConf("1.1.0", ag.socket)
 	mustAdd(t, conf, "before")

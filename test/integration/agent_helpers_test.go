@@ -12,47 +12,19 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
-	"syscall"
 	"testing"
 	"time"
 
 	cnitypes "github.com/containernetworking/cni/pkg/types"
 
 	"github.com/ipwarden/ipwarden/internal/cniproto"
-	"github.com/ipwarden/ipwarden/internal/controlplane"
-)
-
-var (
-	cniBinOnce sync.Once
-	cniBin     string
-	cniBinErr  error
+	"github.com/ipwarden/ipwarden/internal/localcluster"
 )
 
 // cniBinary builds cmd/ipwarden-cni once per test binary into _bin/test/.
 func cniBinary(t *testing.T) string {
 	t.Helper()
-	cniBinOnce.Do(func() {
-		root, err := controlplane.RepoRoot()
-		if err != nil {
-			cniBinErr = err
-			return
-		}
-		dir := filepath.Join(controlplane.BinDir(root), "test")
-		if err := os.MkdirAll(dir, 0o755); err != nil {
-			cniBinErr = err
-			return
-		}
-		cniBin = filepath.Join(dir, "ipwarden-cni")
-		out, err := exec.Command("go", "build", "-o", cniBin, filepath.Join(root, "cmd", "ipwarden-cni")).CombinedOutput()
-		if err != nil {
-			cniBinErr = fmt.Errorf("build ipwarden-cni: %v\n%s", err, out)
-		}
-	})
-	if cniBinErr != nil {
-		t.Fatal(cniBinErr)
-	}
-	return cniBin
+	return testBinary(t, "ipwarden-cni", "./cmd/ipwarden-cni")
 }
 
 // agentProcess is a real `ipwarden agent` process.
@@ -61,9 +33,11 @@ type agentProcess struct {
 	socket   string
 	stateDir string
 	metrics  string
+	bin      string // the ipwarden binary ("": ipwardenBinary)
+	proc     *localcluster.Process
 	cmd      *exec.Cmd
 	log      string
-	done     chan struct{}
+	done     <-chan struct{}
 }
 
 // startAgent runs `ipwarden agent` for node with its socket in a fresh short directory (unix
@@ -71,6 +45,12 @@ type agentProcess struct {
 // does not wait for the agent to serve; see waitServing. The agent is killed at the end of the
 // test and its log printed if the test failed (or IPWARDEN_TEST_LOGS is set).
 func startAgent(t *testing.T, node, stateDir string, args ...string) *agentProcess {
+	t.Helper()
+	return startAgentBinary(t, "", node, stateDir, args...)
+}
+
+// startAgentBinary is startAgent running the ipwarden binary bin ("": ipwardenBinary).
+func startAgentBinary(t *testing.T, bin, node, stateDir string, args ...string) *agentProcess {
 	t.Helper()
 	runDir, err := os.MkdirTemp("", "ipw-run-")
 	if err != nil {
@@ -80,7 +60,7 @@ func startAgent(t *testing.T, node, stateDir string, args ...string) *agentProce
 	if stateDir == "" {
 		stateDir = t.TempDir()
 	}
-	a := &agentProcess{node: node, socket: filepath.Join(runDir, "s", "agent.sock"), stateDir: stateDir, metrics: freeAddr(t)}
+	a := &agentProcess{node: node, socket: filepath.Join(runDir, "s", "agent.sock"), stateDir: stateDir, metrics: freeAddr(t), bin: bin}
 	a.start(t, args...)
 	return a
 }
@@ -91,46 +71,20 @@ func (a *agentProcess) start(t *testing.T, args ...string) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	logf.Close()
 	base := []string{"agent", "--kubeconfig", kubeconfigPath, "--node-name", a.node, "--socket", a.socket,
 		"--state-dir", a.stateDir, "--metrics-bind-address", a.metrics, "--health-probe-bind-address=0", "--zap-log-level=debug",
 		"--netns-dirs", netnsDir}
-	a.cmd = exec.Command(ipwardenBinary(t), append(base, args...)...)
-	a.cmd.Stdout, a.cmd.Stderr = logf, logf
-	a.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	if err := a.cmd.Start(); err != nil {
-		t.Fatal(err)
+	bin := a.bin
+	if bin == "" {
+		bin = ipwardenBinary(t)
 	}
-	a.log = logf.Name()
-	done := make(chan struct{})
-	a.done = done
-	cmd := a.cmd
-	go func() {
-		_ = cmd.Wait()
-		logf.Close()
-		close(done)
-	}()
-	t.Cleanup(func() {
-		a.kill()
-		if t.Failed() || os.Getenv("IPWARDEN_TEST_LOGS") != "" {
-			b, _ := os.ReadFile(logf.Name())
-			if len(b) > 12000 {
-				b = b[len(b)-12000:]
-			}
-			t.Logf("agent %s log (tail):\n%s", a.node, b)
-		}
-	})
+	a.proc = startProgram(t, bin, "agent "+a.node, logf.Name(), append(base, args...)...)
+	a.cmd, a.log, a.done = a.proc.Cmd(), a.proc.Log, a.proc.Done()
 }
 
 // kill sends SIGKILL, as a crash would.
-func (a *agentProcess) kill() {
-	select {
-	case <-a.done:
-		return
-	default:
-	}
-	_ = syscall.Kill(-a.cmd.Process.Pid, syscall.SIGKILL)
-	<-a.done
-}
+func (a *agentProcess) kill() { a.proc.Kill() }
 
 // restart kills the agent and starts it again on the same journal and socket.
 func (a *agentProcess) restart(t *testing.T, args ...string) {

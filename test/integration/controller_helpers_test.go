@@ -7,8 +7,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -24,92 +22,90 @@ import (
 	"github.com/ipwarden/ipwarden/internal/localcluster"
 )
 
-var (
-	ipwardenBinOnce sync.Once
-	ipwardenBin     string
-	ipwardenBinErr  error
-)
-
-// ipwardenBinary builds cmd/ipwarden once per test binary into _bin/test/.
+// ipwardenBinary builds cmd/ipwarden once per test binary into _bin/test/ (with -race when the
+// tests run with it: localcluster.GoBuild).
 func ipwardenBinary(t *testing.T) string {
 	t.Helper()
-	ipwardenBinOnce.Do(func() {
-		root, err := controlplane.RepoRoot()
-		if err != nil {
-			ipwardenBinErr = err
-			return
+	return testBinary(t, "ipwarden", "./cmd/ipwarden")
+}
+
+// testBinary builds the package pkg of this tree once per test binary into _bin/test/name.
+func testBinary(t *testing.T, name, pkg string) string {
+	t.Helper()
+	root, err := controlplane.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := filepath.Join(controlplane.BinDir(root), "test", name)
+	if err := localcluster.BuildOnce(root, out, pkg); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// plainIpwardenBinary is cmd/ipwarden built without -race even when the tests run with it, for
+// a test that measures the program's own memory (the race runtime multiplies it).
+func plainIpwardenBinary(t *testing.T) string {
+	t.Helper()
+	root, err := controlplane.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := filepath.Join(controlplane.BinDir(root), "test", "plain", "ipwarden")
+	if err := (localcluster.GoBuild{Dir: root, Out: out, Pkgs: []string{"./cmd/ipwarden"}, NoRace: true}).Once(); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// startProcess runs ipwarden with args (localcluster.Start), logging to logPath. At the end of
+// the test it is killed, a data race it reported fails the test, and its log is printed if the
+// test failed (or IPWARDEN_TEST_LOGS is set).
+func startProcess(t *testing.T, name, logPath string, args ...string) *localcluster.Process {
+	t.Helper()
+	return startProgram(t, ipwardenBinary(t), name, logPath, args...)
+}
+
+// startProgram is startProcess with the ipwarden binary bin.
+func startProgram(t *testing.T, bin, name, logPath string, args ...string) *localcluster.Process {
+	t.Helper()
+	p, err := localcluster.Start(name, bin, logPath, args...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		p.Kill()
+		if race := p.DataRace(); race != "" {
+			t.Errorf("%s reported a data race:\n%s", name, race)
 		}
-		dir := filepath.Join(controlplane.BinDir(root), "test")
-		if err := os.MkdirAll(dir, 0o755); err != nil {
-			ipwardenBinErr = err
-			return
-		}
-		ipwardenBin = filepath.Join(dir, "ipwarden")
-		out, err := exec.Command("go", "build", "-o", ipwardenBin, filepath.Join(root, "cmd", "ipwarden")).CombinedOutput()
-		if err != nil {
-			ipwardenBinErr = fmt.Errorf("build ipwarden: %v\n%s", err, out)
+		if t.Failed() || os.Getenv("IPWARDEN_TEST_LOGS") != "" {
+			t.Logf("%s log (tail):\n%s", name, p.LogTail(12000))
 		}
 	})
-	if ipwardenBinErr != nil {
-		t.Fatal(ipwardenBinErr)
-	}
-	return ipwardenBin
+	return p
 }
 
 // controllerProcess is a real `ipwarden controller` process.
 type controllerProcess struct {
+	*localcluster.Process
 	cmd  *exec.Cmd
 	log  string
-	done chan struct{}
+	done <-chan struct{}
 }
 
 // startController runs `ipwarden controller` against the test API server; it is killed at the
 // end of the test and its log is printed if the test failed.
 func startController(t *testing.T, args ...string) *controllerProcess {
 	t.Helper()
-	logPath := filepath.Join(t.TempDir(), "controller.log")
-	logf, err := os.Create(logPath)
-	if err != nil {
-		t.Fatal(err)
-	}
 	base := []string{"controller", "--kubeconfig", kubeconfigPath, "--leader-elect=false",
 		"--metrics-bind-address=0", "--health-probe-bind-address=0",
 		"--min-sync-interval=20ms", "--pool-status-interval=200ms", "--backoff-base=50ms", "--backoff-max=2s", "--claim-settle=100ms"}
-	cmd := exec.Command(ipwardenBinary(t), append(base, args...)...)
-	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	p := &controllerProcess{cmd: cmd, log: logPath, done: make(chan struct{})}
-	go func() {
-		_ = cmd.Wait()
-		logf.Close()
-		close(p.done)
-	}()
-	t.Cleanup(func() {
-		p.kill()
-		if t.Failed() {
-			b, _ := os.ReadFile(logPath)
-			if len(b) > 8000 {
-				b = b[len(b)-8000:]
-			}
-			t.Logf("controller log (tail):\n%s", b)
-		}
-	})
-	return p
+	p := startProcess(t, "controller", filepath.Join(t.TempDir(), "controller.log"), append(base, args...)...)
+	return &controllerProcess{Process: p, cmd: p.Cmd(), log: p.Log, done: p.Done()}
 }
 
 // kill sends SIGKILL, as a crash would.
-func (p *controllerProcess) kill() {
-	select {
-	case <-p.done:
-		return
-	default:
-	}
-	_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL)
-	<-p.done
-}
+func (p *controllerProcess) kill() { p.Kill() }
 
 // eventually polls cond until it returns nil or the deadline passes.
 func eventually(t *testing.T, timeout time.Duration, what string, cond func() error) {

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	stdnetip "net/netip"
 	"strings"
@@ -18,6 +17,7 @@ import (
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/addr"
+	"github.com/ipwarden/ipwarden/internal/localcluster"
 	"github.com/ipwarden/ipwarden/internal/scaling"
 )
 
@@ -335,14 +335,14 @@ func TestControllerPerNodeMetrics(t *testing.T) {
 	})
 }
 
+// freeAddr is a free loopback host:port (localcluster.FreeAddr).
 func freeAddr(t *testing.T) string {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	a, err := localcluster.FreeAddr()
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer l.Close()
-	return l.Addr().String()
+	return a
 }
 
 func httpGet(url string) (string, error) {

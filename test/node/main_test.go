@@ -182,17 +182,8 @@ func prepare() (prepared, error) {
 		return p, err
 	}
 	p.CNIDir, p.Ipwarden = lc.CNIDir, lc.Ipwarden
-	for _, plugin := range []string{"main/loopback", "meta/portmap"} {
-		if _, err := os.Stat(filepath.Join(p.CNIDir, filepath.Base(plugin))); err == nil {
-			continue
-		}
-		pkg := "github.com/containernetworking/plugins/plugins/" + plugin + "@" + localcluster.PluginsVersion
-		cmd := exec.Command("go", "install", pkg)
-		cmd.Dir = os.TempDir()
-		cmd.Env = append(os.Environ(), "GOBIN="+p.CNIDir)
-		if out, err := cmd.CombinedOutput(); err != nil {
-			return p, fmt.Errorf("go install %s: %v\n%s", pkg, err, out)
-		}
+	if err := localcluster.InstallPlugins(p.CNIDir, os.Stderr, "main/loopback", "meta/portmap"); err != nil {
+		return p, err
 	}
 	// The images' binaries are static, like the Dockerfile's.
 	img := filepath.Join(p.Scratch, "images")
@@ -200,13 +191,7 @@ func prepare() (prepared, error) {
 		return p, err
 	}
 	static := func(out, pkg string) error {
-		cmd := exec.Command("go", "build", "-trimpath", "-o", out, pkg)
-		cmd.Dir = p.Root
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if b, err := cmd.CombinedOutput(); err != nil {
-			return fmt.Errorf("go build %s: %v\n%s", pkg, err, b)
-		}
-		return nil
+		return localcluster.GoBuild{Dir: p.Root, Out: out, Pkgs: []string{pkg}, Static: true}.Run()
 	}
 	for _, b := range [][2]string{{"ipwarden", "./cmd/ipwarden"}, {"ipwarden-cni", "./cmd/ipwarden-cni"}, {"sleeper", "./test/node/testdata/sleeper"}} {
 		if err := static(filepath.Join(img, b[0]), b[1]); err != nil {

@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -228,7 +227,7 @@ func (n *realNode) startKubelet() error {
 	if err := n.makeCgroupRoot(); err != nil {
 		return err
 	}
-	ports, err := freePorts(2)
+	ports, err := localcluster.FreePorts(2)
 	if err != nil {
 		return err
 	}
@@ -267,7 +266,7 @@ serializeImagePulls: false
 func (n *realNode) startControllers() error {
 	ca := filepath.Join(n.cp.Dir, "certs", "apiserver.crt")
 	kc := n.cp.Kubeconfig
-	ports, err := freePorts(2)
+	ports, err := localcluster.FreePorts(2)
 	if err != nil {
 		return err
 	}
@@ -540,25 +539,6 @@ func copyFile(src, dst string) error {
 		return err
 	}
 	return os.WriteFile(dst, b, 0o755)
-}
-
-func freePorts(k int) ([]int, error) {
-	var ls []net.Listener
-	defer func() {
-		for _, l := range ls {
-			l.Close()
-		}
-	}()
-	var ports []int
-	for range k {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			return nil, err
-		}
-		ls = append(ls, l)
-		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
-	}
-	return ports, nil
 }
 
 // volatileDirs are the node paths a reboot empties (tmpfs on a real node).

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/netip"
 	"os"
@@ -77,14 +78,15 @@ func TestRealNode(t *testing.T) {
 		n.kubectl("delete", "pod", "-n", testNamespace, victim.name, "--force", "--grace-period=0")
 		// Scan continuously while the kubelet stops the old sandbox and the Deployment starts a
 		// replacement that may be handed the freed address.
-		deadline := time.Now().Add(30 * time.Second)
-		for time.Now().Before(deadline) {
+		// The scan window ends when the old namespace lets go of the address, or after 30 s
+		// (the checks below then judge the pods as they are).
+		_ = localcluster.WaitFor(ctx, 30*time.Second, 50*time.Millisecond, func() error {
 			n.scanNoDuplicates()
-			if !n.netnsCarries(victim.ip, victim.netns) {
-				break
+			if n.netnsCarries(victim.ip, victim.netns) {
+				return errors.New("the old namespace still carries the address")
 			}
-			time.Sleep(50 * time.Millisecond) // poll interval of the scan, not a synchronization
-		}
+			return nil
+		})
 		after := n.waitPods(ctx, 8)
 		n.checkPing(ctx, after)
 		n.checkAttachments(ctx, after)

@@ -84,12 +84,11 @@ type model struct {
 	goneSince map[ipam.Key]time.Time
 	timing    Timing
 
-	nextID         int
-	apiErrorRate   float64
-	freed, kept    int
-	freedByReason  map[string]int
-	keptByReason   map[string]int
-	stepsWithFrees int
+	nextID        int
+	apiErrorRate  float64
+	freed, kept   int
+	freedByReason map[string]int
+	keptByReason  map[string]int
 }
 
 var names = []Name{{"ns", "a"}, {"ns", "b"}, {"ns", "c"}, {"other", "a"}}
@@ -210,9 +209,7 @@ func (m *model) step() {
 			m.deliver(Deletion{Pod: p.ref, At: m.now})
 		}
 	case r < 75: // the full check
-		for _, n := range Sweep(m.snapshot(), NewCache(m.cache), m.now, m.grace) {
-			m.queue = append(m.queue, n)
-		}
+		m.queue = append(m.queue, Sweep(m.snapshot(), NewCache(m.cache), m.now, m.grace)...)
 	case r < 85: // a worker selects and reads the API server
 		if len(m.queue) > 0 {
 			i := m.rng.IntN(len(m.queue))
@@ -438,9 +435,7 @@ func (m *model) settle() {
 			m.cache = append(m.cache, p.ref)
 		}
 	}
-	for _, n := range Sweep(m.snapshot(), NewCache(m.cache), m.now, m.grace) {
-		m.queue = append(m.queue, n)
-	}
+	m.queue = append(m.queue, Sweep(m.snapshot(), NewCache(m.cache), m.now, m.grace)...)
 	for len(m.queue) > 0 || len(m.flights) > 0 || len(m.rechecks) > 0 {
 		for len(m.queue) > 0 {
 			n := m.queue[0]

@@ -221,10 +221,9 @@ func TestAbortAddRestores(t *testing.T) {
 	h.del("a")
 	h.now = h.now.Add(time.Minute)
 	h.mustAdd("b") // takes .11 fresh and fd00::1? no: v6 fd00::1 was freed by a -> cooled
-	before := h.s.Stats(h.now)
 	h.del("b")
 	h.now = h.now.Add(time.Minute)
-	before = h.s.Stats(h.now)
+	before := h.s.Stats(h.now)
 	_, _, err := h.s.Add(AddRequest{Key: key("c")}, h.now)
 	if err != nil {
 		t.Fatal(err)

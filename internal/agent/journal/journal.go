@@ -23,6 +23,7 @@ import (
 	"time"
 
 	bolt "go.etcd.io/bbolt"
+	berrors "go.etcd.io/bbolt/errors"
 
 	"github.com/ipwarden/ipwarden/internal/addr"
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
@@ -99,13 +100,13 @@ func Open(dir string, opts Options) (*Journal, error) {
 	}
 	db, err := bolt.Open(path, 0o600, &bolt.Options{Timeout: timeout, FreelistType: bolt.FreelistMapType})
 	if err != nil {
-		if errors.Is(err, bolt.ErrTimeout) {
+		if errors.Is(err, berrors.ErrTimeout) {
 			return nil, fmt.Errorf("open journal %s: another process holds its lock (is another ipwarden agent running on this node?)", path)
 		}
-		if errors.Is(err, bolt.ErrInvalid) || errors.Is(err, bolt.ErrChecksum) {
+		if errors.Is(err, berrors.ErrInvalid) || errors.Is(err, berrors.ErrChecksum) {
 			return nil, &DamageError{Reason: ReasonCorrupt, Err: fmt.Errorf("open journal %s: %w", path, err)}
 		}
-		if errors.Is(err, bolt.ErrVersionMismatch) {
+		if errors.Is(err, berrors.ErrVersionMismatch) {
 			return nil, &DamageError{Reason: ReasonIncompatibleVersion, Err: fmt.Errorf("open journal %s: %w", path, err)}
 		}
 		return nil, fmt.Errorf("open journal %s: %w", path, err)
