@@ -99,6 +99,14 @@ type IPPoolSpec struct {
 	// +optional
 	NodeSelector *metav1.LabelSelector `json:"nodeSelector,omitempty"`
 
+	// NamespaceSelector picks the namespaces whose pods may draw from this pool. Unset lets every
+	// namespace use it. A pod whose ipwarden.io/pools annotation (or its namespace's) names a pool
+	// its namespace may not use gets a CNI error and no address; a pool that does not admit a
+	// namespace is left out of that namespace's default pools.
+	// +kubebuilder:validation:XValidation:rule="!has(self.matchExpressions) || self.matchExpressions.all(e, e.operator in ['In', 'NotIn', 'Exists', 'DoesNotExist'])",message="namespaceSelector.matchExpressions operator must be In, NotIn, Exists or DoesNotExist"
+	// +kubebuilder:validation:XValidation:rule="!has(self.matchExpressions) || self.matchExpressions.all(e, (e.operator in ['In', 'NotIn']) == (has(e.values) && size(e.values) > 0))",message="namespaceSelector.matchExpressions: In and NotIn need values, Exists and DoesNotExist take none"
+	// +optional
+	NamespaceSelector *metav1.LabelSelector `json:"namespaceSelector,omitempty"`
 	// Scaling sets how many addresses each node keeps ready.
 	// +kubebuilder:default={batchSize: 16, bufferPercent: 50, maxPerNode: 250}
 	// +optional

@@ -71,6 +71,7 @@ func NewKube(cfg *rest.Config, scheme *runtime.Scheme, node string, only []strin
 			&corev1.Node{}:                 {Field: byName},
 			&ipwardenv1.NodeIPAllocation{}: {Field: byName},
 			&ipwardenv1.IPPool{}:           {},
+			&corev1.Namespace{}:            {},
 		},
 	})
 	if err != nil {
@@ -96,7 +97,7 @@ func (k *Kube) Start(ctx context.Context) error {
 	if k.handled == nil {
 		k.handled = map[string]bool{}
 	}
-	for _, obj := range []client.Object{&corev1.Pod{}, &corev1.Node{}, &ipwardenv1.NodeIPAllocation{}, &ipwardenv1.IPPool{}} {
+	for _, obj := range []client.Object{&corev1.Pod{}, &corev1.Node{}, &ipwardenv1.NodeIPAllocation{}, &ipwardenv1.IPPool{}, &corev1.Namespace{}} {
 		name := fmt.Sprintf("%T", obj)
 		if k.handled[name] {
 			continue
@@ -245,6 +246,16 @@ func (k *Kube) Push(ctx context.Context) ([]ipam.Pod, error) {
 	} else {
 		return nil, fmt.Errorf("read NodeIPAllocation %s: %w", k.node, err)
 	}
+
+	var nsList corev1.NamespaceList
+	if err := k.cache.List(ctx, &nsList); err != nil {
+		return nil, fmt.Errorf("list namespaces: %w", err)
+	}
+	namespaces := make(map[string]ipam.Namespace, len(nsList.Items))
+	for i := range nsList.Items {
+		namespaces[nsList.Items[i].Name] = NamespaceFromAPI(&nsList.Items[i].ObjectMeta)
+	}
+	k.svc.SetNamespaces(namespaces)
 
 	var podList corev1.PodList
 	if err := k.cache.List(ctx, &podList); err != nil {
@@ -445,5 +456,48 @@ func PodFromAPI(p *corev1.Pod) ipam.Pod {
 		HostNetwork: v.HostNetwork,
 		Finished:    v.Finished,
 		Deleting:    v.Deleting,
+		Pools:       v.Pools,
+		IPAddresses: v.IPAddresses,
 	}
+}
+
+// NamespaceFromAPI converts a namespace's metadata for pool choice.
+func NamespaceFromAPI(m *metav1.ObjectMeta) ipam.Namespace {
+	return ipam.Namespace{Labels: m.Labels, Pools: m.Annotations[podinfo.AnnotationPools]}
+}
+
+// PodMeta reads what pool choice needs of the pod namespace/name with uid (uid may be empty) and
+// its namespace: from the informer cache, else (not there yet, or an older pod of the same name)
+// the pod's metadata from the API server. A pod the API server does not know has no
+// annotations. An error means the pod could not be read at all (the API server is away).
+func (k *Kube) PodMeta(ctx context.Context, namespace, name, uid string) (ipam.PodMeta, error) {
+	var meta ipam.PodMeta
+	var pod corev1.Pod
+	err := k.cache.Get(ctx, client.ObjectKey{Namespace: namespace, Name: name}, &pod)
+	if err == nil && (uid == "" || string(pod.UID) == uid) {
+		v := podinfo.Of(&pod)
+		meta.Pools, meta.IPAddresses = v.Pools, v.IPAddresses
+	} else {
+		m := &metav1.PartialObjectMetadata{}
+		m.SetGroupVersionKind(corev1.SchemeGroupVersion.WithKind("Pod"))
+		err := k.api.Get(ctx, client.ObjectKey{Namespace: namespace, Name: name}, m)
+		switch {
+		case err == nil:
+			meta.Pools, meta.IPAddresses = m.Annotations[podinfo.AnnotationPools], m.Annotations[podinfo.AnnotationIPAddresses]
+		case podNotFound(err, name):
+		default:
+			return meta, fmt.Errorf("read pod %s/%s: %w", namespace, name, err)
+		}
+	}
+	var ns corev1.Namespace
+	if err := k.cache.Get(ctx, client.ObjectKey{Name: namespace}, &ns); err == nil {
+		meta.Namespace, meta.NamespaceKnown = NamespaceFromAPI(&ns.ObjectMeta), true
+		return meta, nil
+	}
+	m := &metav1.PartialObjectMetadata{}
+	m.SetGroupVersionKind(corev1.SchemeGroupVersion.WithKind("Namespace"))
+	if err := k.api.Get(ctx, client.ObjectKey{Name: namespace}, m); err == nil {
+		meta.Namespace, meta.NamespaceKnown = NamespaceFromAPI(&m.ObjectMeta), true
+	}
+	return meta, nil
 }

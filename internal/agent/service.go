@@ -50,6 +50,8 @@ type Service struct {
 	kickFn  func()
 	// lookup reads a pod from the API server (Kube.GetPod); CNI GC re-checks candidates with it.
 	lookup func(context.Context, gc.Name) gc.Lookup
+	// podMeta reads a pod's annotations and namespace for pool choice (Kube.PodMeta).
+	podMeta func(ctx context.Context, namespace, name, uid string) (ipam.PodMeta, error)
 
 	keys  keyLocks
 	ready atomic.Bool
@@ -293,6 +295,20 @@ func (s *Service) SetPods(pods []ipam.Pod) {
 		}
 	}
 	s.kick()
+}
+
+// SetNamespaces hands the service the namespaces, for the pool choice of the node's pods.
+func (s *Service) SetNamespaces(ns map[string]ipam.Namespace) {
+	s.mu.Lock()
+	s.st.SetNamespaces(ns)
+	s.mu.Unlock()
+}
+
+// SetPodMeta sets how an ADD reads its pod's annotations and namespace (Kube.PodMeta).
+func (s *Service) SetPodMeta(f func(ctx context.Context, namespace, name, uid string) (ipam.PodMeta, error)) {
+	s.mu.Lock()
+	s.podMeta = f
+	s.mu.Unlock()
 }
 
 // ReasonHoldExpired is the Warning event on the node's NodeIPAllocation when the hold after a
@@ -549,6 +565,9 @@ func missingIdentity(p cniproto.Pod) string {
 	return strings.Join(miss, " and ")
 }
 
+// podMetaTimeout bounds the read of a pod's annotations at ADD when the cache lacks it.
+const podMetaTimeout = 5 * time.Second
+
 // add hands out addresses, waiting up to addressWait for the controller if a pool is short. It
 // returns the attachment it created, if it created one.
 func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Response, *ipam.Attachment) {
@@ -566,6 +585,22 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 
 	areq := ipam.AddRequest{Key: key, Network: req.Network, Netns: req.Netns, Pools: req.Pools,
 		Pod: ipam.PodRef{Namespace: req.Pod.Namespace, Name: req.Pod.Name, UID: req.Pod.UID}}
+	s.mu.Lock()
+	readMeta := s.podMeta
+	_, known := s.st.Attachment(key)
+	s.mu.Unlock()
+	if readMeta != nil && !known && req.Pod.Namespace != "" && req.Pod.Name != "" {
+		rctx, cancel := context.WithTimeout(ctx, podMetaTimeout)
+		meta, err := readMeta(rctx, req.Pod.Namespace, req.Pod.Name, req.Pod.UID)
+		cancel()
+		if err != nil {
+			// The API server is away and the cache does not know the pod: choose as if it had
+			// no annotations (the CNI config's pools, else the node's), so the node keeps
+			// serving; namespaceSelectors are still enforced.
+			s.log.Info("cannot read the pod's annotations; choosing pools without them", "pod", req.Pod.Namespace+"/"+req.Pod.Name, "error", err.Error())
+		}
+		areq.Meta = meta
+	}
 	start := s.now()
 	deadline := start.Add(s.addressWait)
 	waiting := false
@@ -591,7 +626,8 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 					fmt.Sprintf("the ipwarden agent on node %s waited %s for the controller (--address-wait); the runtime retries", s.node, s.addressWait)), nil
 			}
 			if !waiting {
-				s.st.AddWaiter(key, areq.Pod.UID, req.Pools)
+				pools, _ := s.st.ResolvePools(areq)
+				s.st.AddWaiter(key, areq.Pod.UID, pools)
 				waiting = true
 				if on, _ := s.st.Hold(); on {
 					s.mu.Unlock()
@@ -665,12 +701,16 @@ func (s *Service) shortMessageLocked(short *ipam.ShortError, now time.Time) stri
 func addError(err error) *cniproto.Response {
 	var ce *ipam.ConfigError
 	var np *ipam.NoPoolsError
+	var pc *ipam.PoolChoiceError
 	switch {
 	case errors.As(err, &ce):
 		return errResp(cniproto.CodeInvalidConfig, "ipwarden: network configuration field "+ce.Error(),
 			"name pools that select this node, or leave \"pools\" out to use all of them")
 	case errors.As(err, &np):
 		return errResp(cniproto.CodeTryAgainLater, "ipwarden: "+np.Error(), "")
+	case errors.As(err, &pc):
+		return errResp(cniproto.CodeInvalidConfig, "ipwarden: "+pc.Error(),
+			"nothing was handed out; see the pools' nodeSelector and namespaceSelector (kubectl get ippools -o yaml)")
 	}
 	return errResp(cniproto.CodeInternal, "ipwarden: "+err.Error(), "")
 }

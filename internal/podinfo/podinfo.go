@@ -9,6 +9,15 @@ import (
 	corev1 "k8s.io/api/core/v1"
 )
 
+// Annotations a pod (and, for AnnotationPools, its namespace) sets to choose its addresses
+// (docs/design.md, "Choosing pools and addresses").
+const (
+	// AnnotationPools names the IPPools a pod draws from, comma-separated, one per family.
+	AnnotationPools = "ipwarden.io/pools"
+	// AnnotationIPAddresses asks for exact addresses, comma-separated, one per family.
+	AnnotationIPAddresses = "ipwarden.io/ip-addresses"
+)
+
 // Pod is what ipwarden reads of a Pod object.
 type Pod struct {
 	Namespace, Name, UID string
@@ -22,6 +31,10 @@ type Pod struct {
 	Finished bool
 	// Deleting is set once the pod has a deletion timestamp; its sandbox may still run.
 	Deleting bool
+	// Pools is the ipwarden.io/pools annotation as written ("" when unset).
+	Pools string
+	// IPAddresses is the ipwarden.io/ip-addresses annotation as written ("" when unset).
+	IPAddresses string
 }
 
 // Of converts a Pod object.
@@ -34,6 +47,8 @@ func Of(p *corev1.Pod) Pod {
 		HostNetwork: p.Spec.HostNetwork,
 		Finished:    p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed,
 		Deleting:    p.DeletionTimestamp != nil,
+		Pools:       p.Annotations[AnnotationPools],
+		IPAddresses: p.Annotations[AnnotationIPAddresses],
 	}
 	for _, ip := range p.Status.PodIPs {
 		if a, err := netip.ParseAddr(ip.IP); err == nil {

@@ -33,6 +33,9 @@ func TestOf(t *testing.T) {
 		{"host network", func(p *corev1.Pod) { p.Spec.HostNetwork = true }, false, func(p Pod) bool { return p.HostNetwork }},
 		{"pending unscheduled", func(p *corev1.Pod) { p.Spec.NodeName = ""; p.Status = corev1.PodStatus{Phase: corev1.PodPending} }, true,
 			func(p Pod) bool { return p.Node == "" && len(p.IPs) == 0 }},
+		{"annotations", func(p *corev1.Pod) {
+			p.Annotations = map[string]string{AnnotationPools: "blue-v4,blue-v6", AnnotationIPAddresses: "10.0.5.20"}
+		}, true, func(p Pod) bool { return p.Pools == "blue-v4,blue-v6" && p.IPAddresses == "10.0.5.20" }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			obj := *base.DeepCopy()

@@ -16,8 +16,11 @@ type AddRequest struct {
 	// Netns is CNI_NETNS, recorded in the attachment.
 	Netns string
 	Pod   PodRef
-	// Pools to draw one address each from, in order; empty means the pools that select the node.
+	// Pools is the network configuration's "pools": one address each, in order; empty means the
+	// pools that select the node. The pod's and its namespace's annotations in Meta come first.
 	Pools []string
+	// Meta is what the agent read of the pod and its namespace (choose.go).
+	Meta PodMeta
 }
 
 // ConfigError is a request that names something invalid (CNI code 7). Field is the network
@@ -114,7 +117,7 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 	if a, ok := s.atts[req.Key]; ok {
 		return *a.clone(), Change{}, nil
 	}
-	pools, err := s.resolvePools(req.Pools)
+	pools, err := s.ResolvePools(req)
 	if err != nil {
 		return Attachment{}, Change{}, err
 	}

@@ -45,7 +45,7 @@ func (s *State) Demand(pool string) int {
 	waiting := map[string]bool{}
 	if s.isServed(pool) {
 		for _, pod := range s.pods {
-			if !pod.NeedsAddress() || pod.Ref.UID == "" || s.podHolds(pod.Ref.UID, pool) {
+			if !pod.NeedsAddress() || pod.Ref.UID == "" || s.podHolds(pod.Ref.UID, pool) || !s.podWants(pod, pool) {
 				continue
 			}
 			waiting[pod.Ref.UID] = true
@@ -62,6 +62,14 @@ func (s *State) Demand(pool string) int {
 		waiting[id] = true
 	}
 	return scaling.Demand(inUse, len(waiting))
+}
+
+// podWants reports whether pod will draw from pool, by the rule its ADD follows (choosePools),
+// before the CNI config is known: a pod whose annotations name no pool counts in every pool that
+// serves the node and admits its namespace; one whose choice is refused counts nowhere.
+func (s *State) podWants(pod Pod, pool string) bool {
+	names, err := s.choosePools(s.podMeta(pod), nil, pod.Ref.Namespace)
+	return err == nil && slices.Contains(names, pool)
 }
 
 // podHolds reports whether the pod with uid has an attachment with an address of pool.

@@ -7,6 +7,8 @@ import (
 	"slices"
 	"time"
 
+	"k8s.io/apimachinery/pkg/labels"
+
 	"github.com/ipwarden/ipwarden/internal/addr"
 )
 
@@ -21,7 +23,9 @@ type State struct {
 	// AbortAdd needs to undo them.
 	pending map[Key]*undo
 	pods    []Pod
-	waiters map[Key]waiter
+	// namespaces are the namespaces the agent knows, for pool choice (choose.go).
+	namespaces map[string]Namespace
+	waiters    map[Key]waiter
 	// clock is the latest time any call passed in: Demand counts the addresses still cooling
 	// then, without a time argument of its own.
 	clock time.Time
@@ -60,12 +64,22 @@ type poolState struct {
 	usable      addr.Set
 	usableKnown bool
 	gone        bool
+	// nsSel is cfg.NamespaceSelector parsed; nil admits every namespace.
+	nsSel labels.Selector
 }
 
 // setConfig sets the pool's configuration and what it lets the node hand out.
 func (p *poolState) setConfig(cfg Pool) {
 	p.cfg, p.known = cfg, true
 	p.usable, p.usableKnown = cfg.Usable()
+	p.nsSel = nil
+	if cfg.NamespaceSelector != "" {
+		sel, err := labels.Parse(cfg.NamespaceSelector)
+		if err != nil {
+			sel = labels.Nothing() // unreadable: admit no namespace rather than every one
+		}
+		p.nsSel = sel
+	}
 }
 
 // isUsable reports whether the pool's current spec lets the node hand out a.
@@ -291,7 +305,7 @@ func (s *State) setServed(served []string) {
 func poolEqual(a, b Pool) bool {
 	return a.Name == b.Name && slices.Equal(a.CIDRs, b.CIDRs) && a.Gateway == b.Gateway && slices.Equal(a.Exclude, b.Exclude) &&
 		slices.Equal(a.Routes, b.Routes) && a.Scaling == b.Scaling && a.Cooldown == b.Cooldown &&
-		a.Exhausted == b.Exhausted && a.Served == b.Served
+		a.Exhausted == b.Exhausted && a.Served == b.Served && a.NamespaceSelector == b.NamespaceSelector
 }
 
 // CanServeOffline reports whether the state, restored from the journal, can serve ADD before the

@@ -96,6 +96,9 @@ type Pool struct {
 	Cooldown time.Duration  `json:"cooldown"`
 	// Exhausted mirrors the IPPool's status.exhausted.
 	Exhausted bool `json:"exhausted,omitempty"`
+	// NamespaceSelector is spec.namespaceSelector in label selector syntax ("" admits every
+	// namespace), so an agent serving from its journal enforces it too.
+	NamespaceSelector string `json:"namespaceSelector,omitempty"`
 	// Served records that the pool selected the node when the agent last heard from the API
 	// server, so an agent restarted while the API server is away serves ADD from the same pools.
 	Served bool `json:"served,omitempty"`
@@ -113,6 +116,8 @@ func PoolOf(name string, spec ippool.Pool, exhausted bool) Pool {
 		Scaling:   spec.Scaling,
 		Cooldown:  spec.Cooldown,
 		Exhausted: exhausted,
+		// An unset selector is labels.Everything(), whose String() is "".
+		NamespaceSelector: spec.NamespaceSelector.String(),
 	}
 }
 
@@ -230,6 +235,10 @@ type Pod struct {
 	Finished bool
 	// Deleting is set once the pod has a deletion timestamp; it may still run.
 	Deleting bool
+	// Pools and IPAddresses are the pod's ipwarden.io/pools and ipwarden.io/ip-addresses
+	// annotations as written.
+	Pools       string
+	IPAddresses string
 }
 
 // NeedsAddress reports whether the pod will need an address it may not have yet: it counts as

@@ -1,0 +1,173 @@
+package ipam
+
+import (
+	"errors"
+	"net/netip"
+	"slices"
+	"strings"
+	"testing"
+)
+
+func TestParsePoolNames(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		want []string
+		err  string
+	}{
+		{"blue-v4", []string{"blue-v4"}, ""},
+		{" blue-v4 , blue-v6 ", []string{"blue-v4", "blue-v6"}, ""},
+		{"a,,b", nil, "empty pool name"},
+		{"a,", nil, "empty pool name"},
+		{"Blue", nil, "is not an IPPool name"},
+		{"a,a", nil, "listed twice"},
+		{"a,b,c,d,e,f,g,h,i", nil, "at most 8"},
+	} {
+		got, err := ParsePoolNames(tc.in)
+		if tc.err != "" {
+			if err == nil || !strings.Contains(err.Error(), tc.err) {
+				t.Errorf("ParsePoolNames(%q) error = %v, want %q", tc.in, err, tc.err)
+			}
+			continue
+		}
+		if err != nil || !slices.Equal(got, tc.want) {
+			t.Errorf("ParsePoolNames(%q) = %v, %v; want %v", tc.in, got, err, tc.want)
+		}
+	}
+}
+
+// The order of precedence: pod annotation, namespace annotation, CNI config, node.
+func TestChoosePoolsPrecedence(t *testing.T) {
+	ns := Namespace{Pools: "ns-v4"}
+	for _, tc := range []struct {
+		name   string
+		meta   PodMeta
+		config []string
+		want   []string
+		src    string
+		err    string
+	}{
+		{"pod over namespace and config", PodMeta{Pools: "pod-v4,pod-v6", Namespace: ns, NamespaceKnown: true}, []string{"cfg"},
+			[]string{"pod-v4", "pod-v6"}, SourcePod, ""},
+		{"namespace over config", PodMeta{Namespace: ns, NamespaceKnown: true}, []string{"cfg"}, []string{"ns-v4"}, SourceNamespace, ""},
+		{"unknown namespace: config", PodMeta{Namespace: ns}, []string{"cfg"}, []string{"cfg"}, SourceConfig, ""},
+		{"config", PodMeta{NamespaceKnown: true}, []string{"cfg"}, []string{"cfg"}, SourceConfig, ""},
+		{"node", PodMeta{NamespaceKnown: true}, nil, nil, SourceNode, ""},
+		{"blank pod annotation is unset", PodMeta{Pools: "  ", Namespace: ns, NamespaceKnown: true}, nil, []string{"ns-v4"}, SourceNamespace, ""},
+		{"malformed pod annotation is an error, not skipped", PodMeta{Pools: "a,,b", Namespace: ns, NamespaceKnown: true}, nil, nil, SourcePod, "empty pool name"},
+		{"malformed namespace annotation", PodMeta{Namespace: Namespace{Pools: "A"}, NamespaceKnown: true}, []string{"cfg"}, nil, SourceNamespace, "not an IPPool name"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, src, err := ChoosePools(tc.meta, tc.config)
+			if src != tc.src {
+				t.Errorf("source %q, want %q", src, tc.src)
+			}
+			if tc.err != "" {
+				var pc *PoolChoiceError
+				if !errors.As(err, &pc) || !strings.Contains(err.Error(), tc.err) {
+					t.Fatalf("error %v, want a PoolChoiceError with %q", err, tc.err)
+				}
+				return
+			}
+			if err != nil || !slices.Equal(got, tc.want) {
+				t.Fatalf("= %v, %v; want %v", got, err, tc.want)
+			}
+		})
+	}
+}
+
+// The state's resolution: served, namespaceSelector and one-per-family checks, and the default.
+func TestChoosePoolsEnforced(t *testing.T) {
+	blue4 := poolV4
+	blue4.Name, blue4.NamespaceSelector = "blue-v4", "team=blue"
+	blue6 := poolV6
+	blue6.Name, blue6.NamespaceSelector = "blue-v6", "team=blue"
+	other4 := poolV4
+	other4.Name, other4.CIDRs = "other-v4", []netip.Prefix{netip.MustParsePrefix("10.9.0.0/24")}
+	h := newHarness(t, poolV4, poolV6, blue4, blue6, other4)
+	// far-v4 exists but does not select the node.
+	h.s.SetPools([]Pool{poolV4, poolV6, blue4, blue6, other4, {Name: "far-v4", CIDRs: []netip.Prefix{netip.MustParsePrefix("10.8.0.0/24")}}},
+		[]string{"v4", "v6", "blue-v4", "blue-v6", "other-v4"})
+	blueNS := Namespace{Labels: map[string]string{"team": "blue"}}
+	redNS := Namespace{Labels: map[string]string{"team": "red"}}
+	for _, tc := range []struct {
+		name   string
+		meta   PodMeta
+		config []string
+		want   []string
+		err    string
+	}{
+		{"annotation in an admitted namespace", PodMeta{Pools: "blue-v4,blue-v6", Namespace: blueNS, NamespaceKnown: true}, nil,
+			[]string{"blue-v4", "blue-v6"}, ""},
+		{"annotation in a namespace the pool does not admit", PodMeta{Pools: "blue-v4", Namespace: redNS, NamespaceKnown: true}, nil,
+			nil, `pool "blue-v4" may not be used by namespace "ns": its namespaceSelector "team=blue"`},
+		{"namespace annotation is enforced too", PodMeta{Namespace: Namespace{Pools: "blue-v4", Labels: redNS.Labels}, NamespaceKnown: true}, nil,
+			nil, "may not be used by namespace"},
+		{"config is enforced too", PodMeta{Namespace: redNS, NamespaceKnown: true}, []string{"blue-v4"}, nil, "may not be used by namespace"},
+		{"unknown namespace: a pool with a selector admits nothing", PodMeta{Pools: "blue-v4"}, nil, nil, "may not be used"},
+		{"pool that does not exist", PodMeta{Pools: "nope", NamespaceKnown: true}, nil, nil, `pool "nope" is not an IPPool the agent knows`},
+		{"pool that does not select the node", PodMeta{Pools: "far-v4", NamespaceKnown: true}, nil, nil, `pool "far-v4" does not serve node node-a`},
+		{"two of one family", PodMeta{Pools: "v4,other-v4", NamespaceKnown: true}, nil, nil, "one address family"},
+		{"default leaves out pools the namespace may not use", PodMeta{Namespace: redNS, NamespaceKnown: true}, nil,
+			[]string{"other-v4", "v4", "v6"}, ""},
+		{"default in an admitted namespace", PodMeta{Namespace: blueNS, NamespaceKnown: true}, nil,
+			[]string{"blue-v4", "other-v4", "v4", "blue-v6", "v6"}, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := h.s.ResolvePools(AddRequest{Pod: PodRef{Namespace: "ns", Name: "p"}, Pools: tc.config, Meta: tc.meta})
+			if tc.err != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.err) {
+					t.Fatalf("error %v, want %q", err, tc.err)
+				}
+				return
+			}
+			if err != nil || !slices.Equal(got, tc.want) {
+				t.Fatalf("= %v, %v; want %v", got, err, tc.want)
+			}
+		})
+	}
+
+	// ADD refused: nothing handed out.
+	h.hold("blue-v4", "10.0.0.0/28")
+	_, _, err := h.s.Add(AddRequest{Key: key("c1"), Pod: PodRef{"ns", "p", "u1"}, Meta: PodMeta{Pools: "blue-v4", Namespace: redNS, NamespaceKnown: true}}, h.now)
+	if err == nil || h.s.NumAttachments() != 0 {
+		t.Fatalf("ADD in a namespace the pool refuses: %v, %d attachments", err, h.s.NumAttachments())
+	}
+}
+
+// Demand counts each pod bound to the node in the pools its ADD will draw from.
+func TestDemandFollowsPoolChoice(t *testing.T) {
+	blue4 := poolV4
+	blue4.Name, blue4.NamespaceSelector = "blue-v4", "team=blue"
+	h := newHarness(t, poolV4, blue4)
+	h.s.SetNamespaces(map[string]Namespace{
+		"blue": {Labels: map[string]string{"team": "blue"}},
+		"red":  {Labels: map[string]string{"team": "red"}},
+		"pick": {Labels: map[string]string{"team": "blue"}, Pools: "blue-v4"},
+	})
+	h.s.SetPods([]Pod{
+		{Ref: PodRef{"red", "a", "ua"}},                        // v4 only: blue-v4 does not admit red
+		{Ref: PodRef{"blue", "b", "ub"}},                       // both (the default)
+		{Ref: PodRef{"blue", "c", "uc"}, Pools: "v4"},          // v4 by annotation
+		{Ref: PodRef{"pick", "d", "ud"}},                       // blue-v4 by namespace annotation
+		{Ref: PodRef{"red", "e", "ue"}, Pools: "blue-v4"},      // refused: counts nowhere
+		{Ref: PodRef{"unknown", "f", "uf"}},                    // unknown namespace: v4 only
+		{Ref: PodRef{"blue", "g", "ug"}, Pools: "bad,,"},       // malformed: counts nowhere
+		{Ref: PodRef{"blue", "h", "uh"}, Pools: "blue-v4,v4"},  // two of one family: nowhere
+		{Ref: PodRef{"blue", "i", "ui"}, Pools: "blue-v4"},     // blue-v4
+		{Ref: PodRef{"blue", "j", "uj"}, HostNetwork: true},    // no address
+		{Ref: PodRef{"blue", "k", "uk"}, Pools: "blue-v4"},     // blue-v4
+		{Ref: PodRef{"blue", "l", "ul"}, Deleting: true},       // no new address
+		{Ref: PodRef{"red", "m", "um"}, Pools: " v4 "},         // v4
+		{Ref: PodRef{"pick", "n", "un"}, Pools: "v4"},          // pod over namespace: v4
+		{Ref: PodRef{"blue", "o", "uo"}, Finished: true},       // none
+		{Ref: PodRef{"red", "p", "up"}, Pools: "nonexistent"},  // refused
+		{Ref: PodRef{"blue", "q", "uq"}, IPs: nil, Pools: ""},  // both
+		{Ref: PodRef{"red", "r", "ur"}, Pools: "v4,blue-v4,x"}, // refused (blue-v4)
+	})
+	if got, want := h.s.Demand("v4"), 7; got != want { // a b c f m n q
+		t.Errorf("demand v4 = %d, want %d", got, want)
+	}
+	if got, want := h.s.Demand("blue-v4"), 5; got != want { // b d i k q
+		t.Errorf("demand blue-v4 = %d, want %d", got, want)
+	}
+}
