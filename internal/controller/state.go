@@ -43,6 +43,7 @@ type poolState struct {
 	waiting   map[string]bool     // nodes left short because the pool ran out
 	dirty     bool                // status needs a write
 	claims    map[string]addr.Set // node -> addresses it claims (spec.pools[].claimed), only nodes with claims
+	wanted    map[string]addr.Set // node -> addresses its pods ask for by name (spec.pools[].wanted)
 }
 
 func (p *poolState) serving() bool { return !p.deleted && p.parseErr == nil && p.overlaps == "" }
@@ -56,6 +57,7 @@ type nodeState struct {
 	held    map[string]addr.Set // the record: equals the node's status after each write
 	pending map[string]addr.Set // reserved for a write whose outcome is unknown
 	claims  map[string]addr.Set // pool -> addresses its pods use that it asked back (spec)
+	wanted  map[string]addr.Set // pool -> addresses its pods ask for by name (spec)
 	labels  labels.Set
 	deficit bool
 	atCap   bool
@@ -81,6 +83,7 @@ func (s *State) Rebuild(pools []ipwardenv1.IPPool, allocs []ipwardenv1.NodeIPAll
 	for _, a := range allocs {
 		ns := s.node(a.Name)
 		s.SetClaims(a.Name, a.Spec)
+		s.SetWanted(a.Name, a.Spec)
 		for _, ps := range a.Status.Pools {
 			held, err := addr.ParseSet(ps.Addresses)
 			if err != nil || held.IsEmpty() {
@@ -127,7 +130,7 @@ func (s *State) Rebuild(pools []ipwardenv1.IPPool, allocs []ipwardenv1.NodeIPAll
 func (s *State) pool(name string) *poolState {
 	p, ok := s.pools[name]
 	if !ok {
-		p = &poolState{name: name, deleted: true, alloc: addr.NewAllocator(addr.Set{}, 0), holders: map[string]int{}, waiting: map[string]bool{}, claims: map[string]addr.Set{}}
+		p = &poolState{name: name, deleted: true, alloc: addr.NewAllocator(addr.Set{}, 0), holders: map[string]int{}, waiting: map[string]bool{}, claims: map[string]addr.Set{}, wanted: map[string]addr.Set{}}
 		s.pools[name] = p
 	}
 	return p
@@ -136,7 +139,7 @@ func (s *State) pool(name string) *poolState {
 func (s *State) node(name string) *nodeState {
 	n, ok := s.nodes[name]
 	if !ok {
-		n = &nodeState{held: map[string]addr.Set{}, pending: map[string]addr.Set{}, claims: map[string]addr.Set{}}
+		n = &nodeState{held: map[string]addr.Set{}, pending: map[string]addr.Set{}, claims: map[string]addr.Set{}, wanted: map[string]addr.Set{}}
 		s.nodes[name] = n
 	}
 	return n
@@ -155,7 +158,7 @@ func (s *State) SetPool(obj *ipwardenv1.IPPool) (nodesAffected bool) {
 func (s *State) setPool(obj *ipwardenv1.IPPool) (selectorChanged bool) {
 	p, existed := s.pools[obj.Name]
 	if !existed {
-		p = &poolState{name: obj.Name, holders: map[string]int{}, waiting: map[string]bool{}, claims: map[string]addr.Set{}}
+		p = &poolState{name: obj.Name, holders: map[string]int{}, waiting: map[string]bool{}, claims: map[string]addr.Set{}, wanted: map[string]addr.Set{}}
 		s.pools[obj.Name] = p
 	}
 	oldSel := ""
@@ -285,6 +288,8 @@ type PoolFill struct {
 	// Detail adds the numbers of the moment (for events); the status shows only Reason so a
 	// starved node's status is not rewritten every time the pool's free count moves.
 	Detail string
+	// Refused are wanted addresses the controller cannot move to the node, with the reason.
+	Refused []Refusal
 }
 
 // Changed says whether the fill changes any holding.
@@ -343,12 +348,18 @@ func (s *State) ResolvePending(name string, status ipwardenv1.NodeIPAllocationSt
 func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now time.Time) *Fill {
 	n := s.node(name)
 	s.SetClaims(name, spec)
+	s.SetWanted(name, spec)
 	f := &Fill{Node: name, Pools: map[string]*PoolFill{}}
 	views := map[string]PoolView{}
 	for pool, held := range n.held {
 		views[pool] = PoolView{Held: held}
 	}
 	for pool := range n.claims {
+		if _, ok := views[pool]; !ok {
+			views[pool] = PoolView{}
+		}
+	}
+	for pool := range n.wanted {
 		if _, ok := views[pool]; !ok {
 			views[pool] = PoolView{}
 		}
@@ -368,11 +379,13 @@ func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now 
 		granted, conflicts := s.grantClaims(name, pool, v.Held)
 		f.Conflicts = append(f.Conflicts, conflicts...)
 		f.Conflicts = append(f.Conflicts, s.heldConflicts(name, pool, v.Held)...)
+		moved, refused := s.grantWanted(name, pool, v.Held.Union(granted))
+		granted = granted.Union(moved)
 		held := v.Held.Union(granted)
 		v.Held = held
 		v.Serving = p.serving() && p.cfg.NodeSelector.Matches(n.labels)
 		plan := Plan(v)
-		pf := &PoolFill{Plan: plan, Added: granted, Granted: granted, Removed: plan.Remove, Held: held.Subtract(plan.Remove)}
+		pf := &PoolFill{Plan: plan, Added: granted, Granted: granted, Removed: plan.Remove, Held: held.Subtract(plan.Remove), Refused: refused}
 		if plan.Add > 0 && settling {
 			pf.Reason = "the controller is settling after it started leading: claims are served before fills"
 			plan.Add = 0
@@ -382,7 +395,7 @@ func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now 
 			// already have seen it leave and forgotten it; a re-add it reconciles before it
 			// republishes its list would be taken away again while a pod uses it. Never hand
 			// it an address another node's pods use (claimed) either.
-			withheld := p.alloc.Usable(now).Intersect(v.Releasing.Union(p.claimedByOthers(name)))
+			withheld := p.alloc.Usable(now).Intersect(v.Releasing.Union(p.claimedByOthers(name)).Union(p.wantedByOthers(name)))
 			if !withheld.IsEmpty() {
 				_ = p.alloc.Reserve(withheld)
 			}
@@ -437,6 +450,7 @@ func notServingReason(p *poolState, pool string) string {
 func (s *State) NeedOfNode(name string, spec ipwardenv1.NodeIPAllocationSpec) Need {
 	n := s.node(name)
 	s.SetClaims(name, spec)
+	s.SetWanted(name, spec)
 	plans := map[string]PoolPlan{}
 	for _, req := range spec.Pools {
 		rel, _ := addr.ParseSet(blocks(req.Releasing))
@@ -447,6 +461,9 @@ func (s *State) NeedOfNode(name string, spec ipwardenv1.NodeIPAllocationSpec) Ne
 	need := NeedOf(plans)
 	for pool, c := range n.claims {
 		need.Claims += count(c.Subtract(n.held[pool]))
+	}
+	for pool, w := range n.wanted {
+		need.Claims += count(w.Subtract(n.held[pool]))
 	}
 	return need
 }
@@ -568,11 +585,18 @@ func NodeStatus(prev ipwardenv1.NodeIPAllocationStatus, spec ipwardenv1.NodeIPAl
 		if pf.Reason != "" {
 			reasons = append(reasons, pf.Reason)
 		}
-		if pf.Held.IsEmpty() {
+		if pf.Held.IsEmpty() && len(pf.Refused) == 0 {
 			continue
 		}
 		h := int32(count(pf.Held))
-		st.Pools = append(st.Pools, ipwardenv1.NodePoolStatus{Pool: pool, Addresses: pf.Held.Strings(), Held: h})
+		ps := ipwardenv1.NodePoolStatus{Pool: pool, Addresses: pf.Held.Strings(), Held: h}
+		for i, r := range pf.Refused {
+			if i == 64 { // the API's MaxItems
+				break
+			}
+			ps.Refused = append(ps.Refused, ipwardenv1.RefusedAddress{Address: ipwardenv1.IPAddress(r.Addr.String()), Reason: r.Reason})
+		}
+		st.Pools = append(st.Pools, ps)
 		st.Held += h
 	}
 	cond := metav1.Condition{Type: ipwardenv1.ConditionReady, Status: metav1.ConditionTrue, Reason: "Filled",
