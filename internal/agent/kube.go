@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/netip"
 	"slices"
 	"sync"
 	"time"
@@ -228,7 +229,16 @@ func (k *Kube) Push(ctx context.Context) ([]ipam.Pod, error) {
 	if err == nil {
 		rec.UID, rec.Generation = string(nipa.UID), nipa.Generation
 		holdings := map[string]addr.Set{}
+		refused := map[string]map[netip.Addr]string{}
 		for _, ps := range nipa.Status.Pools {
+			for _, r := range ps.Refused {
+				if a, err := netip.ParseAddr(string(r.Address)); err == nil {
+					if refused[ps.Pool] == nil {
+						refused[ps.Pool] = map[netip.Addr]string{}
+					}
+					refused[ps.Pool][a] = r.Reason
+				}
+			}
 			s, err := addr.ParseSet(ps.Addresses)
 			if err != nil {
 				// Never guess: an unreadable holding is treated as unknown-but-kept (no change).
@@ -237,6 +247,7 @@ func (k *Kube) Push(ctx context.Context) ([]ipam.Pod, error) {
 			}
 			holdings[ps.Pool] = s
 		}
+		k.svc.SetRefused(refused)
 		k.svc.SetHoldings(holdings, rec)
 	} else if apierrors.IsNotFound(err) {
 		k.svc.SetRecordMissing(true)
@@ -426,6 +437,9 @@ func specPools(reqs []ipam.PoolRequest) []ipwardenv1.NodePoolRequest {
 		for _, s := range r.Claimed.Strings() {
 			pr.Claimed = append(pr.Claimed, ipwardenv1.AddressBlock(s))
 		}
+		for _, s := range r.Wanted.Strings() {
+			pr.Wanted = append(pr.Wanted, ipwardenv1.AddressBlock(s))
+		}
 		out = append(out, pr)
 	}
 	return out
@@ -433,7 +447,7 @@ func specPools(reqs []ipam.PoolRequest) []ipwardenv1.NodePoolRequest {
 
 func poolsEqual(a, b []ipwardenv1.NodePoolRequest) bool {
 	return slices.EqualFunc(a, b, func(x, y ipwardenv1.NodePoolRequest) bool {
-		return x.Pool == y.Pool && x.Requested == y.Requested && slices.Equal(x.Releasing, y.Releasing) && slices.Equal(x.Claimed, y.Claimed)
+		return x.Pool == y.Pool && x.Requested == y.Requested && slices.Equal(x.Releasing, y.Releasing) && slices.Equal(x.Claimed, y.Claimed) && slices.Equal(x.Wanted, y.Wanted)
 	})
 }
 

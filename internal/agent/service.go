@@ -304,6 +304,14 @@ func (s *Service) SetNamespaces(ns map[string]ipam.Namespace) {
 	s.mu.Unlock()
 }
 
+// SetRefused hands the service the wanted addresses the controller refused, per pool.
+func (s *Service) SetRefused(refused map[string]map[netip.Addr]string) {
+	s.mu.Lock()
+	s.st.SetRefused(refused)
+	s.notifyLocked() // a waiting ADD for a refused address fails now
+	s.mu.Unlock()
+}
+
 // SetPodMeta sets how an ADD reads its pod's annotations and namespace (Kube.PodMeta).
 func (s *Service) SetPodMeta(f func(ctx context.Context, namespace, name, uid string) (ipam.PodMeta, error)) {
 	s.mu.Lock()
@@ -627,7 +635,7 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 			}
 			if !waiting {
 				pools, _ := s.st.ResolvePools(areq)
-				s.st.AddWaiter(key, areq.Pod.UID, pools)
+				s.st.AddWaiter(key, areq.Pod.UID, pools, short.Wanted...)
 				waiting = true
 				if on, _ := s.st.Hold(); on {
 					s.mu.Unlock()
@@ -695,6 +703,9 @@ func (s *Service) shortMessageLocked(short *ipam.ShortError, now time.Time) stri
 	for i, p := range short.Pools {
 		parts[i] = fmt.Sprintf("pool %s: %s", p, s.st.Reason(p, now))
 	}
+	for _, w := range short.Wanted {
+		parts = append(parts, fmt.Sprintf("static address %s of pool %s: the controller has not moved it to this node yet (is ipwarden controller running?)", w.Addr, w.Pool))
+	}
 	return "ipwarden: no free address on node " + s.node + ": " + strings.Join(parts, "; ")
 }
 
@@ -702,12 +713,16 @@ func addError(err error) *cniproto.Response {
 	var ce *ipam.ConfigError
 	var np *ipam.NoPoolsError
 	var pc *ipam.PoolChoiceError
+	var su *ipam.StaticUnavailableError
 	switch {
 	case errors.As(err, &ce):
 		return errResp(cniproto.CodeInvalidConfig, "ipwarden: network configuration field "+ce.Error(),
 			"name pools that select this node, or leave \"pools\" out to use all of them")
 	case errors.As(err, &np):
 		return errResp(cniproto.CodeTryAgainLater, "ipwarden: "+np.Error(), "")
+	case errors.As(err, &su):
+		return errResp(cniproto.CodeTryAgainLater, "ipwarden: "+su.Error(),
+			"nothing was handed out and no address was taken from anyone; the runtime retries")
 	case errors.As(err, &pc):
 		return errResp(cniproto.CodeInvalidConfig, "ipwarden: "+pc.Error(),
 			"nothing was handed out; see the pools' nodeSelector and namespaceSelector (kubectl get ippools -o yaml)")

@@ -171,3 +171,101 @@ func TestDemandFollowsPoolChoice(t *testing.T) {
 		t.Errorf("demand blue-v4 = %d, want %d", got, want)
 	}
 }
+
+func TestParseStaticAddresses(t *testing.T) {
+	for _, tc := range []struct {
+		in  string
+		n   int
+		err string
+	}{
+		{"10.0.5.20", 1, ""},
+		{" 10.0.5.20 , fd00::20 ", 2, ""},
+		{"10.0.5.20,10.0.5.21", 0, "two addresses of one family"},
+		{"10.0.5", 0, "is not an IP address"},
+		{"10.0.5.20/32", 0, "is not an IP address"},
+		{"fe80::1%eth0", 0, "is not an IP address"},
+		{"1.1.1.1,2.2.2.2,fd00::1", 0, "at most one IPv4"},
+	} {
+		got, err := ParseStaticAddresses(tc.in)
+		if tc.err != "" {
+			if err == nil || !strings.Contains(err.Error(), tc.err) {
+				t.Errorf("ParseStaticAddresses(%q) error = %v, want %q", tc.in, err, tc.err)
+			}
+			continue
+		}
+		if err != nil || len(got) != tc.n {
+			t.Errorf("ParseStaticAddresses(%q) = %v, %v", tc.in, got, err)
+		}
+	}
+}
+
+// A static address: taken when held and free; waited for (and wanted in the spec) when not held;
+// refused with the controller's reason; never taken from another attachment; never handed to
+// another pod nor given back while wanted; malformed, outside or excluded: a clear error.
+func TestStaticAddresses(t *testing.T) {
+	p4 := poolV4
+	p4.Exclude = []netip.Prefix{netip.MustParsePrefix("10.0.0.50/32")}
+	h := newHarness(t, p4, poolV6)
+	h.hold("v4", "10.0.0.2-10.0.0.5")
+	h.hold("v6", "fd00::1-fd00::4")
+	static := func(cid, ips string) (Attachment, error) {
+		a, ch, err := h.s.Add(AddRequest{Key: key(cid), Pod: PodRef{"ns", cid, "uid-" + cid}, Meta: PodMeta{IPAddresses: ips, NamespaceKnown: true}}, h.now)
+		if err == nil {
+			h.commit(ch)
+			h.s.ConfirmAdd(key(cid))
+		}
+		return a, err
+	}
+	// Held and free: taken, the other family dynamic.
+	a, err := static("s1", "10.0.0.4")
+	if err != nil || a.Addresses[0].Addr != ip("10.0.0.4") || a.Addresses[1].Pool != "v6" {
+		t.Fatalf("static held address: %v, %v", a, err)
+	}
+	// In use by another attachment: refused, nothing taken.
+	if _, err := static("s2", "10.0.0.4"); err == nil || !strings.Contains(err.Error(), "in use by pod ns/s1") {
+		t.Fatalf("static address in use: %v", err)
+	}
+	var su *StaticUnavailableError
+	if _, err := static("s2", "10.0.0.4"); !errors.As(err, &su) {
+		t.Fatalf("in use: %T, want *StaticUnavailableError", err)
+	}
+	// Not held: the ADD waits and the node wants it; another pod never gets it once granted.
+	_, err = static("s3", "10.0.0.9")
+	var short *ShortError
+	if !errors.As(err, &short) || len(short.Wanted) != 1 || short.Wanted[0].Addr != ip("10.0.0.9") {
+		t.Fatalf("static address not held: %v", err)
+	}
+	h.s.AddWaiter(key("s3"), "uid-s3", []string{"v4", "v6"}, short.Wanted...)
+	if spec := h.s.Spec(); !spec[0].Wanted.Contains(ip("10.0.0.9")) {
+		t.Fatalf("spec %+v does not want 10.0.0.9", spec)
+	}
+	h.hold("v4", "10.0.0.2-10.0.0.5", "10.0.0.9")
+	if rel := h.s.Release(h.now); rel.Marked["v4"].Contains(ip("10.0.0.9")) {
+		t.Fatalf("gave back the wanted address: %v", rel.Marked)
+	}
+	if a := h.mustAdd("other"); a[0] == "10.0.0.9/24" {
+		t.Fatalf("another pod got the wanted address")
+	}
+	if a, err := static("s3", "10.0.0.9"); err != nil || a.Addresses[0].Addr != ip("10.0.0.9") {
+		t.Fatalf("static address after the grant: %v, %v", a, err)
+	}
+	// Refused by the controller: the ADD fails with its reason.
+	h.s.SetRefused(map[string]map[netip.Addr]string{"v4": {ip("10.0.0.7"): "held by node b"}})
+	if _, err := static("s4", "10.0.0.7"); !errors.As(err, &su) || !strings.Contains(err.Error(), "held by node b") {
+		t.Fatalf("refused static address: %v", err)
+	}
+	for _, tc := range []struct{ ips, want string }{
+		{"10.0.0", "is not an IP address"},
+		{"10.9.0.1", "outside every pool the pod may use"},
+		{"10.0.0.50", "excluded from pool v4"},
+		{"10.0.0.1", "excluded from pool v4"}, // the gateway
+		{"10.0.0.255", "excluded from pool v4"},
+	} {
+		if _, err := static("bad", tc.ips); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("static %q: %v, want %q", tc.ips, err, tc.want)
+		}
+	}
+	if h.s.NumAttachments() != 3 {
+		t.Fatalf("%d attachments, want 3 (s1, other, s3)", h.s.NumAttachments())
+	}
+}

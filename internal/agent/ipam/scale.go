@@ -14,6 +14,9 @@ import (
 // MaxItems); the rest wait for the next round.
 const MaxReleasingBlocks = 1024
 
+// MaxWanted is the most wanted blocks one pool request publishes (the API's MaxItems).
+const MaxWanted = 64
+
 func setOf(a netip.Addr) addr.Set { return addr.SetOfAddrs(a) }
 
 func count(s addr.Set) int {
@@ -116,7 +119,8 @@ func (s *State) Release(now time.Time) ReleasePlan {
 			continue
 		}
 		holding := p.held.Subtract(p.relSet)
-		free := holding.Subtract(p.inUseSet()).Subtract(p.unattributed)
+		// Static addresses pods here ask for are never given back (static.go).
+		free := holding.Subtract(p.inUseSet()).Subtract(p.unattributed).Subtract(s.wanted(name))
 		// Free addresses the pool's current spec no longer covers are given back at once
 		// (they are never handed out); addresses in use drain as their pods go (see PlanDel).
 		// Addresses of unknown owner (the hold after a rebuild) are neither.
@@ -183,7 +187,11 @@ func (s *State) Spec() []PoolRequest {
 		if claimed.NumRanges() > MaxReleasingBlocks {
 			claimed = addr.NewSet(claimed.Ranges()[:MaxReleasingBlocks]...)
 		}
-		out = append(out, PoolRequest{Pool: name, Requested: s.Target(name), Releasing: rel, Claimed: claimed})
+		wanted := s.wanted(name).Subtract(p.held)
+		if wanted.NumRanges() > MaxWanted {
+			wanted = addr.NewSet(wanted.Ranges()[:MaxWanted]...)
+		}
+		out = append(out, PoolRequest{Pool: name, Requested: s.Target(name), Releasing: rel, Claimed: claimed, Wanted: wanted})
 	}
 	return out
 }

@@ -25,7 +25,9 @@ type State struct {
 	pods    []Pod
 	// namespaces are the namespaces the agent knows, for pool choice (choose.go).
 	namespaces map[string]Namespace
-	waiters    map[Key]waiter
+	// refused: wanted addresses the controller refused, per pool, with its reason (static.go).
+	refused map[string]map[netip.Addr]string
+	waiters map[Key]waiter
 	// clock is the latest time any call passed in: Demand counts the addresses still cooling
 	// then, without a time argument of its own.
 	clock time.Time
@@ -96,8 +98,9 @@ func (p *poolState) outside() addr.Set {
 
 // waiter is an ADD waiting for addresses; it counts as demand.
 type waiter struct {
-	uid   string
-	pools []string
+	uid    string
+	pools  []string
+	static []Address // the ADD's static addresses (static.go)
 }
 
 // undo is what AbortAdd restores.
@@ -435,19 +438,20 @@ func sortAddresses(as []Address) {
 func (p *poolState) cooled(t, now time.Time) bool { return !now.Before(t.Add(p.cfg.Cooldown)) }
 
 // next returns the address the pool would hand out at now: the lowest fresh address, else the
-// address freed longest ago if its cooldown has passed.
-func (p *poolState) next(now time.Time) (a netip.Addr, fromCooling bool, ok bool) {
+// address freed longest ago if its cooldown has passed; never one of wanted (static addresses
+// other pods ask for).
+func (p *poolState) next(now time.Time, wanted addr.Set) (a netip.Addr, fromCooling bool, ok bool) {
 	if !p.heldKnown {
 		return netip.Addr{}, false, false
 	}
-	if !p.fresh.IsEmpty() {
-		return p.fresh.Ranges()[0].First, false, true
+	if fresh := p.fresh.Subtract(wanted); !fresh.IsEmpty() {
+		return fresh.Ranges()[0].First, false, true
 	}
 	for _, c := range p.coolq {
 		if !p.cooled(c.FreedAt, now) {
 			break
 		}
-		if p.held.Contains(c.Addr) && p.isUsable(c.Addr) {
+		if p.held.Contains(c.Addr) && p.isUsable(c.Addr) && !wanted.Contains(c.Addr) {
 			return c.Addr, true, true
 		}
 	}

@@ -255,4 +255,6 @@ type PoolRequest struct {
 	Releasing addr.Set
 	// Claimed are addresses the node's attachments use that its status lacks (record.go).
 	Claimed addr.Set
+	// Wanted are static addresses the node's pods ask for that it does not hold (static.go).
+	Wanted addr.Set
 }
