@@ -99,6 +99,14 @@ type IPPoolSpec struct {
 	// +optional
 	NodeSelector *metav1.LabelSelector `json:"nodeSelector,omitempty"`
 
+	// Network names the network the pool's addresses live on, for secondary networks (Multus
+	// NetworkAttachmentDefinitions; like Whereabouts' network_name). Empty is the pod network.
+	// Pools on different networks may share addresses; pools on one network may not. An
+	// attachment draws only from pools of the network its CNI configuration names ("network").
+	// +kubebuilder:validation:MaxLength=63
+	// +kubebuilder:validation:Pattern=`^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$`
+	// +optional
+	Network string `json:"network,omitempty"`
 	// NamespaceSelector picks the namespaces whose pods may draw from this pool. Unset lets every
 	// namespace use it. A pod whose ipwarden.io/pools annotation (or its namespace's) names a pool
 	// its namespace may not use gets a CNI error and no address; a pool that does not admit a

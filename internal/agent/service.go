@@ -591,7 +591,7 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 	unlock := s.keys.lock(key)
 	defer unlock()
 
-	areq := ipam.AddRequest{Key: key, Network: req.Network, Netns: req.Netns, Pools: req.Pools,
+	areq := ipam.AddRequest{Key: key, Network: req.Network, Netns: req.Netns, Pools: req.Pools, PoolNetwork: req.PoolNetwork,
 		Pod: ipam.PodRef{Namespace: req.Pod.Namespace, Name: req.Pod.Name, UID: req.Pod.UID}}
 	s.mu.Lock()
 	readMeta := s.podMeta

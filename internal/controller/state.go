@@ -201,7 +201,7 @@ func (s *State) recomputeOverlaps() {
 	for _, p := range s.pools {
 		p.overlaps = ""
 		if !p.deleted && p.parseErr == nil {
-			in = append(in, PoolAddresses{Name: p.name, Created: p.created, Addresses: p.cfg.Addresses})
+			in = append(in, PoolAddresses{Name: p.name, Network: p.cfg.Network, Created: p.created, Addresses: p.cfg.Addresses})
 		}
 	}
 	for name, older := range Overlaps(in) {

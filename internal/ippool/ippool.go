@@ -38,6 +38,8 @@ type Pool struct {
 	Cooldown time.Duration
 	// NodeSelector is spec.nodeSelector; labels.Everything() when unset.
 	NodeSelector labels.Selector
+	// Network is spec.network: "" for the pod network.
+	Network string
 	// NamespaceSelector is spec.namespaceSelector: the namespaces whose pods may draw from the
 	// pool; labels.Everything() when unset.
 	NamespaceSelector labels.Selector
@@ -125,6 +127,7 @@ func Parse(spec ipwardenv1.IPPoolSpec) (Pool, error) {
 		}
 		p.NodeSelector = sel
 	}
+	p.Network = spec.Network
 	p.NamespaceSelector = labels.Everything()
 	if spec.NamespaceSelector != nil {
 		sel, err := metav1.LabelSelectorAsSelector(spec.NamespaceSelector)

@@ -21,6 +21,9 @@ type AddRequest struct {
 	Pools []string
 	// Meta is what the agent read of the pod and its namespace (choose.go).
 	Meta PodMeta
+	// PoolNetwork is the network the CNI configuration names ("network"; "" for the pod
+	// network): only pools of that network serve the attachment.
+	PoolNetwork string
 }
 
 // ConfigError is a request that names something invalid (CNI code 7). Field is the network
@@ -139,7 +142,11 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 			}
 		}
 	}
-	statics, err := s.staticPicks(req.Meta, pools)
+	meta := req.Meta
+	if req.PoolNetwork != "" {
+		meta.IPAddresses = "" // static addresses are the pod network's
+	}
+	statics, err := s.staticPicks(meta, pools)
 	if err != nil {
 		return Attachment{}, Change{}, err
 	}

@@ -124,7 +124,14 @@ func (p *poolState) admits(meta PodMeta) bool {
 // choosePools resolves the pools an attachment of a pod draws from: the names ChoosePools gives,
 // each a pool that serves the node and admits the pod's namespace, at most one per family; or,
 // when nothing names any, the pools that serve the node and admit the namespace.
-func (s *State) choosePools(meta PodMeta, config []string, namespace string) ([]string, error) {
+//
+// Annotations choose pools of the pod network only: an attachment to a named network (a
+// secondary network) draws from the pools its CNI configuration names, else from the pools of
+// that network that serve the node.
+func (s *State) choosePools(meta PodMeta, config []string, namespace, network string) ([]string, error) {
+	if network != "" {
+		meta.Pools, meta.Namespace.Pools = "", ""
+	}
 	names, src, err := ChoosePools(meta, config)
 	if err != nil {
 		return nil, err
@@ -132,9 +139,14 @@ func (s *State) choosePools(meta PodMeta, config []string, namespace string) ([]
 	if src == SourceNode {
 		var out []string
 		for _, n := range s.served {
-			if s.pools[n].admits(meta) {
+			if p := s.pools[n]; p.cfg.Network == network && p.admits(meta) {
 				out = append(out, n)
 			}
+		}
+		if len(out) == 0 && network != "" {
+			return nil, &PoolChoiceError{Source: SourceNode, Msg: fmt.Sprintf(
+				"no pool of network %q serves node %s and admits namespace %q: give an IPPool spec.network %q, or name pools in the network configuration",
+				network, s.node, namespace, network)}
 		}
 		if len(out) == 0 {
 			if len(s.served) == 0 {
@@ -165,6 +177,10 @@ func (s *State) choosePools(meta PodMeta, config []string, namespace string) ([]
 			}
 			return nil, &PoolChoiceError{Source: src, Msg: fmt.Sprintf("pool %q %s (pools serving this node: %s)", n, what, orNone(s.served))}
 		}
+		if p.cfg.Network != network {
+			return nil, &PoolChoiceError{Source: src, Msg: fmt.Sprintf("pool %q is on network %q, this attachment on network %q (the network configuration's \"network\")",
+				n, p.cfg.Network, network)}
+		}
 		if !p.admits(meta) {
 			return nil, &PoolChoiceError{Source: src, Msg: fmt.Sprintf(
 				"pool %q may not be used by namespace %q: its namespaceSelector %q does not select the namespace", n, namespace, p.cfg.NamespaceSelector)}
@@ -194,5 +210,5 @@ func (s *State) SetNamespaces(ns map[string]Namespace) { s.namespaces = ns }
 
 // ResolvePools returns the pools the ADD req draws from (see choosePools).
 func (s *State) ResolvePools(req AddRequest) ([]string, error) {
-	return s.choosePools(req.Meta, req.Pools, req.Pod.Namespace)
+	return s.choosePools(req.Meta, req.Pools, req.Pod.Namespace, req.PoolNetwork)
 }

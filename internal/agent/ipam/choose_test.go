@@ -269,3 +269,42 @@ func TestStaticAddresses(t *testing.T) {
 		t.Fatalf("%d attachments, want 3 (s1, other, s3)", h.s.NumAttachments())
 	}
 }
+
+// An attachment draws only from pools of the network its configuration names; the pod's
+// annotations choose the pod network's pools only. Two attachments of one pod (eth0 and net1)
+// are independent.
+func TestChoosePoolsByNetwork(t *testing.T) {
+	storage := poolV4
+	storage.Name, storage.Network = "storage", "storage"
+	h := newHarness(t, poolV4, storage)
+	h.hold("v4", "10.0.0.2-10.0.0.5")
+	h.hold("storage", "10.0.0.2-10.0.0.5") // the same addresses, on another network
+	add := func(ifname, network string, config ...string) (Attachment, error) {
+		a, ch, err := h.s.Add(AddRequest{Key: Key{"c1", ifname}, Pod: PodRef{"ns", "p", "u1"}, Pools: config, PoolNetwork: network,
+			Meta: PodMeta{Pools: "v4", NamespaceKnown: true}}, h.now)
+		if err == nil {
+			h.commit(ch)
+			h.s.ConfirmAdd(Key{"c1", ifname})
+		}
+		return a, err
+	}
+	eth0, err := add("eth0", "")
+	if err != nil || len(eth0.Addresses) != 1 || eth0.Addresses[0].Pool != "v4" {
+		t.Fatalf("eth0: %v, %v", eth0, err)
+	}
+	net1, err := add("net1", "storage")
+	if err != nil || len(net1.Addresses) != 1 || net1.Addresses[0].Pool != "storage" || net1.Addresses[0].Addr != eth0.Addresses[0].Addr {
+		t.Fatalf("net1: %v, %v (want storage's lowest, the same address as eth0's on another network)", net1, err)
+	}
+	if _, err := add("net2", "storage", "v4"); err == nil || !strings.Contains(err.Error(), `pool "v4" is on network "", this attachment on network "storage"`) {
+		t.Fatalf("a pod-network pool on a storage attachment: %v", err)
+	}
+	if _, err := add("net3", "nowhere"); err == nil || !strings.Contains(err.Error(), `no pool of network "nowhere"`) {
+		t.Fatalf("a network without pools: %v", err)
+	}
+	plan, _ := h.s.PlanDel(Key{"c1", "net1"}, h.now)
+	h.s.ApplyDel(plan)
+	if a, ok := h.s.Attachment(Key{"c1", "eth0"}); !ok || a.Addresses[0] != eth0.Addresses[0] {
+		t.Fatalf("DEL of net1 touched eth0: %v %v", a, ok)
+	}
+}

@@ -71,7 +71,7 @@ func (s *State) Demand(pool string) int {
 // before the CNI config is known: a pod whose annotations name no pool counts in every pool that
 // serves the node and admits its namespace; one whose choice is refused counts nowhere.
 func (s *State) podWants(pod Pod, pool string) bool {
-	names, err := s.choosePools(s.podMeta(pod), nil, pod.Ref.Namespace)
+	names, err := s.choosePools(s.podMeta(pod), nil, pod.Ref.Namespace, "")
 	return err == nil && slices.Contains(names, pool)
 }
 

@@ -101,7 +101,7 @@ func (s *State) wanted(pool string) addr.Set {
 			continue
 		}
 		meta := s.podMeta(pod)
-		names, err := s.choosePools(meta, nil, pod.Ref.Namespace)
+		names, err := s.choosePools(meta, nil, pod.Ref.Namespace, "")
 		if err != nil || !slices.Contains(names, pool) {
 			continue
 		}

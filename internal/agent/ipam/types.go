@@ -99,6 +99,9 @@ type Pool struct {
 	// NamespaceSelector is spec.namespaceSelector in label selector syntax ("" admits every
 	// namespace), so an agent serving from its journal enforces it too.
 	NamespaceSelector string `json:"namespaceSelector,omitempty"`
+	// Network is spec.network ("" for the pod network): an attachment draws only from pools
+	// of the network its CNI configuration names.
+	Network string `json:"network,omitempty"`
 	// Served records that the pool selected the node when the agent last heard from the API
 	// server, so an agent restarted while the API server is away serves ADD from the same pools.
 	Served bool `json:"served,omitempty"`
@@ -118,6 +121,7 @@ func PoolOf(name string, spec ippool.Pool, exhausted bool) Pool {
 		Exhausted: exhausted,
 		// An unset selector is labels.Everything(), whose String() is "".
 		NamespaceSelector: spec.NamespaceSelector.String(),
+		Network:           spec.Network,
 	}
 }
 
