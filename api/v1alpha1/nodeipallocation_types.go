@@ -82,6 +82,13 @@ type NodePoolStatus struct {
 	// +listType=atomic
 	// +optional
 	Refused []RefusedAddress `json:"refused,omitempty"`
+	// WantedElsewhere lists addresses the node holds that a pod on another node asks for by
+	// name (spec.pools[].wanted there). The agent gives back those no attachment uses (it lists
+	// them in releasing), so the controller can move them; those in use stay.
+	// +kubebuilder:validation:MaxItems=64
+	// +listType=atomic
+	// +optional
+	WantedElsewhere []AddressBlock `json:"wantedElsewhere,omitempty"`
 }
 
 // RefusedAddress is a wanted address the controller cannot move to the node.

@@ -230,7 +230,17 @@ func (k *Kube) Push(ctx context.Context) ([]ipam.Pod, error) {
 		rec.UID, rec.Generation = string(nipa.UID), nipa.Generation
 		holdings := map[string]addr.Set{}
 		refused := map[string]map[netip.Addr]string{}
+		elsewhere := map[string]addr.Set{}
 		for _, ps := range nipa.Status.Pools {
+			if len(ps.WantedElsewhere) > 0 {
+				blocks := make([]string, len(ps.WantedElsewhere))
+				for i, b := range ps.WantedElsewhere {
+					blocks[i] = string(b)
+				}
+				if set, err := addr.ParseSet(blocks); err == nil {
+					elsewhere[ps.Pool] = set
+				}
+			}
 			for _, r := range ps.Refused {
 				if a, err := netip.ParseAddr(string(r.Address)); err == nil {
 					if refused[ps.Pool] == nil {
@@ -248,6 +258,7 @@ func (k *Kube) Push(ctx context.Context) ([]ipam.Pod, error) {
 			holdings[ps.Pool] = s
 		}
 		k.svc.SetRefused(refused)
+		k.svc.SetWantedElsewhere(elsewhere)
 		k.svc.SetHoldings(holdings, rec)
 	} else if apierrors.IsNotFound(err) {
 		k.svc.SetRecordMissing(true)

@@ -312,6 +312,15 @@ func (s *Service) SetRefused(refused map[string]map[netip.Addr]string) {
 	s.mu.Unlock()
 }
 
+// SetWantedElsewhere hands the service the held addresses other nodes' pods ask for by name;
+// the pool monitor gives back those no attachment uses.
+func (s *Service) SetWantedElsewhere(m map[string]addr.Set) {
+	s.mu.Lock()
+	s.st.SetWantedElsewhere(m)
+	s.mu.Unlock()
+	s.kick()
+}
+
 // SetPodMeta sets how an ADD reads its pod's annotations and namespace (Kube.PodMeta).
 func (s *Service) SetPodMeta(f func(ctx context.Context, namespace, name, uid string) (ipam.PodMeta, error)) {
 	s.mu.Lock()

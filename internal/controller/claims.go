@@ -88,6 +88,9 @@ func (s *State) SetWanted(name string, spec ipwardenv1.NodeIPAllocationSpec) {
 type Refusal struct {
 	Addr   netip.Addr
 	Reason string
+	// Holder is the node that holds the address, when that is the reason: it is asked to give
+	// it back if no pod there uses it (status.pools[].wantedElsewhere).
+	Holder string
 }
 
 // wantedByOthers is every address of pool that a node other than name wants.
@@ -113,26 +116,26 @@ func (s *State) grantWanted(name, pool string, held addr.Set) (granted addr.Set,
 		return addr.Set{}, nil
 	}
 	p := s.pool(pool)
-	refuse := func(set addr.Set, reason string) {
+	refuse := func(set addr.Set, reason, holder string) {
 		for _, a := range set.Addrs(64) {
-			refused = append(refused, Refusal{Addr: a, Reason: reason})
+			refused = append(refused, Refusal{Addr: a, Reason: reason, Holder: holder})
 		}
 		want = want.Subtract(set)
 	}
 	if !p.serving() {
-		refuse(want, notServingReason(p, pool))
+		refuse(want, notServingReason(p, pool), "")
 		return addr.Set{}, refused
 	}
 	taken := s.holdersOf(pool, want, name)
 	for _, holder := range sortedKeys(taken) {
-		refuse(taken[holder], "held by node "+holder)
+		refuse(taken[holder], "held by node "+holder, holder)
 	}
 	for _, other := range sortedKeys(p.claims) {
 		if other != name {
-			refuse(want.Intersect(p.claims[other]), "used by a pod on node "+other)
+			refuse(want.Intersect(p.claims[other]), "used by a pod on node "+other, "")
 		}
 	}
-	refuse(want.Subtract(p.cfg.Addresses), "pool "+pool+" does not hand it out (outside its cidrs, excluded, a network, broadcast or gateway address)")
+	refuse(want.Subtract(p.cfg.Addresses), "pool "+pool+" does not hand it out (outside its cidrs, excluded, a network, broadcast or gateway address)", "")
 	free := want.Subtract(p.alloc.Allocated())
 	if !free.IsEmpty() && p.alloc.Reserve(free) == nil {
 		granted = free
@@ -235,6 +238,16 @@ func (s *State) Conflicts() []ClaimConflict {
 		}
 	}
 	return out
+}
+
+// Wanters lists the nodes whose pods ask for addresses of pool by name (to sync when a holder
+// gives one back).
+func (s *State) Wanters(pool string) []string {
+	p, ok := s.pools[pool]
+	if !ok {
+		return nil
+	}
+	return sortedKeys(p.wanted)
 }
 
 // Claimants lists the nodes that claim addresses of pool (to sync when the pool changes).

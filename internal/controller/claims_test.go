@@ -191,6 +191,23 @@ func TestWanted(t *testing.T) {
 		})
 	}
 
+	// The holder's status asks it to give the address back; the refusal names the holder.
+	{
+		s := NewState(DefaultExhaustionMarks)
+		s.Rebuild([]ipwardenv1.IPPool{testPool("p", "10.0.0.0/28", time.Minute)}, []ipwardenv1.NodeIPAllocation{allocWith("b", "p", "10.0.0.8-10.0.0.9")}, t0)
+		f := s.PlanFill("a", wantSpec("p", 0, "10.0.0.9"), t0)
+		if r := f.Pools["p"].Refused; len(r) != 1 || r[0].Holder != "b" {
+			t.Fatalf("refused %+v, want one naming holder b", r)
+		}
+		s.Abort(f, true)
+		fb := s.PlanFill("b", spec("p", 2), t0)
+		st := NodeStatus(ipwardenv1.NodeIPAllocationStatus{}, spec("p", 2), 1, fb)
+		if !fb.Pools["p"].WantedElsewhere.Equal(set(t, "10.0.0.9")) || len(st.Pools) != 1 || len(st.Pools[0].WantedElsewhere) != 1 {
+			t.Fatalf("b's fill %+v, status %+v: want 10.0.0.9 wanted elsewhere", fb.Pools["p"], st.Pools)
+		}
+		s.Abort(fb, true)
+	}
+
 	// Another node asking for addresses is never filled with the one a wants.
 	s := NewState(DefaultExhaustionMarks)
 	s.Rebuild([]ipwardenv1.IPPool{testPool("p", "10.0.0.0/28", time.Minute)}, nil, t0)

@@ -776,9 +776,15 @@ func (c *Controller) afterFill(alloc *ipwardenv1.NodeIPAllocation, f *Fill) {
 			c.refillPool(pool)
 			c.mu.Lock()
 			claimants := c.state.Claimants(pool)
+			wanters := c.state.Wanters(pool)
 			c.mu.Unlock()
 			for _, n := range claimants {
 				c.enqueue(n)
+			}
+			for _, n := range wanters {
+				if n != alloc.Name {
+					c.enqueue(n) // a static address it wants may be free now
+				}
 			}
 		}
 	}
@@ -787,6 +793,13 @@ func (c *Controller) afterFill(alloc *ipwardenv1.NodeIPAllocation, f *Fill) {
 			c.metrics.ClaimsGranted.WithLabelValues(pool).Add(float64(n))
 			c.log.Info("granted claimed addresses back: the node's pods use them but its status had lost them",
 				"node", alloc.Name, "pool", pool, "addresses", pf.Granted.String())
+		}
+	}
+	for _, pool := range sortedKeys(f.Pools) {
+		for _, r := range f.Pools[pool].Refused {
+			if r.Holder != "" {
+				c.enqueue(r.Holder) // its status asks it to give the address back if unused
+			}
 		}
 	}
 	c.reportConflicts(alloc, f)

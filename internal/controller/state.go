@@ -290,6 +290,8 @@ type PoolFill struct {
 	Detail string
 	// Refused are wanted addresses the controller cannot move to the node, with the reason.
 	Refused []Refusal
+	// WantedElsewhere are addresses the node holds that another node's pod asks for by name.
+	WantedElsewhere addr.Set
 }
 
 // Changed says whether the fill changes any holding.
@@ -380,12 +382,12 @@ func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now 
 		f.Conflicts = append(f.Conflicts, conflicts...)
 		f.Conflicts = append(f.Conflicts, s.heldConflicts(name, pool, v.Held)...)
 		moved, refused := s.grantWanted(name, pool, v.Held.Union(granted))
-		granted = granted.Union(moved)
-		held := v.Held.Union(granted)
+		held := v.Held.Union(granted).Union(moved)
 		v.Held = held
 		v.Serving = p.serving() && p.cfg.NodeSelector.Matches(n.labels)
 		plan := Plan(v)
-		pf := &PoolFill{Plan: plan, Added: granted, Granted: granted, Removed: plan.Remove, Held: held.Subtract(plan.Remove), Refused: refused}
+		pf := &PoolFill{Plan: plan, Added: granted.Union(moved), Granted: granted, Removed: plan.Remove, Held: held.Subtract(plan.Remove), Refused: refused}
+		pf.WantedElsewhere = p.wantedByOthers(name).Intersect(pf.Held)
 		if plan.Add > 0 && settling {
 			pf.Reason = "the controller is settling after it started leading: claims are served before fills"
 			plan.Add = 0
@@ -585,7 +587,7 @@ func NodeStatus(prev ipwardenv1.NodeIPAllocationStatus, spec ipwardenv1.NodeIPAl
 		if pf.Reason != "" {
 			reasons = append(reasons, pf.Reason)
 		}
-		if pf.Held.IsEmpty() && len(pf.Refused) == 0 {
+		if pf.Held.IsEmpty() && len(pf.Refused) == 0 && pf.WantedElsewhere.IsEmpty() {
 			continue
 		}
 		h := int32(count(pf.Held))
@@ -595,6 +597,12 @@ func NodeStatus(prev ipwardenv1.NodeIPAllocationStatus, spec ipwardenv1.NodeIPAl
 				break
 			}
 			ps.Refused = append(ps.Refused, ipwardenv1.RefusedAddress{Address: ipwardenv1.IPAddress(r.Addr.String()), Reason: r.Reason})
+		}
+		for i, b := range pf.WantedElsewhere.Strings() {
+			if i == 64 { // the API's MaxItems
+				break
+			}
+			ps.WantedElsewhere = append(ps.WantedElsewhere, ipwardenv1.AddressBlock(b))
 		}
 		st.Pools = append(st.Pools, ps)
 		st.Held += h

@@ -65,15 +65,30 @@ func TestStaticAddress(t *testing.T) {
 	if e == nil || e.Code != 11 || !strings.Contains(e.Msg, "in use by pod default/static-1") {
 		t.Fatalf("ADD of a static address in use on the node: %+v", e)
 	}
-	// A spare static-b holds (its lowest address) is never taken from it.
+	// A spare static-b holds (its lowest address, used by no pod) is not taken from it: the
+	// first ADD is refused, static-b's agent gives the address back, and a retry gets it.
 	spare := held(t, "static-b", "st").Ranges()[0].First
 	p4 := createAnnotatedPod(t, "default", "static-4", "static-a", ann(spare.String()))
 	_, e = cni(t, "ADD", confA, "st-4", podArgs(p4.Namespace, p4.Name, string(p4.UID)))
 	if e == nil || e.Code != 11 || !strings.Contains(e.Msg, "held by node static-b") {
 		t.Fatalf("ADD of an address another node holds: %+v", e)
 	}
-	if !held(t, "static-b", "st").Contains(spare) {
-		t.Fatalf("static-b lost %s", spare)
+	eventually(t, 30*time.Second, "the spare to move to static-a for the pod that names it", func() error {
+		r, e := cni(t, "ADD", confA, "st-4", podArgs(p4.Namespace, p4.Name, string(p4.UID)))
+		if e != nil {
+			return fmt.Errorf("%s", e.Msg)
+		}
+		if got := r.IPs[0].Address; got != spare.String()+"/24" {
+			t.Fatalf("static pod got %s, want %s", got, spare)
+		}
+		return nil
+	})
+	if held(t, "static-b", "st").Contains(spare) {
+		t.Fatalf("static-b still holds %s", spare)
+	}
+	// The address in use on static-a that static-2 (on static-b) asks for stays on static-a.
+	if !held(t, "static-a", "st").Contains(netip.MustParseAddr("10.151.0.200")) {
+		t.Fatalf("static-a gave away the address its pod uses")
 	}
 	for _, tc := range []struct{ ips, want string }{
 		{"10.151.0", "is not an IP address"},
@@ -86,14 +101,18 @@ func TestStaticAddress(t *testing.T) {
 			t.Errorf("ADD with ip-addresses %q: %+v, want code 7 with %q", tc.ips, e, tc.want)
 		}
 	}
-	if got := agA.attachmentIDs(t); len(got) != 1 || got[0] != "st-1" {
-		t.Fatalf("static-a attachments %v, want only st-1", got)
+	if got := agA.attachmentIDs(t); len(got) != 2 || got[0] != "st-1" || got[1] != "st-4" {
+		t.Fatalf("static-a attachments %v, want st-1 and st-4", got)
 	}
 	if got := agB.attachmentIDs(t); len(got) != 0 {
 		t.Fatalf("static-b attachments %v, want none", got)
 	}
 
-	// The pod goes (DEL, then deleted); a new pod on the same node asking for the address gets it.
+	// The pod goes (DEL, then deleted); a new pod on the same node asking for the address gets it
+	// (static-2, which asked for it from static-b, is gone first).
+	if err := k8s.Delete(context.Background(), p2, client.GracePeriodSeconds(0)); err != nil {
+		t.Fatal(err)
+	}
 	if _, e := cni(t, "DEL", confA, "st-1", podArgs(p1.Namespace, p1.Name, string(p1.UID))); e != nil {
 		t.Fatal(e)
 	}

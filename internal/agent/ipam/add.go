@@ -181,7 +181,7 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 			picks[i] = Address{Pool: name, Addr: a}
 			continue
 		}
-		a, _, ok := s.pools[name].next(now, s.wanted(name))
+		a, _, ok := s.pools[name].next(now, s.reserved(name))
 		if !ok || s.recordMissing {
 			short = append(short, name)
 			continue

@@ -2,6 +2,8 @@ package ipam
 
 import (
 	"errors"
+
+	"github.com/ipwarden/ipwarden/internal/addr"
 	"net/netip"
 	"slices"
 	"strings"
@@ -264,6 +266,19 @@ func TestStaticAddresses(t *testing.T) {
 		if _, err := static("bad", tc.ips); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("static %q: %v, want %q", tc.ips, err, tc.want)
 		}
+	}
+	// Wanted elsewhere: a free one is given back whatever the target and never handed out; one
+	// in use stays.
+	h.s.SetWantedElsewhere(map[string]addr.Set{"v4": set(t, "10.0.0.2-10.0.0.4")})
+	rel := h.s.Release(h.now)
+	if !rel.Marked["v4"].Equal(set(t, "10.0.0.3")) {
+		t.Fatalf("released %v: want the free 10.0.0.3, never 10.0.0.2 and 10.0.0.4 (in use)", rel.Marked["v4"])
+	}
+	if _, err := h.add("more", "v4"); err == nil {
+		if a, _ := h.s.Attachment(key("more")); set(t, "10.0.0.2-10.0.0.4").Contains(a.Addresses[0].Addr) {
+			t.Fatalf("handed out %v, wanted elsewhere", a.Addresses)
+		}
+		h.del("more")
 	}
 	if h.s.NumAttachments() != 3 {
 		t.Fatalf("%d attachments, want 3 (s1, other, s3)", h.s.NumAttachments())

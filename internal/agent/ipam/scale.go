@@ -132,6 +132,9 @@ func (s *State) Release(now time.Time) ReleasePlan {
 		if excess := count(holding) - s.Target(name); excess > 0 {
 			rel = rel.Union(scaling.ChooseRelease(holding, free, excess))
 		}
+		// Free addresses a pod on another node asks for by name go back, whatever the target,
+		// so the controller can move them there (static.go); addresses in use stay.
+		rel = rel.Union(free.Intersect(s.elsewhere[name]))
 		if rel.IsEmpty() {
 			continue
 		}

@@ -27,7 +27,9 @@ type State struct {
 	namespaces map[string]Namespace
 	// refused: wanted addresses the controller refused, per pool, with its reason (static.go).
 	refused map[string]map[netip.Addr]string
-	waiters map[Key]waiter
+	// elsewhere: held addresses a pod on another node asks for by name, per pool (static.go).
+	elsewhere map[string]addr.Set
+	waiters   map[Key]waiter
 	// clock is the latest time any call passed in: Demand counts the addresses still cooling
 	// then, without a time argument of its own.
 	clock time.Time

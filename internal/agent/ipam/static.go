@@ -121,6 +121,15 @@ func (s *State) wanted(pool string) addr.Set {
 	return addr.SetOfAddrs(as...)
 }
 
+// SetWantedElsewhere records the held addresses that pods on other nodes ask for by name
+// (status.pools[].wantedElsewhere): they are never handed out here, and Release gives back
+// those no attachment uses.
+func (s *State) SetWantedElsewhere(m map[string]addr.Set) { s.elsewhere = m }
+
+// reserved is what pool must not hand out to an ordinary ADD: static addresses wanted here or
+// elsewhere.
+func (s *State) reserved(pool string) addr.Set { return s.wanted(pool).Union(s.elsewhere[pool]) }
+
 // SetRefused records the wanted addresses the controller refused, per pool, with its reasons
 // (status.pools[].refused).
 func (s *State) SetRefused(refused map[string]map[netip.Addr]string) { s.refused = refused }
