@@ -107,6 +107,11 @@ type IPPoolSpec struct {
 	// +kubebuilder:validation:Pattern=`^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$`
 	// +optional
 	Network string `json:"network,omitempty"`
+	// Sticky keeps each StatefulSet pod's address with its identity (namespace, StatefulSet,
+	// ordinal) across restarts and moves to other nodes; a StatefulSet can opt in by itself with
+	// the ipwarden.io/sticky: "true" annotation in its pod template.
+	// +optional
+	Sticky bool `json:"sticky,omitempty"`
 	// NamespaceSelector picks the namespaces whose pods may draw from this pool. Unset lets every
 	// namespace use it. A pod whose ipwarden.io/pools annotation (or its namespace's) names a pool
 	// its namespace may not use gets a CNI error and no address; a pool that does not admit a
@@ -172,11 +177,32 @@ type IPPoolStatus struct {
 	// +listType=atomic
 	// +optional
 	Cooling []CoolingBlock `json:"cooling,omitempty"`
+	// Sticky lists the addresses reserved for StatefulSet pod identities: no other pod gets
+	// one, and it follows its identity to another node once the old pod's sandbox is gone.
+	// +kubebuilder:validation:MaxItems=4096
+	// +listType=atomic
+	// +optional
+	Sticky []StickyAddress `json:"sticky,omitempty"`
 	// Conditions: Ready, Exhausted, Invalid.
 	// +listType=map
 	// +listMapKey=type
 	// +optional
 	Conditions []metav1.Condition `json:"conditions,omitempty"`
+}
+
+// StickyAddress is an address reserved for a StatefulSet pod identity.
+type StickyAddress struct {
+	// +required
+	Address IPAddress `json:"address"`
+	// +kubebuilder:validation:MaxLength=63
+	// +required
+	Namespace string `json:"namespace"`
+	// +kubebuilder:validation:MaxLength=253
+	// +required
+	StatefulSet string `json:"statefulSet"`
+	// +kubebuilder:validation:Minimum=0
+	// +required
+	Ordinal int32 `json:"ordinal"`
 }
 
 // IPPool is a range of addresses pods draw from. It is cluster-scoped and of one address family.

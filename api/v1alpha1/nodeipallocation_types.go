@@ -46,6 +46,12 @@ type NodePoolRequest struct {
 	// +listType=atomic
 	// +optional
 	Wanted []AddressBlock `json:"wanted,omitempty"`
+	// Sticky lists addresses the node's sticky StatefulSet pods use that the pool's
+	// status.sticky does not list yet; the controller records them there.
+	// +kubebuilder:validation:MaxItems=256
+	// +listType=atomic
+	// +optional
+	Sticky []StickyAddress `json:"sticky,omitempty"`
 }
 
 // NodeIPAllocationSpec is written only by the node's agent.

@@ -26,6 +26,7 @@ import (
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
 	"github.com/ipwarden/ipwarden/internal/ippool"
 	"github.com/ipwarden/ipwarden/internal/podinfo"
+	"github.com/ipwarden/ipwarden/internal/sticky"
 )
 
 // fieldOwner names the agent in managed fields.
@@ -198,8 +199,19 @@ func (k *Kube) Push(ctx context.Context) ([]ipam.Pod, error) {
 	}
 	var pools []ipam.Pool
 	var served []string
+	reservations := map[string]map[sticky.Identity]netip.Addr{}
 	for i := range poolList.Items {
 		p := &poolList.Items[i]
+		for _, e := range p.Status.Sticky {
+			a, err := netip.ParseAddr(string(e.Address))
+			if err != nil {
+				continue
+			}
+			if reservations[p.Name] == nil {
+				reservations[p.Name] = map[sticky.Identity]netip.Addr{}
+			}
+			reservations[p.Name][sticky.Identity{Namespace: e.Namespace, StatefulSet: e.StatefulSet, Ordinal: int(e.Ordinal)}] = a
+		}
 		spec, err := ippool.Parse(p.Spec)
 		if err != nil {
 			k.log.Error(err, "ignoring an IPPool the agent cannot read", "pool", p.Name)
@@ -211,6 +223,7 @@ func (k *Kube) Push(ctx context.Context) ([]ipam.Pod, error) {
 		}
 	}
 	k.svc.SetPools(pools, served)
+	k.svc.SetSticky(reservations)
 
 	var nipa ipwardenv1.NodeIPAllocation
 	err := k.cache.Get(ctx, client.ObjectKey{Name: k.node}, &nipa)
@@ -451,6 +464,13 @@ func specPools(reqs []ipam.PoolRequest) []ipwardenv1.NodePoolRequest {
 		for _, s := range r.Wanted.Strings() {
 			pr.Wanted = append(pr.Wanted, ipwardenv1.AddressBlock(s))
 		}
+		for i, u := range r.Sticky {
+			if i == 256 { // the API's MaxItems
+				break
+			}
+			pr.Sticky = append(pr.Sticky, ipwardenv1.StickyAddress{Address: ipwardenv1.IPAddress(u.Addr.String()),
+				Namespace: u.Identity.Namespace, StatefulSet: u.Identity.StatefulSet, Ordinal: int32(u.Identity.Ordinal)})
+		}
 		out = append(out, pr)
 	}
 	return out
@@ -458,7 +478,7 @@ func specPools(reqs []ipam.PoolRequest) []ipwardenv1.NodePoolRequest {
 
 func poolsEqual(a, b []ipwardenv1.NodePoolRequest) bool {
 	return slices.EqualFunc(a, b, func(x, y ipwardenv1.NodePoolRequest) bool {
-		return x.Pool == y.Pool && x.Requested == y.Requested && slices.Equal(x.Releasing, y.Releasing) && slices.Equal(x.Claimed, y.Claimed) && slices.Equal(x.Wanted, y.Wanted)
+		return x.Pool == y.Pool && x.Requested == y.Requested && slices.Equal(x.Releasing, y.Releasing) && slices.Equal(x.Claimed, y.Claimed) && slices.Equal(x.Wanted, y.Wanted) && slices.Equal(x.Sticky, y.Sticky)
 	})
 }
 
@@ -483,7 +503,17 @@ func PodFromAPI(p *corev1.Pod) ipam.Pod {
 		Deleting:    v.Deleting,
 		Pools:       v.Pools,
 		IPAddresses: v.IPAddresses,
+		Identity:    identityOf(v),
+		Sticky:      v.Sticky,
 	}
+}
+
+// identityOf is the pod's StatefulSet identity (StatefulSet "" when none).
+func identityOf(v podinfo.Pod) sticky.Identity {
+	if v.StatefulSet == "" || v.Ordinal < 0 {
+		return sticky.Identity{Ordinal: -1}
+	}
+	return sticky.Identity{Namespace: v.Namespace, StatefulSet: v.StatefulSet, Ordinal: v.Ordinal}
 }
 
 // NamespaceFromAPI converts a namespace's metadata for pool choice.
@@ -502,13 +532,16 @@ func (k *Kube) PodMeta(ctx context.Context, namespace, name, uid string) (ipam.P
 	if err == nil && (uid == "" || string(pod.UID) == uid) {
 		v := podinfo.Of(&pod)
 		meta.Pools, meta.IPAddresses = v.Pools, v.IPAddresses
+		meta.Identity, meta.Sticky = identityOf(v), v.Sticky
 	} else {
 		m := &metav1.PartialObjectMetadata{}
 		m.SetGroupVersionKind(corev1.SchemeGroupVersion.WithKind("Pod"))
 		err := k.api.Get(ctx, client.ObjectKey{Namespace: namespace, Name: name}, m)
 		switch {
 		case err == nil:
-			meta.Pools, meta.IPAddresses = m.Annotations[podinfo.AnnotationPools], m.Annotations[podinfo.AnnotationIPAddresses]
+			v := podinfo.Of(&corev1.Pod{ObjectMeta: m.ObjectMeta})
+			meta.Pools, meta.IPAddresses = v.Pools, v.IPAddresses
+			meta.Identity, meta.Sticky = identityOf(v), v.Sticky
 		case podNotFound(err, name):
 		default:
 			return meta, fmt.Errorf("read pod %s/%s: %w", namespace, name, err)

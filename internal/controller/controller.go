@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -21,6 +22,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
+	"github.com/ipwarden/ipwarden/internal/sticky"
 )
 
 // Options tune the controller. Zero values take the defaults in brackets.
@@ -159,6 +161,10 @@ func (c *Controller) Start(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("NodeIPAllocation informer: %w", err)
 	}
+	stsInf, err := c.cache.GetInformer(ctx, &appsv1.StatefulSet{})
+	if err != nil {
+		return fmt.Errorf("StatefulSet informer: %w", err)
+	}
 	if !c.cache.WaitForCacheSync(ctx) {
 		return errors.New("caches did not sync")
 	}
@@ -200,6 +206,14 @@ func (c *Controller) Start(ctx context.Context) error {
 			}
 		},
 		DeleteFunc: func(obj any) { c.poolEvent(obj, true) },
+	}); err != nil {
+		return err
+	}
+
+	if _, err := stsInf.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
+		AddFunc:    func(obj any) { c.statefulSetEvent(obj, false) },
+		UpdateFunc: func(_, obj any) { c.statefulSetEvent(obj, false) },
+		DeleteFunc: func(obj any) { c.statefulSetEvent(obj, true) },
 	}); err != nil {
 		return err
 	}
@@ -335,6 +349,29 @@ func (c *Controller) poolEvent(obj any, deleted bool) {
 }
 
 // enqueue marks a node dirty with its current need.
+// statefulSetEvent returns the sticky addresses of a StatefulSet's identities that its PVC
+// retention policy no longer keeps (scaled below the ordinal, or deleted).
+func (c *Controller) statefulSetEvent(obj any, deleted bool) {
+	if t, ok := obj.(toolscache.DeletedFinalStateUnknown); ok {
+		obj, deleted = t.Obj, true
+	}
+	s, ok := obj.(*appsv1.StatefulSet)
+	if !ok {
+		return
+	}
+	view := sticky.Of(s)
+	if deleted {
+		view.Exists = false
+	}
+	c.mu.Lock()
+	changed := c.state.ReturnSticky(s.Namespace, s.Name, view)
+	c.mu.Unlock()
+	if changed {
+		c.log.Info("returned sticky addresses to their pools", "statefulSet", s.Namespace+"/"+s.Name, "deleted", deleted)
+		c.wakePools()
+	}
+}
+
 func (c *Controller) enqueue(name string) {
 	var need Need
 	alloc := &ipwardenv1.NodeIPAllocation{}

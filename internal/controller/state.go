@@ -2,6 +2,7 @@ package controller
 
 import (
 	"fmt"
+	"net/netip"
 	"slices"
 	"sort"
 	"time"
@@ -13,6 +14,7 @@ import (
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/addr"
 	"github.com/ipwarden/ipwarden/internal/ippool"
+	"github.com/ipwarden/ipwarden/internal/sticky"
 )
 
 // State is the controller's in-memory record of pools and what each node holds. It does no IO:
@@ -37,13 +39,14 @@ type poolState struct {
 	deleted   bool   // IPPool object is gone; kept while nodes hold its addresses
 	alloc     *addr.Allocator
 	exhausted bool
-	starved   bool                // a fill fell short since the last status flush
-	cooling   []coolRecord        // persisted in status.cooling: written before nodes drop the addresses
-	holders   map[string]int      // node -> addresses held
-	waiting   map[string]bool     // nodes left short because the pool ran out
-	dirty     bool                // status needs a write
-	claims    map[string]addr.Set // node -> addresses it claims (spec.pools[].claimed), only nodes with claims
-	wanted    map[string]addr.Set // node -> addresses its pods ask for by name (spec.pools[].wanted)
+	starved   bool                           // a fill fell short since the last status flush
+	cooling   []coolRecord                   // persisted in status.cooling: written before nodes drop the addresses
+	holders   map[string]int                 // node -> addresses held
+	waiting   map[string]bool                // nodes left short because the pool ran out
+	dirty     bool                           // status needs a write
+	claims    map[string]addr.Set            // node -> addresses it claims (spec.pools[].claimed), only nodes with claims
+	wanted    map[string]addr.Set            // node -> addresses its pods ask for by name (spec.pools[].wanted)
+	sticky    map[sticky.Identity]netip.Addr // status.sticky: reserved for StatefulSet pod identities (sticky.go)
 }
 
 func (p *poolState) serving() bool { return !p.deleted && p.parseErr == nil && p.overlaps == "" }
@@ -84,6 +87,7 @@ func (s *State) Rebuild(pools []ipwardenv1.IPPool, allocs []ipwardenv1.NodeIPAll
 		ns := s.node(a.Name)
 		s.SetClaims(a.Name, a.Spec)
 		s.SetWanted(a.Name, a.Spec)
+		defer s.recordSticky(a.Name, a.Spec) // once every holding is loaded
 		for _, ps := range a.Status.Pools {
 			held, err := addr.ParseSet(ps.Addresses)
 			if err != nil || held.IsEmpty() {
@@ -102,6 +106,7 @@ func (s *State) Rebuild(pools []ipwardenv1.IPPool, allocs []ipwardenv1.NodeIPAll
 	}
 	for i := range pools {
 		p := s.pools[pools[i].Name]
+		p.restoreSticky(pools[i].Status.Sticky)
 		blocks := append([]ipwardenv1.CoolingBlock(nil), pools[i].Status.Cooling...)
 		sort.SliceStable(blocks, func(a, b int) bool { return blocks[a].Until.Before(&blocks[b].Until) })
 		for _, b := range blocks {
@@ -351,6 +356,7 @@ func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now 
 	n := s.node(name)
 	s.SetClaims(name, spec)
 	s.SetWanted(name, spec)
+	s.recordSticky(name, spec)
 	f := &Fill{Node: name, Pools: map[string]*PoolFill{}}
 	views := map[string]PoolView{}
 	for pool, held := range n.held {
@@ -680,6 +686,7 @@ func (s *State) PoolStatus(name string, prev ipwardenv1.IPPoolStatus, generation
 		}
 		st.Cooling = append(st.Cooling, ipwardenv1.CoolingBlock{Addresses: c.addrs.Strings(), Until: metav1.NewTime(until)})
 	}
+	st.Sticky = p.stickyStatus()
 	conflicts := p.alloc.Conflicts()
 	for _, c := range PoolConditions(p.parseErr, p.overlaps, p.exhausted, free.Int64Sat(), count(conflicts), generation) {
 		meta.SetStatusCondition(&st.Conditions, c)

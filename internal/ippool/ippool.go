@@ -40,6 +40,8 @@ type Pool struct {
 	NodeSelector labels.Selector
 	// Network is spec.network: "" for the pod network.
 	Network string
+	// Sticky is spec.sticky: StatefulSet pods keep their addresses.
+	Sticky bool
 	// NamespaceSelector is spec.namespaceSelector: the namespaces whose pods may draw from the
 	// pool; labels.Everything() when unset.
 	NamespaceSelector labels.Selector
@@ -128,6 +130,7 @@ func Parse(spec ipwardenv1.IPPoolSpec) (Pool, error) {
 		p.NodeSelector = sel
 	}
 	p.Network = spec.Network
+	p.Sticky = spec.Sticky
 	p.NamespaceSelector = labels.Everything()
 	if spec.NamespaceSelector != nil {
 		sel, err := metav1.LabelSelectorAsSelector(spec.NamespaceSelector)

@@ -150,6 +150,19 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 	if err != nil {
 		return Attachment{}, Change{}, err
 	}
+	if req.PoolNetwork == "" {
+		for _, name := range pools {
+			if _, ok := statics[name]; ok {
+				continue
+			}
+			if a, ok := s.stickyFor(meta, name); ok {
+				if statics == nil {
+					statics = map[string]netip.Addr{}
+				}
+				statics[name] = a
+			}
+		}
+	}
 	picks := make([]Address, len(pools))
 	adopted := make([]bool, len(pools))
 	var short []string

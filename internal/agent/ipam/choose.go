@@ -7,6 +7,8 @@ import (
 
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/util/validation"
+
+	"github.com/ipwarden/ipwarden/internal/sticky"
 )
 
 // Pool choice (docs/design.md, "Choosing pools and addresses"): a pod's ipwarden.io/pools
@@ -41,6 +43,10 @@ type PodMeta struct {
 	// it (then only pools without a namespaceSelector admit the pod).
 	Namespace      Namespace
 	NamespaceKnown bool
+	// Identity is the pod's StatefulSet identity (StatefulSet "" when none); Sticky its
+	// ipwarden.io/sticky opt-in.
+	Identity sticky.Identity
+	Sticky   bool
 }
 
 // PoolChoiceError is a pod's choice of pools that the agent refuses (CNI code 7): a malformed
@@ -201,7 +207,7 @@ func (s *State) choosePools(meta PodMeta, config []string, namespace, network st
 // podMeta is what the state knows of a pod bound to the node and its namespace, for demand.
 func (s *State) podMeta(pod Pod) PodMeta {
 	ns, ok := s.namespaces[pod.Ref.Namespace]
-	return PodMeta{Pools: pod.Pools, IPAddresses: pod.IPAddresses, Namespace: ns, NamespaceKnown: ok}
+	return PodMeta{Pools: pod.Pools, IPAddresses: pod.IPAddresses, Namespace: ns, NamespaceKnown: ok, Identity: pod.Identity, Sticky: pod.Sticky}
 }
 
 // SetNamespaces records the namespaces the agent knows (labels and pool annotations), for pool

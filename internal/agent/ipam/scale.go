@@ -194,7 +194,8 @@ func (s *State) Spec() []PoolRequest {
 		if wanted.NumRanges() > MaxWanted {
 			wanted = addr.NewSet(wanted.Ranges()[:MaxWanted]...)
 		}
-		out = append(out, PoolRequest{Pool: name, Requested: s.Target(name), Releasing: rel, Claimed: claimed, Wanted: wanted})
+		out = append(out, PoolRequest{Pool: name, Requested: s.Target(name), Releasing: rel, Claimed: claimed, Wanted: wanted,
+			Sticky: s.stickyUses(name)})
 	}
 	return out
 }

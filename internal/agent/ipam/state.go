@@ -10,6 +10,7 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 
 	"github.com/ipwarden/ipwarden/internal/addr"
+	"github.com/ipwarden/ipwarden/internal/sticky"
 )
 
 // State is the node's allocation state. The zero value is not usable; see New.
@@ -29,6 +30,8 @@ type State struct {
 	refused map[string]map[netip.Addr]string
 	// elsewhere: held addresses a pod on another node asks for by name, per pool (static.go).
 	elsewhere map[string]addr.Set
+	// stickyRes: the pools' status.sticky, reserved addresses per identity (sticky.go).
+	stickyRes map[string]map[sticky.Identity]netip.Addr
 	waiters   map[Key]waiter
 	// clock is the latest time any call passed in: Demand counts the addresses still cooling
 	// then, without a time argument of its own.
@@ -310,7 +313,8 @@ func (s *State) setServed(served []string) {
 func poolEqual(a, b Pool) bool {
 	return a.Name == b.Name && slices.Equal(a.CIDRs, b.CIDRs) && a.Gateway == b.Gateway && slices.Equal(a.Exclude, b.Exclude) &&
 		slices.Equal(a.Routes, b.Routes) && a.Scaling == b.Scaling && a.Cooldown == b.Cooldown &&
-		a.Exhausted == b.Exhausted && a.Served == b.Served && a.NamespaceSelector == b.NamespaceSelector && a.Network == b.Network
+		a.Exhausted == b.Exhausted && a.Served == b.Served && a.NamespaceSelector == b.NamespaceSelector && a.Network == b.Network &&
+		a.Sticky == b.Sticky
 }
 
 // CanServeOffline reports whether the state, restored from the journal, can serve ADD before the

@@ -97,10 +97,14 @@ func prefixes(ps []netip.Prefix) string {
 func (s *State) wanted(pool string) addr.Set {
 	var as []netip.Addr
 	for _, pod := range s.pods {
-		if pod.IPAddresses == "" || !pod.NeedsAddress() || pod.Ref.UID == "" || s.podHolds(pod.Ref.UID, pool) {
+		if (pod.IPAddresses == "" && pod.Identity.StatefulSet == "") || !pod.NeedsAddress() || pod.Ref.UID == "" || s.podHolds(pod.Ref.UID, pool) {
 			continue
 		}
 		meta := s.podMeta(pod)
+		if a, ok := s.stickyFor(meta, pool); ok {
+			as = append(as, a)
+			continue
+		}
 		names, err := s.choosePools(meta, nil, pod.Ref.Namespace, "")
 		if err != nil || !slices.Contains(names, pool) {
 			continue
@@ -128,7 +132,9 @@ func (s *State) SetWantedElsewhere(m map[string]addr.Set) { s.elsewhere = m }
 
 // reserved is what pool must not hand out to an ordinary ADD: static addresses wanted here or
 // elsewhere.
-func (s *State) reserved(pool string) addr.Set { return s.wanted(pool).Union(s.elsewhere[pool]) }
+func (s *State) reserved(pool string) addr.Set {
+	return s.wanted(pool).Union(s.elsewhere[pool]).Union(s.stickyReserved(pool))
+}
 
 // SetRefused records the wanted addresses the controller refused, per pool, with its reasons
 // (status.pools[].refused).

@@ -9,6 +9,7 @@ import (
 	"github.com/ipwarden/ipwarden/internal/addr"
 	"github.com/ipwarden/ipwarden/internal/ippool"
 	"github.com/ipwarden/ipwarden/internal/scaling"
+	"github.com/ipwarden/ipwarden/internal/sticky"
 )
 
 // Key identifies one CNI attachment: a container's interface.
@@ -102,6 +103,8 @@ type Pool struct {
 	// Network is spec.network ("" for the pod network): an attachment draws only from pools
 	// of the network its CNI configuration names.
 	Network string `json:"network,omitempty"`
+	// Sticky is spec.sticky: StatefulSet pods keep their addresses (sticky.go).
+	Sticky bool `json:"sticky,omitempty"`
 	// Served records that the pool selected the node when the agent last heard from the API
 	// server, so an agent restarted while the API server is away serves ADD from the same pools.
 	Served bool `json:"served,omitempty"`
@@ -122,6 +125,7 @@ func PoolOf(name string, spec ippool.Pool, exhausted bool) Pool {
 		// An unset selector is labels.Everything(), whose String() is "".
 		NamespaceSelector: spec.NamespaceSelector.String(),
 		Network:           spec.Network,
+		Sticky:            spec.Sticky,
 	}
 }
 
@@ -243,6 +247,10 @@ type Pod struct {
 	// annotations as written.
 	Pools       string
 	IPAddresses string
+	// Identity is the pod's StatefulSet identity (StatefulSet "" when none); Sticky its
+	// ipwarden.io/sticky opt-in.
+	Identity sticky.Identity
+	Sticky   bool
 }
 
 // NeedsAddress reports whether the pod will need an address it may not have yet: it counts as
@@ -261,4 +269,6 @@ type PoolRequest struct {
 	Claimed addr.Set
 	// Wanted are static addresses the node's pods ask for that it does not hold (static.go).
 	Wanted addr.Set
+	// Sticky are addresses the node's sticky pods use that the pool's record lacks (sticky.go).
+	Sticky []StickyUse
 }
