@@ -94,6 +94,15 @@ type Report struct {
 	AgentsAsked  int            `json:"agentsAsked"`
 	Findings     []Finding      `json:"findings"`
 	CountsByKind map[string]int `json:"countsByKind"`
+	// Sticky lists the addresses pools reserve for StatefulSet pod identities (status.sticky).
+	Sticky []StickyReservation `json:"sticky,omitempty"`
+}
+
+// StickyReservation is an address a pool reserves for a StatefulSet pod identity.
+type StickyReservation struct {
+	Pool     string `json:"pool"`
+	Identity string `json:"identity"` // namespace/statefulset-ordinal
+	Address  string `json:"address"`
 }
 
 // OK says whether the snapshot is consistent.
@@ -119,6 +128,10 @@ func Check(in Input) Report {
 		}
 		poolCIDRs = poolCIDRs.Union(cidrs)
 		network[p.Name] = p.Spec.Network
+		for _, e := range p.Status.Sticky {
+			r.Sticky = append(r.Sticky, StickyReservation{Pool: p.Name, Address: string(e.Address),
+				Identity: fmt.Sprintf("%s/%s-%d", e.Namespace, e.StatefulSet, e.Ordinal)})
+		}
 		// What the controller hands out: CIDRs minus exclusions and reserved addresses.
 		if cfg, err := ippool.Parse(p.Spec); err == nil {
 			pools[p.Name] = cfg.Addresses

@@ -138,6 +138,15 @@ func TestCheck(t *testing.T) {
 	}
 }
 
+func TestCheckListsStickyReservations(t *testing.T) {
+	in := healthy()
+	in.Pools[0].Status.Sticky = []ipwardenv1.StickyAddress{{Address: "10.0.0.17", Namespace: "a", StatefulSet: "web", Ordinal: 0}}
+	r := Check(in)
+	if len(r.Sticky) != 1 || r.Sticky[0] != (StickyReservation{Pool: "v4", Identity: "a/web-0", Address: "10.0.0.17"}) || !r.OK() {
+		t.Fatalf("report %+v", r)
+	}
+}
+
 func TestCheckCounts(t *testing.T) {
 	r := Check(healthy())
 	if r.Pools != 1 || r.Nodes != 2 || r.Held != 32 || r.RunningPods != 3 || r.Attachments != 1 || r.AgentsAsked != 1 {

@@ -78,6 +78,9 @@ func TestStickyStatefulSetAddress(t *testing.T) {
 		}
 		return nil
 	})
+	if r, _, _ := runCheck(t); len(r.Sticky) != 1 || r.Sticky[0].Identity != "default/web-0" || r.Sticky[0].Address+"/24" != addr {
+		t.Fatalf("ipwarden check lists sticky %+v", r.Sticky)
+	}
 	// Another pod on sticky-a never gets the reserved address once web-0 is gone.
 	if _, e := cni(t, "DEL", confA, "web-0-a", podArgs(p.Namespace, p.Name, string(p.UID))); e != nil {
 		t.Fatal(e)
