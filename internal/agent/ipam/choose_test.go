@@ -2,12 +2,13 @@ package ipam
 
 import (
 	"errors"
-
-	"github.com/ipwarden/ipwarden/internal/addr"
 	"net/netip"
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/ipwarden/ipwarden/internal/addr"
+	"github.com/ipwarden/ipwarden/internal/sticky"
 )
 
 func TestParsePoolNames(t *testing.T) {
@@ -321,5 +322,47 @@ func TestChoosePoolsByNetwork(t *testing.T) {
 	h.s.ApplyDel(plan)
 	if a, ok := h.s.Attachment(Key{"c1", "eth0"}); !ok || a.Addresses[0] != eth0.Addresses[0] {
 		t.Fatalf("DEL of net1 touched eth0: %v %v", a, ok)
+	}
+}
+
+// A sticky pod gets its identity's reserved address as a static address; no other pod gets a
+// reserved address; a sticky pod's address the record lacks is reported in the spec.
+func TestStickyAddresses(t *testing.T) {
+	p4 := poolV4
+	p4.Sticky = true
+	h := newHarness(t, p4)
+	h.hold("v4", "10.0.0.2-10.0.0.9")
+	web0 := sticky.Identity{Namespace: "ns", StatefulSet: "web", Ordinal: 0}
+	web1 := sticky.Identity{Namespace: "ns", StatefulSet: "web", Ordinal: 1}
+	h.s.SetSticky(map[string]map[sticky.Identity]netip.Addr{"v4": {web0: ip("10.0.0.2")}})
+	// An ordinary pod never gets the reserved 10.0.0.2.
+	if a := h.mustAdd("plain"); a[0] == "10.0.0.2/24" {
+		t.Fatalf("ordinary pod got a reserved address")
+	}
+	add := func(cid string, id sticky.Identity) (Attachment, error) {
+		a, ch, err := h.s.Add(AddRequest{Key: key(cid), Pod: PodRef{"ns", cid, "uid-" + cid}, Meta: PodMeta{Identity: id, NamespaceKnown: true}}, h.now)
+		if err == nil {
+			h.commit(ch)
+			h.s.ConfirmAdd(key(cid))
+		}
+		return a, err
+	}
+	if a, err := add("web-0", web0); err != nil || a.Addresses[0].Addr != ip("10.0.0.2") {
+		t.Fatalf("web-0: %v, %v", a, err)
+	}
+	// web-1 has no reservation yet: an ordinary address, reported for the record.
+	a1, err := add("web-1", web1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.s.SetPods([]Pod{{Ref: PodRef{"ns", "web-0", "uid-web-0"}, Identity: web0}, {Ref: PodRef{"ns", "web-1", "uid-web-1"}, Identity: web1}})
+	spec := h.s.Spec()
+	if len(spec[0].Sticky) != 1 || spec[0].Sticky[0] != (StickyUse{Identity: web1, Addr: a1.Addresses[0].Addr}) {
+		t.Fatalf("spec sticky %+v, want web-1's %v only", spec[0].Sticky, a1.Addresses)
+	}
+	// Not sticky (pool not sticky, pod not opted in): no reservation used, nothing reported.
+	h.s.SetPools([]Pool{poolV4}, []string{"v4"})
+	if spec := h.s.Spec(); len(spec[0].Sticky) != 0 {
+		t.Fatalf("non-sticky pool reports %+v", spec[0].Sticky)
 	}
 }
