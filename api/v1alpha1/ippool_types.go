@@ -119,6 +119,27 @@ type IPPoolSpec struct {
 	// +optional
 	NodeSelector *metav1.LabelSelector `json:"nodeSelector,omitempty"`
 
+	// Network names the network the pool's addresses live on, for secondary networks (Multus
+	// NetworkAttachmentDefinitions; like Whereabouts' network_name). Empty is the pod network.
+	// Pools on different networks may share addresses; pools on one network may not. An
+	// attachment draws only from pools of the network its CNI configuration names ("network").
+	// +kubebuilder:validation:MaxLength=63
+	// +kubebuilder:validation:Pattern=`^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$`
+	// +optional
+	Network string `json:"network,omitempty"`
+	// Sticky keeps each StatefulSet pod's address with its identity (namespace, StatefulSet,
+	// ordinal) across restarts and moves to other nodes; a StatefulSet can opt in by itself with
+	// the ipwarden.io/sticky: "true" annotation in its pod template.
+	// +optional
+	Sticky bool `json:"sticky,omitempty"`
+	// NamespaceSelector picks the namespaces whose pods may draw from this pool. Unset lets every
+	// namespace use it. A pod whose ipwarden.io/pools annotation (or its namespace's) names a pool
+	// its namespace may not use gets a CNI error and no address; a pool that does not admit a
+	// namespace is left out of that namespace's default pools.
+	// +kubebuilder:validation:XValidation:rule="!has(self.matchExpressions) || self.matchExpressions.all(e, e.operator in ['In', 'NotIn', 'Exists', 'DoesNotExist'])",message="namespaceSelector.matchExpressions operator must be In, NotIn, Exists or DoesNotExist"
+	// +kubebuilder:validation:XValidation:rule="!has(self.matchExpressions) || self.matchExpressions.all(e, (e.operator in ['In', 'NotIn']) == (has(e.values) && size(e.values) > 0))",message="namespaceSelector.matchExpressions: In and NotIn need values, Exists and DoesNotExist take none"
+	// +optional
+	NamespaceSelector *metav1.LabelSelector `json:"namespaceSelector,omitempty"`
 	// Scaling sets how many addresses each node keeps ready.
 	// +kubebuilder:default={batchSize: 16, bufferPercent: 50, maxPerNode: 250}
 	// +optional
@@ -176,11 +197,32 @@ type IPPoolStatus struct {
 	// +listType=atomic
 	// +optional
 	Cooling []CoolingBlock `json:"cooling,omitempty"`
+	// Sticky lists the addresses reserved for StatefulSet pod identities: no other pod gets
+	// one, and it follows its identity to another node once the old pod's sandbox is gone.
+	// +kubebuilder:validation:MaxItems=4096
+	// +listType=atomic
+	// +optional
+	Sticky []StickyAddress `json:"sticky,omitempty"`
 	// Conditions: Ready, Exhausted, Invalid.
 	// +listType=map
 	// +listMapKey=type
 	// +optional
 	Conditions []metav1.Condition `json:"conditions,omitempty"`
+}
+
+// StickyAddress is an address reserved for a StatefulSet pod identity.
+type StickyAddress struct {
+	// +required
+	Address IPAddress `json:"address"`
+	// +kubebuilder:validation:MaxLength=63
+	// +required
+	Namespace string `json:"namespace"`
+	// +kubebuilder:validation:MaxLength=253
+	// +required
+	StatefulSet string `json:"statefulSet"`
+	// +kubebuilder:validation:Minimum=0
+	// +required
+	Ordinal int32 `json:"ordinal"`
 }
 
 // IPPool is a range of addresses pods draw from. It is cluster-scoped and of one address family.

@@ -46,6 +46,20 @@ type NodePoolRequest struct {
 	// +listType=atomic
 	// +optional
 	Claimed []AddressBlock `json:"claimed,omitempty"`
+	// Wanted lists addresses pods on the node ask for by name (the ipwarden.io/ip-addresses
+	// annotation) that the node does not hold. The controller moves a wanted address into the
+	// node's holding when no other node holds it and the pool hands it out; it never takes one
+	// from another node. One it refuses is listed in status.pools[].refused with the reason.
+	// +kubebuilder:validation:MaxItems=64
+	// +listType=atomic
+	// +optional
+	Wanted []AddressBlock `json:"wanted,omitempty"`
+	// Sticky lists addresses the node's sticky StatefulSet pods use that the pool's
+	// status.sticky does not list yet; the controller records them there.
+	// +kubebuilder:validation:MaxItems=256
+	// +listType=atomic
+	// +optional
+	Sticky []StickyAddress `json:"sticky,omitempty"`
 }
 
 // NodeIPAllocationSpec is written only by the node's agent.
@@ -85,6 +99,29 @@ type NodePoolStatus struct {
 	// Held is the number of addresses in Addresses.
 	// +optional
 	Held int32 `json:"held"`
+	// Refused lists wanted addresses (spec.pools[].wanted) the controller cannot move to the
+	// node, with the reason; the agent fails the ADD that wants one with that reason.
+	// +kubebuilder:validation:MaxItems=64
+	// +listType=atomic
+	// +optional
+	Refused []RefusedAddress `json:"refused,omitempty"`
+	// WantedElsewhere lists addresses the node holds that a pod on another node asks for by
+	// name (spec.pools[].wanted there). The agent gives back those no attachment uses (it lists
+	// them in releasing), so the controller can move them; those in use stay.
+	// +kubebuilder:validation:MaxItems=64
+	// +listType=atomic
+	// +optional
+	WantedElsewhere []AddressBlock `json:"wantedElsewhere,omitempty"`
+}
+
+// RefusedAddress is a wanted address the controller cannot move to the node.
+type RefusedAddress struct {
+	// +required
+	Address IPAddress `json:"address"`
+	// Reason says why, such as "held by node b".
+	// +kubebuilder:validation:MaxLength=256
+	// +required
+	Reason string `json:"reason"`
 }
 
 // Fence names the controller that wrote a status: the holder of the controller's leader

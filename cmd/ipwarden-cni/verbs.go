@@ -40,6 +40,8 @@ type config struct {
 	types.PluginConf
 	Pools  []string
 	Socket string
+	// Network is the IPPool spec.network the attachment draws from ("" for the pod network).
+	Network string
 	// AllowNonKubernetes accepts ADDs whose CNI_ARGS carry no pod identity (containers that are
 	// not Kubernetes pods); their attachments are freed only by DEL and CNI GC.
 	AllowNonKubernetes bool
@@ -68,6 +70,7 @@ func parseConfig(stdin []byte) (*config, error) {
 		Valid       json.RawMessage            `json:"cni.dev/valid-attachments"`
 		ValidLegacy json.RawMessage            `json:"cni.dev/attachments"` // libcni before v1.2.3 sent this key
 		AllowNonK8s json.RawMessage            `json:"allowNonKubernetes"`
+		Network     json.RawMessage            `json:"network"`
 	}
 	if err := json.Unmarshal(stdin, &raw); err != nil {
 		return nil, badConfig("ipam", "must be an object: %v", err)
@@ -93,6 +96,15 @@ func parseConfig(stdin []byte) (*config, error) {
 				return nil, badConfig(poolsField, "names pool %q twice", p)
 			}
 			seen[p] = true
+		}
+	}
+	network, networkField := raw.Network, "network"
+	if n, ok := raw.IPAM["network"]; ok {
+		network, networkField = n, "ipam.network"
+	}
+	if len(network) > 0 && string(network) != "null" {
+		if err := json.Unmarshal(network, &c.Network); err != nil || len(c.Network) > 63 {
+			return nil, badConfig(networkField, `must be the name of an IPPool spec.network such as "storage", not %s`, network)
 		}
 	}
 	allow, allowField := raw.AllowNonK8s, "allowNonKubernetes"
@@ -179,6 +191,7 @@ func request(op cniproto.Op, args *skel.CmdArgs, c *config) cniproto.Request {
 		Netns:       args.Netns,
 		Network:     c.Name,
 		Pools:       c.Pools,
+		PoolNetwork: c.Network,
 		Pod:         podFromArgs(args.Args),
 		// The agent refuses an ADD without pod identity unless the configuration allows it.
 		NonKubernetes: c.AllowNonKubernetes,

@@ -121,6 +121,9 @@ func writeReport(w io.Writer, r check.Report, output string) error {
 		fmt.Fprintf(w, ", %d attachments from %d agents", r.Attachments, r.AgentsAsked)
 	}
 	fmt.Fprintln(w)
+	for _, s := range r.Sticky {
+		fmt.Fprintf(w, "sticky: pool %s reserves %s for %s\n", s.Pool, s.Address, s.Identity)
+	}
 	if r.OK() {
 		fmt.Fprintln(w, "no problems found")
 		return nil

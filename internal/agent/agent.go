@@ -285,6 +285,7 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 				kube.OnLeaderChange(svc.kick)
 				svc.SetEvents(events.NewRecorder(eventScheme(cfg.Scheme), corev1.EventSource{Component: "ipwarden-agent", Host: cfg.Node}), kube.NodeRef)
 				svc.SetPodLookup(kube.GetPod)
+				svc.SetPodMeta(kube.PodMeta)
 				collector = NewCollector(svc, kube, CollectorOptions{Grace: cfg.GCGrace, FullCheckInterval: cfg.GCFullCheckInterval,
 					SandboxGrace: cfg.GCSandboxGrace, NetnsDirs: cfg.NetnsDirs, QueueMetrics: svc.metrics.Queue, Log: log.WithName("gc")})
 				kube.OnPodDelete(collector.OnPodDelete)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/netip"
 	"slices"
 	"sync"
 	"time"
@@ -27,6 +28,7 @@ import (
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
 	"github.com/ipwarden/ipwarden/internal/ippool"
 	"github.com/ipwarden/ipwarden/internal/podinfo"
+	"github.com/ipwarden/ipwarden/internal/sticky"
 )
 
 // fieldOwner names the agent in managed fields.
@@ -80,6 +82,7 @@ func NewKube(cfg *rest.Config, scheme *runtime.Scheme, node string, only []strin
 		&corev1.Node{}:                 {Field: byName},
 		&ipwardenv1.NodeIPAllocation{}: {Field: byName},
 		&ipwardenv1.IPPool{}:           {},
+		&corev1.Namespace{}:            {},
 	}
 	if ctrlLease.Name != "" {
 		byObject[&coordinationv1.Lease{}] = cache.ByObject{
@@ -128,7 +131,7 @@ func (k *Kube) Start(ctx context.Context) error {
 	if k.handled == nil {
 		k.handled = map[string]bool{}
 	}
-	objs := []client.Object{&corev1.Pod{}, &corev1.Node{}, &ipwardenv1.NodeIPAllocation{}, &ipwardenv1.IPPool{}}
+	objs := []client.Object{&corev1.Pod{}, &corev1.Node{}, &ipwardenv1.NodeIPAllocation{}, &ipwardenv1.IPPool{}, &corev1.Namespace{}}
 	if k.ctrlLease.Name != "" {
 		objs = append(objs, &coordinationv1.Lease{})
 	}
@@ -240,8 +243,19 @@ func (k *Kube) Push(ctx context.Context) ([]ipam.Pod, error) {
 	}
 	var pools []ipam.Pool
 	var served []string
+	reservations := map[string]map[sticky.Identity]netip.Addr{}
 	for i := range poolList.Items {
 		p := &poolList.Items[i]
+		for _, e := range p.Status.Sticky {
+			a, err := netip.ParseAddr(string(e.Address))
+			if err != nil {
+				continue
+			}
+			if reservations[p.Name] == nil {
+				reservations[p.Name] = map[sticky.Identity]netip.Addr{}
+			}
+			reservations[p.Name][sticky.Identity{Namespace: e.Namespace, StatefulSet: e.StatefulSet, Ordinal: int(e.Ordinal)}] = a
+		}
 		spec, err := ippool.Parse(p.Spec)
 		if err != nil {
 			k.log.Error(err, "ignoring an IPPool the agent cannot read", "pool", p.Name)
@@ -253,6 +267,7 @@ func (k *Kube) Push(ctx context.Context) ([]ipam.Pod, error) {
 		}
 	}
 	k.svc.SetPools(pools, served)
+	k.svc.SetSticky(reservations)
 
 	k.recordMu.Lock()
 	err := k.pushRecord(ctx, &node)
@@ -260,6 +275,16 @@ func (k *Kube) Push(ctx context.Context) ([]ipam.Pod, error) {
 	if err != nil {
 		return nil, err
 	}
+
+	var nsList corev1.NamespaceList
+	if err := k.cache.List(ctx, &nsList); err != nil {
+		return nil, fmt.Errorf("list namespaces: %w", err)
+	}
+	namespaces := make(map[string]ipam.Namespace, len(nsList.Items))
+	for i := range nsList.Items {
+		namespaces[nsList.Items[i].Name] = NamespaceFromAPI(&nsList.Items[i].ObjectMeta)
+	}
+	k.svc.SetNamespaces(namespaces)
 
 	var podList corev1.PodList
 	if err := k.cache.List(ctx, &podList); err != nil {
@@ -311,7 +336,26 @@ func (k *Kube) setRecord(nipa *ipwardenv1.NodeIPAllocation, fresh bool) error {
 		rec.Rewound = k.svc.Rewound(rec.UID, rec.Generation)
 	}
 	holdings := map[string]addr.Set{}
+	refused := map[string]map[netip.Addr]string{}
+	elsewhere := map[string]addr.Set{}
 	for _, ps := range nipa.Status.Pools {
+		if len(ps.WantedElsewhere) > 0 {
+			blocks := make([]string, len(ps.WantedElsewhere))
+			for i, b := range ps.WantedElsewhere {
+				blocks[i] = string(b)
+			}
+			if set, err := addr.ParseSet(blocks); err == nil {
+				elsewhere[ps.Pool] = set
+			}
+		}
+		for _, r := range ps.Refused {
+			if a, err := netip.ParseAddr(string(r.Address)); err == nil {
+				if refused[ps.Pool] == nil {
+					refused[ps.Pool] = map[netip.Addr]string{}
+				}
+				refused[ps.Pool][a] = r.Reason
+			}
+		}
 		s, err := addr.ParseSet(ps.Addresses)
 		if err != nil {
 			// Never guess: an unreadable holding is treated as unknown-but-kept (no change).
@@ -320,6 +364,8 @@ func (k *Kube) setRecord(nipa *ipwardenv1.NodeIPAllocation, fresh bool) error {
 		}
 		holdings[ps.Pool] = s
 	}
+	k.svc.SetRefused(refused)
+	k.svc.SetWantedElsewhere(elsewhere)
 	k.svc.SetHoldings(holdings, rec)
 	return nil
 }
@@ -559,6 +605,16 @@ func specPools(reqs []ipam.PoolRequest) []ipwardenv1.NodePoolRequest {
 		for _, s := range r.Claimed.Strings() {
 			pr.Claimed = append(pr.Claimed, ipwardenv1.AddressBlock(s))
 		}
+		for _, s := range r.Wanted.Strings() {
+			pr.Wanted = append(pr.Wanted, ipwardenv1.AddressBlock(s))
+		}
+		for i, u := range r.Sticky {
+			if i == 256 { // the API's MaxItems
+				break
+			}
+			pr.Sticky = append(pr.Sticky, ipwardenv1.StickyAddress{Address: ipwardenv1.IPAddress(u.Addr.String()),
+				Namespace: u.Identity.Namespace, StatefulSet: u.Identity.StatefulSet, Ordinal: int32(u.Identity.Ordinal)})
+		}
 		out = append(out, pr)
 	}
 	return out
@@ -567,7 +623,8 @@ func specPools(reqs []ipam.PoolRequest) []ipwardenv1.NodePoolRequest {
 func poolsEqual(a, b []ipwardenv1.NodePoolRequest) bool {
 	return slices.EqualFunc(a, b, func(x, y ipwardenv1.NodePoolRequest) bool {
 		return x.Pool == y.Pool && x.Requested == y.Requested && slices.Equal(x.Releasing, y.Releasing) &&
-			slices.Equal(x.ReleasingCooled, y.ReleasingCooled) && slices.Equal(x.Claimed, y.Claimed)
+			slices.Equal(x.ReleasingCooled, y.ReleasingCooled) && slices.Equal(x.Claimed, y.Claimed) &&
+			slices.Equal(x.Wanted, y.Wanted) && slices.Equal(x.Sticky, y.Sticky)
 	})
 }
 
@@ -610,5 +667,61 @@ func PodFromAPI(p *corev1.Pod) ipam.Pod {
 		HostNetwork: v.HostNetwork,
 		Finished:    v.Finished,
 		Deleting:    v.Deleting,
+		Pools:       v.Pools,
+		IPAddresses: v.IPAddresses,
+		Identity:    identityOf(v),
+		Sticky:      v.Sticky,
 	}
+}
+
+// identityOf is the pod's StatefulSet identity (StatefulSet "" when none).
+func identityOf(v podinfo.Pod) sticky.Identity {
+	if v.StatefulSet == "" || v.Ordinal < 0 {
+		return sticky.Identity{Ordinal: -1}
+	}
+	return sticky.Identity{Namespace: v.Namespace, StatefulSet: v.StatefulSet, Ordinal: v.Ordinal}
+}
+
+// NamespaceFromAPI converts a namespace's metadata for pool choice.
+func NamespaceFromAPI(m *metav1.ObjectMeta) ipam.Namespace {
+	return ipam.Namespace{Labels: m.Labels, Pools: m.Annotations[podinfo.AnnotationPools]}
+}
+
+// PodMeta reads what pool choice needs of the pod namespace/name with uid (uid may be empty) and
+// its namespace: from the informer cache, else (not there yet, or an older pod of the same name)
+// the pod's metadata from the API server. A pod the API server does not know has no
+// annotations. An error means the pod could not be read at all (the API server is away).
+func (k *Kube) PodMeta(ctx context.Context, namespace, name, uid string) (ipam.PodMeta, error) {
+	var meta ipam.PodMeta
+	var pod corev1.Pod
+	err := k.cache.Get(ctx, client.ObjectKey{Namespace: namespace, Name: name}, &pod)
+	if err == nil && (uid == "" || string(pod.UID) == uid) {
+		v := podinfo.Of(&pod)
+		meta.Pools, meta.IPAddresses = v.Pools, v.IPAddresses
+		meta.Identity, meta.Sticky = identityOf(v), v.Sticky
+	} else {
+		m := &metav1.PartialObjectMetadata{}
+		m.SetGroupVersionKind(corev1.SchemeGroupVersion.WithKind("Pod"))
+		err := k.api.Get(ctx, client.ObjectKey{Namespace: namespace, Name: name}, m)
+		switch {
+		case err == nil:
+			v := podinfo.Of(&corev1.Pod{ObjectMeta: m.ObjectMeta})
+			meta.Pools, meta.IPAddresses = v.Pools, v.IPAddresses
+			meta.Identity, meta.Sticky = identityOf(v), v.Sticky
+		case podNotFound(err, name):
+		default:
+			return meta, fmt.Errorf("read pod %s/%s: %w", namespace, name, err)
+		}
+	}
+	var ns corev1.Namespace
+	if err := k.cache.Get(ctx, client.ObjectKey{Name: namespace}, &ns); err == nil {
+		meta.Namespace, meta.NamespaceKnown = NamespaceFromAPI(&ns.ObjectMeta), true
+		return meta, nil
+	}
+	m := &metav1.PartialObjectMetadata{}
+	m.SetGroupVersionKind(corev1.SchemeGroupVersion.WithKind("Namespace"))
+	if err := k.api.Get(ctx, client.ObjectKey{Name: namespace}, m); err == nil {
+		meta.Namespace, meta.NamespaceKnown = NamespaceFromAPI(&m.ObjectMeta), true
+	}
+	return meta, nil
 }

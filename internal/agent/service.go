@@ -20,6 +20,7 @@ import (
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
 	"github.com/ipwarden/ipwarden/internal/agent/journal"
 	"github.com/ipwarden/ipwarden/internal/cniproto"
+	"github.com/ipwarden/ipwarden/internal/sticky"
 )
 
 // Committer writes state machine changes durably; the journal implements it.
@@ -50,6 +51,8 @@ type Service struct {
 	kickFn  func()
 	// lookup reads a pod from the API server (Kube.GetPod); CNI GC re-checks candidates with it.
 	lookup func(context.Context, gc.Name) gc.Lookup
+	// podMeta reads a pod's annotations and namespace for pool choice (Kube.PodMeta).
+	podMeta func(ctx context.Context, namespace, name, uid string) (ipam.PodMeta, error)
 
 	keys  keyLocks
 	ready atomic.Bool
@@ -374,6 +377,45 @@ func (s *Service) SetPods(pods []ipam.Pod) {
 	s.kick()
 }
 
+// SetNamespaces hands the service the namespaces, for the pool choice of the node's pods.
+func (s *Service) SetNamespaces(ns map[string]ipam.Namespace) {
+	s.mu.Lock()
+	s.st.SetNamespaces(ns)
+	s.mu.Unlock()
+}
+
+// SetRefused hands the service the wanted addresses the controller refused, per pool.
+func (s *Service) SetRefused(refused map[string]map[netip.Addr]string) {
+	s.mu.Lock()
+	s.st.SetRefused(refused)
+	s.notifyLocked() // a waiting ADD for a refused address fails now
+	s.mu.Unlock()
+}
+
+// SetWantedElsewhere hands the service the held addresses other nodes' pods ask for by name;
+// the pool monitor gives back those no attachment uses.
+func (s *Service) SetWantedElsewhere(m map[string]addr.Set) {
+	s.mu.Lock()
+	s.st.SetWantedElsewhere(m)
+	s.mu.Unlock()
+	s.kick()
+}
+
+// SetSticky hands the service the pools' sticky reservations (status.sticky).
+func (s *Service) SetSticky(m map[string]map[sticky.Identity]netip.Addr) {
+	s.mu.Lock()
+	s.st.SetSticky(m)
+	s.notifyLocked()
+	s.mu.Unlock()
+}
+
+// SetPodMeta sets how an ADD reads its pod's annotations and namespace (Kube.PodMeta).
+func (s *Service) SetPodMeta(f func(ctx context.Context, namespace, name, uid string) (ipam.PodMeta, error)) {
+	s.mu.Lock()
+	s.podMeta = f
+	s.mu.Unlock()
+}
+
 // ReasonHoldExpired is the Warning event on the node's NodeIPAllocation when the hold after a
 // rebuild ran out with pods that never reported their addresses.
 const ReasonHoldExpired = "UnattributedHoldExpired"
@@ -628,6 +670,9 @@ func missingIdentity(p cniproto.Pod) string {
 	return strings.Join(miss, " and ")
 }
 
+// podMetaTimeout bounds the read of a pod's annotations at ADD when the cache lacks it.
+const podMetaTimeout = 5 * time.Second
+
 // add hands out addresses, waiting up to addressWait for the controller if a pool is short. It
 // returns the attachment it created, if it created one.
 func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Response, *ipam.Attachment) {
@@ -643,8 +688,24 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 	unlock := s.keys.lock(key)
 	defer unlock()
 
-	areq := ipam.AddRequest{Key: key, Network: req.Network, Netns: req.Netns, Pools: req.Pools,
+	areq := ipam.AddRequest{Key: key, Network: req.Network, Netns: req.Netns, Pools: req.Pools, PoolNetwork: req.PoolNetwork,
 		Pod: ipam.PodRef{Namespace: req.Pod.Namespace, Name: req.Pod.Name, UID: req.Pod.UID}}
+	s.mu.Lock()
+	readMeta := s.podMeta
+	_, known := s.st.Attachment(key)
+	s.mu.Unlock()
+	if readMeta != nil && !known && req.Pod.Namespace != "" && req.Pod.Name != "" {
+		rctx, cancel := context.WithTimeout(ctx, podMetaTimeout)
+		meta, err := readMeta(rctx, req.Pod.Namespace, req.Pod.Name, req.Pod.UID)
+		cancel()
+		if err != nil {
+			// The API server is away and the cache does not know the pod: choose as if it had
+			// no annotations (the CNI config's pools, else the node's), so the node keeps
+			// serving; namespaceSelectors are still enforced.
+			s.log.Info("cannot read the pod's annotations; choosing pools without them", "pod", req.Pod.Namespace+"/"+req.Pod.Name, "error", err.Error())
+		}
+		areq.Meta = meta
+	}
 	start := s.now()
 	deadline := start.Add(s.addressWait)
 	waiting := false
@@ -670,7 +731,8 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 					fmt.Sprintf("the ipwarden agent on node %s waited %s for the controller (--address-wait); the runtime retries", s.node, s.addressWait)), nil
 			}
 			if !waiting {
-				s.st.AddWaiter(key, areq.Pod.UID, req.Pools)
+				pools, _ := s.st.ResolvePools(areq)
+				s.st.AddWaiter(key, areq.Pod.UID, pools, short.Wanted...)
 				waiting = true
 				if on, _ := s.st.Hold(); on {
 					s.mu.Unlock()
@@ -733,18 +795,29 @@ func (s *Service) shortMessageLocked(short *ipam.ShortError, now time.Time) stri
 	for i, p := range short.Pools {
 		parts[i] = fmt.Sprintf("pool %s: %s", p, s.st.Reason(p, now))
 	}
+	for _, w := range short.Wanted {
+		parts = append(parts, fmt.Sprintf("static address %s of pool %s: the controller has not moved it to this node yet (is ipwarden controller running?)", w.Addr, w.Pool))
+	}
 	return "ipwarden: no free address on node " + s.node + ": " + strings.Join(parts, "; ")
 }
 
 func addError(err error) *cniproto.Response {
 	var ce *ipam.ConfigError
 	var np *ipam.NoPoolsError
+	var pc *ipam.PoolChoiceError
+	var su *ipam.StaticUnavailableError
 	switch {
 	case errors.As(err, &ce):
 		return errResp(cniproto.CodeInvalidConfig, "ipwarden: network configuration field "+ce.Error(),
 			"name pools that select this node, or leave \"pools\" out to use all of them")
 	case errors.As(err, &np):
 		return errResp(cniproto.CodeTryAgainLater, "ipwarden: "+np.Error(), "")
+	case errors.As(err, &su):
+		return errResp(cniproto.CodeTryAgainLater, "ipwarden: "+su.Error(),
+			"nothing was handed out and no address was taken from anyone; the runtime retries")
+	case errors.As(err, &pc):
+		return errResp(cniproto.CodeInvalidConfig, "ipwarden: "+pc.Error(),
+			"nothing was handed out; see the pools' nodeSelector and namespaceSelector (kubectl get ippools -o yaml)")
 	}
 	return errResp(cniproto.CodeInternal, "ipwarden: "+err.Error(), "")
 }

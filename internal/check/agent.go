@@ -15,6 +15,9 @@ func FromAgent(node string, atts []cniproto.Attachment) []Attachment {
 	for _, a := range atts {
 		at := Attachment{Node: node, ContainerID: a.ContainerID, IfName: a.IfName, PodNamespace: a.Pod.Namespace,
 			PodName: a.Pod.Name, PodUID: a.Pod.UID, Created: a.Created, Sandbox: a.Sandbox, Netns: a.Netns}
+		if len(a.IPs) > 0 {
+			at.Pool = a.IPs[0].Pool
+		}
 		for _, ip := range a.IPs {
 			s := ip.Address
 			if i := strings.IndexByte(s, '/'); i >= 0 {

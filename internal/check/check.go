@@ -31,7 +31,10 @@ type Attachment struct {
 	PodName      string
 	PodUID       string
 	Addrs        []netip.Addr
-	Created      time.Time
+	// Pool is the pool of the attachment's first address ("" when the agent does not say): its
+	// spec.network says which network the addresses are on.
+	Pool    string
+	Created time.Time
 	// Sandbox is what the agent sees of the network namespace recorded at ADD: "gone",
 	// "exists", "unknown" or "unrecorded" ("" from an agent that does not say).
 	Sandbox string
@@ -91,6 +94,15 @@ type Report struct {
 	AgentsAsked  int            `json:"agentsAsked"`
 	Findings     []Finding      `json:"findings"`
 	CountsByKind map[string]int `json:"countsByKind"`
+	// Sticky lists the addresses pools reserve for StatefulSet pod identities (status.sticky).
+	Sticky []StickyReservation `json:"sticky,omitempty"`
+}
+
+// StickyReservation is an address a pool reserves for a StatefulSet pod identity.
+type StickyReservation struct {
+	Pool     string `json:"pool"`
+	Identity string `json:"identity"` // namespace/statefulset-ordinal
+	Address  string `json:"address"`
 }
 
 // OK says whether the snapshot is consistent.
@@ -105,6 +117,7 @@ func Check(in Input) Report {
 	}
 
 	pools := map[string]addr.Set{} // pool -> its addresses
+	network := map[string]string{} // pool -> its spec.network: pools of different networks may share addresses
 	var poolCIDRs addr.Set         // all pools' CIDRs: pod IPs outside them are another IPAM's
 	for _, p := range in.Pools {
 		var cidrs addr.Set
@@ -114,6 +127,11 @@ func Check(in Input) Report {
 			}
 		}
 		poolCIDRs = poolCIDRs.Union(cidrs)
+		network[p.Name] = p.Spec.Network
+		for _, e := range p.Status.Sticky {
+			r.Sticky = append(r.Sticky, StickyReservation{Pool: p.Name, Address: string(e.Address),
+				Identity: fmt.Sprintf("%s/%s-%d", e.Namespace, e.StatefulSet, e.Ordinal)})
+		}
 		// What the controller hands out: CIDRs minus exclusions and reserved addresses.
 		if cfg, err := ippool.Parse(p.Spec); err == nil {
 			pools[p.Name] = cfg.Addresses
@@ -124,8 +142,8 @@ func Check(in Input) Report {
 
 	// Who holds what, and twice-held addresses.
 	nodeHeld := map[string]addr.Set{}
-	var all addr.Set
-	owner := []ownedSet{}
+	all := map[string]addr.Set{}     // network -> every address held on it
+	owner := map[string][]ownedSet{} // network -> who holds what
 	allocs := append([]ipwardenv1.NodeIPAllocation(nil), in.Allocs...)
 	sort.Slice(allocs, func(i, j int) bool { return allocs[i].Name < allocs[j].Name })
 	for _, a := range allocs {
@@ -138,12 +156,14 @@ func Check(in Input) Report {
 			}
 			n, _ := s.Size().Uint64()
 			r.Held += int64(n)
-			if dup := all.Intersect(s); !dup.IsEmpty() {
-				add(Finding{Kind: HeldTwice, Addresses: dup.String(), Nodes: append(holders(owner, dup), a.Name), Pool: ps.Pool,
+			// An address is held twice only within one network (IPPool spec.network).
+			net := network[ps.Pool]
+			if dup := all[net].Intersect(s); !dup.IsEmpty() {
+				add(Finding{Kind: HeldTwice, Addresses: dup.String(), Nodes: append(holders(owner[net], dup), a.Name), Pool: ps.Pool,
 					Detail: "held by two nodes"})
 			}
-			all = all.Union(s)
-			owner = append(owner, ownedSet{a.Name, s})
+			all[net] = all[net].Union(s)
+			owner[net] = append(owner[net], ownedSet{a.Name, s})
 			nodeHeld[a.Name] = nodeHeld[a.Name].Union(s)
 			pool, ok := pools[ps.Pool]
 			if !ok {
@@ -197,7 +217,7 @@ func Check(in Input) Report {
 	}
 
 	// Agents' attachments.
-	var attached addr.Set
+	attached := map[string]addr.Set{} // network -> addresses attached on it
 	attachedOn := map[string]addr.Set{}
 	nodesAsked := make([]string, 0, len(in.Attachments))
 	for n := range in.Attachments {
@@ -209,10 +229,11 @@ func Check(in Input) Report {
 			r.Attachments++
 			s := addr.SetOfAddrs(at.Addrs...)
 			who := fmt.Sprintf("%s/%s (container %s, %s)", at.PodNamespace, at.PodName, short(at.ContainerID), at.IfName)
-			if dup := attached.Intersect(s); !dup.IsEmpty() {
+			net := network[at.Pool]
+			if dup := attached[net].Intersect(s); !dup.IsEmpty() {
 				add(Finding{Kind: AttachedTwice, Addresses: dup.String(), Nodes: []string{node}, Pod: who, Detail: "on two attachments"})
 			}
-			attached = attached.Union(s)
+			attached[net] = attached[net].Union(s)
 			attachedOn[node] = attachedOn[node].Union(s)
 			if at.Sandbox == "gone" && in.Now.Sub(at.Created) >= in.Grace {
 				add(Finding{Kind: SandboxGone, Addresses: s.String(), Nodes: []string{node}, Pod: who,

@@ -64,6 +64,24 @@ func TestCheck(t *testing.T) {
 			in.Nodes = append(in.Nodes, "n3")
 		},
 			map[string]int{HeldTwice: 1}},
+		{"one address on two networks is not held twice", func(in *Input) {
+			storage := pool("storage", "10.0.0.0/24")
+			storage.Spec.Network = "storage"
+			in.Pools = append(in.Pools, storage)
+			in.Allocs = append(in.Allocs, alloc("n3", "storage", "10.0.0.16/28"))
+			in.Nodes = append(in.Nodes, "n3")
+			in.Attachments["n3"] = []Attachment{{Node: "n3", ContainerID: "c9", IfName: "net1", PodNamespace: "a", PodName: "p1", PodUID: "u1",
+				Addrs: ips("10.0.0.17"), Pool: "storage", Created: now.Add(-time.Hour)}}
+		}, map[string]int{PodAddressNotHeld: 0}},
+		{"held twice on one secondary network", func(in *Input) {
+			for _, n := range []string{"s1", "s2"} {
+				p := pool(n, "10.0.0.0/24")
+				p.Spec.Network = "storage"
+				in.Pools = append(in.Pools, p)
+			}
+			in.Allocs = append(in.Allocs, alloc("n3", "s1", "10.0.0.16/28"), alloc("n4", "s2", "10.0.0.20"))
+			in.Nodes = append(in.Nodes, "n3", "n4")
+		}, map[string]int{HeldTwice: 1}},
 		{"outside the pool", func(in *Input) { in.Allocs[0] = alloc("n1", "v4", "10.0.0.0/27") }, map[string]int{OutsidePool: 1}},
 		{"unknown pool", func(in *Input) { in.Allocs[1] = alloc("n2", "gone", "10.0.0.32/28") },
 			map[string]int{UnknownPool: 1, PodAddressNotHeld: 0}},
@@ -117,6 +135,15 @@ func TestCheck(t *testing.T) {
 				t.Fatalf("OK() = %v with findings %v", r.OK(), r.Findings)
 			}
 		})
+	}
+}
+
+func TestCheckListsStickyReservations(t *testing.T) {
+	in := healthy()
+	in.Pools[0].Status.Sticky = []ipwardenv1.StickyAddress{{Address: "10.0.0.17", Namespace: "a", StatefulSet: "web", Ordinal: 0}}
+	r := Check(in)
+	if len(r.Sticky) != 1 || r.Sticky[0] != (StickyReservation{Pool: "v4", Identity: "a/web-0", Address: "10.0.0.17"}) || !r.OK() {
+		t.Fatalf("report %+v", r)
 	}
 }
 

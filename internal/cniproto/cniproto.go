@@ -91,7 +91,10 @@ type Request struct {
 	Network string `json:"network,omitempty"`
 	// Pools to draw from; empty means the agent's default.
 	Pools []string `json:"pools,omitempty"`
-	Pod   Pod      `json:"pod,omitzero"`
+	// PoolNetwork is the configuration's "network": the IPPool spec.network the attachment
+	// draws from ("" for the pod network).
+	PoolNetwork string `json:"poolNetwork,omitempty"`
+	Pod         Pod    `json:"pod,omitzero"`
 	// ValidAttachments is GC's cni.dev/valid-attachments.
 	ValidAttachments []AttachmentID `json:"validAttachments,omitempty"`
 	// HasValidAttachments says the runtime sent a valid-attachments list (possibly empty). A GC

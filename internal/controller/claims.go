@@ -2,6 +2,7 @@ package controller
 
 import (
 	"fmt"
+	"net/netip"
 	"slices"
 	"sort"
 	"strings"
@@ -61,6 +62,89 @@ func (s *State) SetClaims(name string, spec ipwardenv1.NodeIPAllocationSpec) {
 			}
 		}
 	}
+}
+
+// SetWanted records the addresses a node's pods ask for by name, from its spec.
+func (s *State) SetWanted(name string, spec ipwardenv1.NodeIPAllocationSpec) {
+	n := s.node(name)
+	seen := map[string]bool{}
+	for _, req := range spec.Pools {
+		set, err := addr.ParseSet(blocks(req.Wanted))
+		if err != nil || set.IsEmpty() {
+			continue
+		}
+		seen[req.Pool] = true
+		n.wanted[req.Pool] = set
+		s.pool(req.Pool).wanted[name] = set
+	}
+	for pool := range n.wanted {
+		if !seen[pool] {
+			delete(n.wanted, pool)
+			if p, ok := s.pools[pool]; ok {
+				delete(p.wanted, name)
+			}
+		}
+	}
+}
+
+// Refusal is a wanted address the controller cannot move to a node.
+type Refusal struct {
+	Addr   netip.Addr
+	Reason string
+	// Holder is the node that holds the address, when that is the reason: it is asked to give
+	// it back if no pod there uses it (status.pools[].wantedElsewhere).
+	Holder string
+}
+
+// wantedByOthers is every address of pool that a node other than name wants.
+func (p *poolState) wantedByOthers(name string) addr.Set {
+	var out addr.Set
+	for n, w := range p.wanted {
+		if n != name {
+			out = out.Union(w)
+		}
+	}
+	return out
+}
+
+// grantWanted reserves for node name the addresses its pods ask for by name in pool (static
+// addresses, docs/design.md "Static addresses") that the pool hands out and no node holds, and
+// refuses, with a stable reason, those another node holds or claims or the pool does not hand
+// out. It never takes an address from another node (invariants 1 and 2). An address that is
+// cooling down or reserved for an in-flight fill is neither: it waits.
+func (s *State) grantWanted(name, pool string, held addr.Set) (granted addr.Set, refused []Refusal) {
+	n := s.node(name)
+	want := n.wanted[pool].Subtract(held).Subtract(n.pending[pool])
+	if want.IsEmpty() {
+		return addr.Set{}, nil
+	}
+	p := s.pool(pool)
+	refuse := func(set addr.Set, reason, holder string) {
+		for _, a := range set.Addrs(64) {
+			refused = append(refused, Refusal{Addr: a, Reason: reason, Holder: holder})
+		}
+		want = want.Subtract(set)
+	}
+	if !p.serving() {
+		refuse(want, notServingReason(p, pool), "")
+		return addr.Set{}, refused
+	}
+	taken := s.holdersOf(pool, want, name)
+	for _, holder := range sortedKeys(taken) {
+		refuse(taken[holder], "held by node "+holder, holder)
+	}
+	for _, other := range sortedKeys(p.claims) {
+		if other != name {
+			refuse(want.Intersect(p.claims[other]), "used by a pod on node "+other, "")
+		}
+	}
+	refuse(want.Subtract(p.cfg.Addresses), "pool "+pool+" does not hand it out (outside its cidrs, excluded, a network, broadcast or gateway address)", "")
+	free := want.Subtract(p.alloc.Allocated())
+	if !free.IsEmpty() && p.alloc.Reserve(free) == nil {
+		granted = free
+	}
+	slices.SortFunc(refused, func(a, b Refusal) int { return a.Addr.Compare(b.Addr) })
+	return granted, refused
 }
 
 // SettleUntil makes PlanFill serve only claims and take-backs until t.
@@ -195,6 +279,16 @@ func (s *State) Conflicts() []ClaimConflict {
 		}
 	}
 	return out
+}
+
+// Wanters lists the nodes whose pods ask for addresses of pool by name (to sync when a holder
+// gives one back).
+func (s *State) Wanters(pool string) []string {
+	p, ok := s.pools[pool]
+	if !ok {
+		return nil
+	}
+	return sortedKeys(p.wanted)
 }
 
 // Claimants lists the nodes that claim addresses of pool (to sync when the pool changes).

@@ -1,6 +1,8 @@
 package controller
 
 import (
+	"net/netip"
+	"strings"
 	"testing"
 	"time"
 
@@ -133,5 +135,85 @@ func TestNeedServesClaimsFirst(t *testing.T) {
 	s.Rebuild([]ipwardenv1.IPPool{testPool("p", "10.0.0.0/28", time.Minute)}, nil, t0)
 	if n := s.NeedOfNode("a", claimSpec("p", 0, "10.0.0.4/30")); n.Claims != 4 {
 		t.Fatalf("need %+v, want 4 claims", n)
+	}
+}
+
+func wantSpec(pool string, requested int, wanted ...string) ipwardenv1.NodeIPAllocationSpec {
+	sp := spec(pool, requested)
+	for _, w := range wanted {
+		sp.Pools[0].Wanted = append(sp.Pools[0].Wanted, ipwardenv1.AddressBlock(w))
+	}
+	return sp
+}
+
+// A static address a node's pod wants is moved to the node when free, and refused with a stable
+// reason when another node holds or claims it or the pool does not hand it out; it is never
+// taken from another node, and no other node is filled with it.
+func TestWanted(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		allocs  []ipwardenv1.NodeIPAllocation
+		claimB  []string
+		want    string
+		wantAdd string
+		refused string // the reason of the refusal, "" for none
+	}{
+		{name: "free: moved", want: "10.0.0.9", wantAdd: "10.0.0.9"},
+		{name: "held by another node: refused, never taken", allocs: []ipwardenv1.NodeIPAllocation{allocWith("b", "p", "10.0.0.9")},
+			want: "10.0.0.9", refused: "held by node b"},
+		{name: "claimed by another node: refused", claimB: []string{"10.0.0.9"}, want: "10.0.0.9", refused: "used by a pod on node b"},
+		{name: "network address: refused", want: "10.0.0.0", refused: "does not hand it out"},
+		{name: "outside the pool: refused", want: "10.0.1.9", refused: "does not hand it out"},
+		{name: "already held: nothing", allocs: []ipwardenv1.NodeIPAllocation{allocWith("a", "p", "10.0.0.9")}, want: "10.0.0.9"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := NewState(DefaultExhaustionMarks)
+			s.Rebuild([]ipwardenv1.IPPool{testPool("p", "10.0.0.0/28", time.Minute)}, tc.allocs, t0)
+			if len(tc.claimB) > 0 {
+				s.SetClaims("b", claimSpec("p", 0, tc.claimB...))
+			}
+			f := s.PlanFill("a", wantSpec("p", 0, tc.want), t0)
+			pf := f.Pools["p"]
+			if !pf.Added.Equal(set(t, splitOrNone(tc.wantAdd)...)) {
+				t.Fatalf("a was given %v, want %s", pf.Added, tc.wantAdd)
+			}
+			switch {
+			case tc.refused == "" && len(pf.Refused) > 0:
+				t.Fatalf("refused %v", pf.Refused)
+			case tc.refused != "" && (len(pf.Refused) != 1 || !strings.Contains(pf.Refused[0].Reason, tc.refused)):
+				t.Fatalf("refused %v, want %q", pf.Refused, tc.refused)
+			}
+			st := NodeStatus(ipwardenv1.NodeIPAllocationStatus{}, wantSpec("p", 0, tc.want), 1, f)
+			if tc.refused != "" && (len(st.Pools) != 1 || len(st.Pools[0].Refused) != 1 || string(st.Pools[0].Refused[0].Address) != tc.want) {
+				t.Fatalf("status %+v does not show the refusal", st.Pools)
+			}
+			s.Abort(f, true)
+		})
+	}
+
+	// The holder's status asks it to give the address back; the refusal names the holder.
+	{
+		s := NewState(DefaultExhaustionMarks)
+		s.Rebuild([]ipwardenv1.IPPool{testPool("p", "10.0.0.0/28", time.Minute)}, []ipwardenv1.NodeIPAllocation{allocWith("b", "p", "10.0.0.8-10.0.0.9")}, t0)
+		f := s.PlanFill("a", wantSpec("p", 0, "10.0.0.9"), t0)
+		if r := f.Pools["p"].Refused; len(r) != 1 || r[0].Holder != "b" {
+			t.Fatalf("refused %+v, want one naming holder b", r)
+		}
+		s.Abort(f, true)
+		fb := s.PlanFill("b", spec("p", 2), t0)
+		st := NodeStatus(ipwardenv1.NodeIPAllocationStatus{}, spec("p", 2), 1, fb)
+		if !fb.Pools["p"].WantedElsewhere.Equal(set(t, "10.0.0.9")) || len(st.Pools) != 1 || len(st.Pools[0].WantedElsewhere) != 1 {
+			t.Fatalf("b's fill %+v, status %+v: want 10.0.0.9 wanted elsewhere", fb.Pools["p"], st.Pools)
+		}
+		s.Abort(fb, true)
+	}
+
+	// Another node asking for addresses is never filled with the one a wants.
+	s := NewState(DefaultExhaustionMarks)
+	s.Rebuild([]ipwardenv1.IPPool{testPool("p", "10.0.0.0/28", time.Minute)}, nil, t0)
+	s.SetWanted("a", wantSpec("p", 0, "10.0.0.1"))
+	f := s.PlanFill("b", spec("p", 14), t0)
+	if f.Pools["p"].Added.Contains(netip.MustParseAddr("10.0.0.1")) {
+		t.Fatalf("b was filled with the address a wants: %v", f.Pools["p"].Added)
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -22,6 +23,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
+	"github.com/ipwarden/ipwarden/internal/sticky"
 )
 
 // Options tune the controller. Zero values take the defaults in brackets.
@@ -173,6 +175,10 @@ func (c *Controller) Start(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("NodeIPAllocation informer: %w", err)
 	}
+	stsInf, err := c.cache.GetInformer(ctx, &appsv1.StatefulSet{})
+	if err != nil {
+		return fmt.Errorf("StatefulSet informer: %w", err)
+	}
 	if !c.cache.WaitForCacheSync(ctx) {
 		return errors.New("caches did not sync")
 	}
@@ -214,6 +220,14 @@ func (c *Controller) Start(ctx context.Context) error {
 			}
 		},
 		DeleteFunc: func(obj any) { c.poolEvent(obj, true) },
+	}); err != nil {
+		return err
+	}
+
+	if _, err := stsInf.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
+		AddFunc:    func(obj any) { c.statefulSetEvent(obj, false) },
+		UpdateFunc: func(_, obj any) { c.statefulSetEvent(obj, false) },
+		DeleteFunc: func(obj any) { c.statefulSetEvent(obj, true) },
 	}); err != nil {
 		return err
 	}
@@ -415,6 +429,29 @@ func (c *Controller) poolEvent(obj any, deleted bool) {
 }
 
 // enqueue marks a node dirty with its current need.
+// statefulSetEvent returns the sticky addresses of a StatefulSet's identities that its PVC
+// retention policy no longer keeps (scaled below the ordinal, or deleted).
+func (c *Controller) statefulSetEvent(obj any, deleted bool) {
+	if t, ok := obj.(toolscache.DeletedFinalStateUnknown); ok {
+		obj, deleted = t.Obj, true
+	}
+	s, ok := obj.(*appsv1.StatefulSet)
+	if !ok {
+		return
+	}
+	view := sticky.Of(s)
+	if deleted {
+		view.Exists = false
+	}
+	c.mu.Lock()
+	changed := c.state.ReturnSticky(s.Namespace, s.Name, view)
+	c.mu.Unlock()
+	if changed {
+		c.log.Info("returned sticky addresses to their pools", "statefulSet", s.Namespace+"/"+s.Name, "deleted", deleted)
+		c.wakePools()
+	}
+}
+
 func (c *Controller) enqueue(name string) {
 	var need Need
 	alloc := &ipwardenv1.NodeIPAllocation{}
@@ -856,9 +893,15 @@ func (c *Controller) afterFill(alloc *ipwardenv1.NodeIPAllocation, f *Fill) {
 			c.refillPool(pool)
 			c.mu.Lock()
 			claimants := c.state.Claimants(pool)
+			wanters := c.state.Wanters(pool)
 			c.mu.Unlock()
 			for _, n := range claimants {
 				c.enqueue(n)
+			}
+			for _, n := range wanters {
+				if n != alloc.Name {
+					c.enqueue(n) // a static address it wants may be free now
+				}
 			}
 		}
 	}
@@ -867,6 +910,13 @@ func (c *Controller) afterFill(alloc *ipwardenv1.NodeIPAllocation, f *Fill) {
 			c.metrics.ClaimsGranted.WithLabelValues(pool).Add(float64(n))
 			c.log.Info("granted claimed addresses back: the node's pods use them but its status had lost them",
 				"node", alloc.Name, "pool", pool, "addresses", pf.Granted.String())
+		}
+	}
+	for _, pool := range sortedKeys(f.Pools) {
+		for _, r := range f.Pools[pool].Refused {
+			if r.Holder != "" {
+				c.enqueue(r.Holder) // its status asks it to give the address back if unused
+			}
 		}
 	}
 	c.reportConflicts(alloc, f)

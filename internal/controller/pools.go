@@ -12,9 +12,11 @@ type PoolAddresses struct {
 	Name      string
 	Created   time.Time
 	Addresses addr.Set
+	// Network is the pool's spec.network: pools on different networks never overlap.
+	Network string
 }
 
-// Overlaps finds pools that share addresses with an older pool. The older pool keeps serving; the
+// Overlaps finds pools that share addresses with an older pool of the same network. The older pool keeps serving; the
 // younger one is invalid until the overlap is removed. Ties in age go by name. The result maps
 // each invalid pool to the pool it overlaps.
 func Overlaps(pools []PoolAddresses) map[string]string {
@@ -31,7 +33,7 @@ func Overlaps(pools []PoolAddresses) map[string]string {
 			if _, bad := out[q.Name]; bad {
 				continue
 			}
-			if p.Addresses.Overlaps(q.Addresses) {
+			if p.Network == q.Network && p.Addresses.Overlaps(q.Addresses) {
 				out[p.Name] = q.Name
 				break
 			}

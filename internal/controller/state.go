@@ -2,6 +2,7 @@ package controller
 
 import (
 	"fmt"
+	"net/netip"
 	"slices"
 	"sort"
 	"time"
@@ -14,6 +15,7 @@ import (
 	"github.com/ipwarden/ipwarden/internal/addr"
 	"github.com/ipwarden/ipwarden/internal/ippool"
 	"github.com/ipwarden/ipwarden/internal/scaling"
+	"github.com/ipwarden/ipwarden/internal/sticky"
 )
 
 // State is the controller's in-memory record of pools and what each node holds. It does no IO:
@@ -38,12 +40,14 @@ type poolState struct {
 	deleted   bool   // IPPool object is gone; kept while nodes hold its addresses
 	alloc     *addr.Allocator
 	exhausted bool
-	starved   bool                // a fill fell short since the last status flush
-	cooling   []coolRecord        // persisted in status.cooling: written before nodes drop the addresses
-	holders   map[string]int      // node -> addresses held
-	waiting   map[string]bool     // nodes left short because the pool ran out
-	dirty     bool                // status needs a write
-	claims    map[string]addr.Set // node -> addresses it claims (spec.pools[].claimed), only nodes with claims
+	starved   bool                           // a fill fell short since the last status flush
+	cooling   []coolRecord                   // persisted in status.cooling: written before nodes drop the addresses
+	holders   map[string]int                 // node -> addresses held
+	waiting   map[string]bool                // nodes left short because the pool ran out
+	dirty     bool                           // status needs a write
+	claims    map[string]addr.Set            // node -> addresses it claims (spec.pools[].claimed), only nodes with claims
+	wanted    map[string]addr.Set            // node -> addresses its pods ask for by name (spec.pools[].wanted)
+	sticky    map[sticky.Identity]netip.Addr // status.sticky: reserved for StatefulSet pod identities (sticky.go)
 }
 
 func (p *poolState) serving() bool { return !p.deleted && p.parseErr == nil && p.overlaps == "" }
@@ -57,6 +61,7 @@ type nodeState struct {
 	held    map[string]addr.Set // the record: equals the node's status after each write
 	pending map[string]addr.Set // reserved for a write whose outcome is unknown
 	claims  map[string]addr.Set // pool -> addresses its pods use that it asked back (spec)
+	wanted  map[string]addr.Set // pool -> addresses its pods ask for by name (spec)
 	labels  labels.Set
 	// requested is spec.pools[].requested per pool, as last planned (for Regrowth).
 	requested map[string]int
@@ -83,6 +88,8 @@ func (s *State) Rebuild(pools []ipwardenv1.IPPool, allocs []ipwardenv1.NodeIPAll
 		ns := s.node(a.Name)
 		s.SetClaims(a.Name, a.Spec)
 		ns.noteRequests(a.Spec)
+		s.SetWanted(a.Name, a.Spec)
+		defer s.recordSticky(a.Name, a.Spec) // once every holding is loaded
 		for _, ps := range a.Status.Pools {
 			held, err := addr.ParseSet(ps.Addresses)
 			if err != nil || held.IsEmpty() {
@@ -101,6 +108,7 @@ func (s *State) Rebuild(pools []ipwardenv1.IPPool, allocs []ipwardenv1.NodeIPAll
 	}
 	for i := range pools {
 		p := s.pools[pools[i].Name]
+		p.restoreSticky(pools[i].Status.Sticky)
 		blocks := append([]ipwardenv1.CoolingBlock(nil), pools[i].Status.Cooling...)
 		sort.SliceStable(blocks, func(a, b int) bool { return blocks[a].Until.Before(&blocks[b].Until) })
 		for _, b := range blocks {
@@ -129,7 +137,7 @@ func (s *State) Rebuild(pools []ipwardenv1.IPPool, allocs []ipwardenv1.NodeIPAll
 func (s *State) pool(name string) *poolState {
 	p, ok := s.pools[name]
 	if !ok {
-		p = &poolState{name: name, deleted: true, alloc: addr.NewAllocator(addr.Set{}, 0), holders: map[string]int{}, waiting: map[string]bool{}, claims: map[string]addr.Set{}}
+		p = &poolState{name: name, deleted: true, alloc: addr.NewAllocator(addr.Set{}, 0), holders: map[string]int{}, waiting: map[string]bool{}, claims: map[string]addr.Set{}, wanted: map[string]addr.Set{}}
 		s.pools[name] = p
 	}
 	return p
@@ -138,7 +146,7 @@ func (s *State) pool(name string) *poolState {
 func (s *State) node(name string) *nodeState {
 	n, ok := s.nodes[name]
 	if !ok {
-		n = &nodeState{held: map[string]addr.Set{}, pending: map[string]addr.Set{}, claims: map[string]addr.Set{}, requested: map[string]int{}}
+		n = &nodeState{held: map[string]addr.Set{}, pending: map[string]addr.Set{}, claims: map[string]addr.Set{}, wanted: map[string]addr.Set{}, requested: map[string]int{}}
 		s.nodes[name] = n
 	}
 	return n
@@ -157,7 +165,7 @@ func (s *State) SetPool(obj *ipwardenv1.IPPool) (nodesAffected bool) {
 func (s *State) setPool(obj *ipwardenv1.IPPool) (selectorChanged bool) {
 	p, existed := s.pools[obj.Name]
 	if !existed {
-		p = &poolState{name: obj.Name, holders: map[string]int{}, waiting: map[string]bool{}, claims: map[string]addr.Set{}}
+		p = &poolState{name: obj.Name, holders: map[string]int{}, waiting: map[string]bool{}, claims: map[string]addr.Set{}, wanted: map[string]addr.Set{}}
 		s.pools[obj.Name] = p
 	}
 	oldSel := ""
@@ -200,7 +208,7 @@ func (s *State) recomputeOverlaps() {
 	for _, p := range s.pools {
 		p.overlaps = ""
 		if !p.deleted && p.parseErr == nil {
-			in = append(in, PoolAddresses{Name: p.name, Created: p.created, Addresses: p.cfg.Addresses})
+			in = append(in, PoolAddresses{Name: p.name, Network: p.cfg.Network, Created: p.created, Addresses: p.cfg.Addresses})
 		}
 	}
 	for name, older := range Overlaps(in) {
@@ -290,6 +298,10 @@ type PoolFill struct {
 	// Detail adds the numbers of the moment (for events); the status shows only Reason so a
 	// starved node's status is not rewritten every time the pool's free count moves.
 	Detail string
+	// Refused are wanted addresses the controller cannot move to the node, with the reason.
+	Refused []Refusal
+	// WantedElsewhere are addresses the node holds that another node's pod asks for by name.
+	WantedElsewhere addr.Set
 }
 
 // Changed says whether the fill changes any holding.
@@ -349,6 +361,8 @@ func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now 
 	n := s.node(name)
 	s.SetClaims(name, spec)
 	n.noteRequests(spec)
+	s.SetWanted(name, spec)
+	s.recordSticky(name, spec)
 	f := &Fill{Node: name, Pools: map[string]*PoolFill{}}
 	views := map[string]PoolView{}
 	for pool, held := range n.held {
@@ -360,6 +374,11 @@ func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now 
 		}
 	}
 	cooled := map[string]addr.Set{}
+	for pool := range n.wanted {
+		if _, ok := views[pool]; !ok {
+			views[pool] = PoolView{}
+		}
+	}
 	for _, req := range spec.Pools {
 		rel, _ := addr.ParseSet(blocks(req.Releasing))
 		v := views[req.Pool]
@@ -379,12 +398,14 @@ func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now 
 		granted, conflicts := s.grantClaims(name, pool, v.Held)
 		f.Conflicts = append(f.Conflicts, conflicts...)
 		f.Conflicts = append(f.Conflicts, s.heldConflicts(name, pool, v.Held)...)
-		held := v.Held.Union(granted)
+		moved, refused := s.grantWanted(name, pool, v.Held.Union(granted))
+		held := v.Held.Union(granted).Union(moved)
 		v.Held = held
 		v.Serving = p.serving() && p.cfg.NodeSelector.Matches(n.labels)
 		plan := Plan(v)
-		pf := &PoolFill{Plan: plan, Added: granted, Granted: granted, Removed: plan.Remove, Returned: plan.Remove.Intersect(cooled[pool]),
-			Held: held.Subtract(plan.Remove)}
+		pf := &PoolFill{Plan: plan, Added: granted.Union(moved), Granted: granted, Removed: plan.Remove, Returned: plan.Remove.Intersect(cooled[pool]),
+			Held: held.Subtract(plan.Remove), Refused: refused}
+		pf.WantedElsewhere = p.wantedByOthers(name).Intersect(pf.Held)
 		if plan.Add > 0 && settling {
 			pf.Reason = "the controller is settling after it started leading: claims are served before fills"
 			plan.Add = 0
@@ -394,7 +415,7 @@ func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now 
 			// already have seen it leave and forgotten it; a re-add it reconciles before it
 			// republishes its list would be taken away again while a pod uses it. Never hand
 			// it an address another node's pods use (claimed) either.
-			withheld := p.alloc.Usable(now).Intersect(v.Releasing.Union(p.claimedByOthers(name)))
+			withheld := p.alloc.Usable(now).Intersect(v.Releasing.Union(p.claimedByOthers(name)).Union(p.wantedByOthers(name)))
 			if !withheld.IsEmpty() {
 				_ = p.alloc.Reserve(withheld)
 			}
@@ -481,6 +502,7 @@ func (s *State) NeedOfNode(name string, spec ipwardenv1.NodeIPAllocationSpec) Ne
 	n := s.node(name)
 	s.SetClaims(name, spec)
 	n.noteRequests(spec)
+	s.SetWanted(name, spec)
 	plans := map[string]PoolPlan{}
 	for _, req := range spec.Pools {
 		rel, _ := addr.ParseSet(blocks(req.Releasing))
@@ -491,6 +513,9 @@ func (s *State) NeedOfNode(name string, spec ipwardenv1.NodeIPAllocationSpec) Ne
 	need := NeedOf(plans)
 	for pool, c := range n.claims {
 		need.Claims += count(c.Subtract(n.held[pool]))
+	}
+	for pool, w := range n.wanted {
+		need.Claims += count(w.Subtract(n.held[pool]))
 	}
 	return need
 }
@@ -613,11 +638,24 @@ func NodeStatus(prev ipwardenv1.NodeIPAllocationStatus, spec ipwardenv1.NodeIPAl
 		if pf.Reason != "" {
 			reasons = append(reasons, pf.Reason)
 		}
-		if pf.Held.IsEmpty() {
+		if pf.Held.IsEmpty() && len(pf.Refused) == 0 && pf.WantedElsewhere.IsEmpty() {
 			continue
 		}
 		h := int32(count(pf.Held))
-		st.Pools = append(st.Pools, ipwardenv1.NodePoolStatus{Pool: pool, Addresses: pf.Held.Strings(), Held: h})
+		ps := ipwardenv1.NodePoolStatus{Pool: pool, Addresses: pf.Held.Strings(), Held: h}
+		for i, r := range pf.Refused {
+			if i == 64 { // the API's MaxItems
+				break
+			}
+			ps.Refused = append(ps.Refused, ipwardenv1.RefusedAddress{Address: ipwardenv1.IPAddress(r.Addr.String()), Reason: r.Reason})
+		}
+		for i, b := range pf.WantedElsewhere.Strings() {
+			if i == 64 { // the API's MaxItems
+				break
+			}
+			ps.WantedElsewhere = append(ps.WantedElsewhere, ipwardenv1.AddressBlock(b))
+		}
+		st.Pools = append(st.Pools, ps)
 		st.Held += h
 	}
 	cond := metav1.Condition{Type: ipwardenv1.ConditionReady, Status: metav1.ConditionTrue, Reason: "Filled",
@@ -697,6 +735,7 @@ func (s *State) PoolStatus(name string, prev ipwardenv1.IPPoolStatus, generation
 		}
 		st.Cooling = append(st.Cooling, ipwardenv1.CoolingBlock{Addresses: c.addrs.Strings(), Until: metav1.NewTime(until)})
 	}
+	st.Sticky = p.stickyStatus()
 	conflicts := p.alloc.Conflicts()
 	for _, c := range PoolConditions(p.parseErr, p.overlaps, p.exhausted, free.Int64Sat(), count(conflicts), generation) {
 		meta.SetStatusCondition(&st.Conditions, c)

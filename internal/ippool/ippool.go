@@ -38,6 +38,13 @@ type Pool struct {
 	Cooldown time.Duration
 	// NodeSelector is spec.nodeSelector; labels.Everything() when unset.
 	NodeSelector labels.Selector
+	// Network is spec.network: "" for the pod network.
+	Network string
+	// Sticky is spec.sticky: StatefulSet pods keep their addresses.
+	Sticky bool
+	// NamespaceSelector is spec.namespaceSelector: the namespaces whose pods may draw from the
+	// pool; labels.Everything() when unset.
+	NamespaceSelector labels.Selector
 	// Addresses is what the pool hands out: the CIDRs less exclusions and Reserved.
 	Addresses addr.Set
 }
@@ -131,8 +138,26 @@ func Parse(spec ipwardenv1.IPPoolSpec) (Pool, error) {
 		}
 		p.NodeSelector = sel
 	}
+	p.Network = spec.Network
+	p.Sticky = spec.Sticky
+	p.NamespaceSelector = labels.Everything()
+	if spec.NamespaceSelector != nil {
+		sel, err := metav1.LabelSelectorAsSelector(spec.NamespaceSelector)
+		if err != nil {
+			return p, fmt.Errorf("spec.namespaceSelector: %w", err)
+		}
+		p.NamespaceSelector = sel
+	}
 	p.Addresses = Usable(p.CIDRs, p.Exclude, p.Gateway)
 	return p, nil
+}
+
+// Admits reports whether the pool's namespace selector admits a namespace with these labels.
+func (p Pool) Admits(namespaceLabels map[string]string) bool {
+	if p.NamespaceSelector == nil {
+		return true
+	}
+	return p.NamespaceSelector.Matches(labels.Set(namespaceLabels))
 }
 
 // Selects reports whether the pool's node selector selects a node with these labels.

@@ -65,6 +65,15 @@ func TestParse(t *testing.T) {
 	if !p.Selects(map[string]string{"pool": "a"}) || p.Selects(map[string]string{"pool": "b"}) {
 		t.Errorf("selector %v", p.NodeSelector)
 	}
+	// No namespace selector admits every namespace; one admits the namespaces it selects.
+	if !p.Admits(nil) || !p.Admits(map[string]string{"team": "x"}) {
+		t.Errorf("no namespace selector: %v", p.NamespaceSelector)
+	}
+	blue := *good.DeepCopy()
+	blue.NamespaceSelector = &metav1.LabelSelector{MatchLabels: map[string]string{"team": "blue"}}
+	if p, err := Parse(blue); err != nil || !p.Admits(map[string]string{"team": "blue"}) || p.Admits(map[string]string{"team": "red"}) || p.Admits(nil) {
+		t.Errorf("namespace selector team=blue: %v, %v", p.NamespaceSelector, err)
+	}
 
 	// An all-zero scaling block (stored before the CRD defaulted it) means the defaults.
 	zero := *good.DeepCopy()
@@ -97,6 +106,9 @@ func TestParse(t *testing.T) {
 		{"bad selector", func(s *ipwardenv1.IPPoolSpec) {
 			s.NodeSelector = &metav1.LabelSelector{MatchExpressions: []metav1.LabelSelectorRequirement{{Key: "a", Operator: "Bogus"}}}
 		}, "spec.nodeSelector"},
+		{"bad namespace selector", func(s *ipwardenv1.IPPoolSpec) {
+			s.NamespaceSelector = &metav1.LabelSelector{MatchExpressions: []metav1.LabelSelectorRequirement{{Key: "a", Operator: "Bogus"}}}
+		}, "spec.namespaceSelector"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			s := *good.DeepCopy()

@@ -5,8 +5,24 @@ package podinfo
 
 import (
 	"net/netip"
+	"strconv"
+	"strings"
 
 	corev1 "k8s.io/api/core/v1"
+)
+
+// Annotations a pod (and, for AnnotationPools, its namespace) sets to choose its addresses
+// (docs/design.md, "Choosing pools and addresses").
+const (
+	// AnnotationPools names the IPPools a pod draws from, comma-separated, one per family.
+	AnnotationPools = "ipwarden.io/pools"
+	// AnnotationIPAddresses asks for exact addresses, comma-separated, one per family.
+	AnnotationIPAddresses = "ipwarden.io/ip-addresses"
+	// AnnotationSticky: "true" in a StatefulSet's pod template keeps each pod's addresses with
+	// its identity (docs/design.md, "Sticky StatefulSet addresses").
+	AnnotationSticky = "ipwarden.io/sticky"
+	// LabelPodIndex is the ordinal label the StatefulSet controller sets (Kubernetes 1.28+).
+	LabelPodIndex = "apps.kubernetes.io/pod-index"
 )
 
 // Pod is what ipwarden reads of a Pod object.
@@ -22,6 +38,15 @@ type Pod struct {
 	Finished bool
 	// Deleting is set once the pod has a deletion timestamp; its sandbox may still run.
 	Deleting bool
+	// Pools is the ipwarden.io/pools annotation as written ("" when unset).
+	Pools string
+	// IPAddresses is the ipwarden.io/ip-addresses annotation as written ("" when unset).
+	IPAddresses string
+	// StatefulSet names the StatefulSet that controls the pod ("" when none) and Ordinal is the
+	// pod's ordinal in it (-1 when unknown); Sticky is the ipwarden.io/sticky opt-in.
+	StatefulSet string
+	Ordinal     int
+	Sticky      bool
 }
 
 // Of converts a Pod object.
@@ -34,13 +59,44 @@ func Of(p *corev1.Pod) Pod {
 		HostNetwork: p.Spec.HostNetwork,
 		Finished:    p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed,
 		Deleting:    p.DeletionTimestamp != nil,
+		Pools:       p.Annotations[AnnotationPools],
+		IPAddresses: p.Annotations[AnnotationIPAddresses],
 	}
+	out.StatefulSet, out.Ordinal = statefulSetIdentity(p)
+	out.Sticky = p.Annotations[AnnotationSticky] == "true"
 	for _, ip := range p.Status.PodIPs {
 		if a, err := netip.ParseAddr(ip.IP); err == nil {
 			out.IPs = append(out.IPs, a)
 		}
 	}
 	return out
+}
+
+// statefulSetIdentity returns the StatefulSet controlling p and p's ordinal: the pod-index
+// label, else the suffix of the pod's name after "<statefulset>-". No controller of kind
+// StatefulSet: "", -1.
+func statefulSetIdentity(p *corev1.Pod) (string, int) {
+	var sts string
+	for _, o := range p.OwnerReferences {
+		if o.Controller != nil && *o.Controller && o.Kind == "StatefulSet" && strings.HasPrefix(o.APIVersion, "apps/") {
+			sts = o.Name
+			break
+		}
+	}
+	if sts == "" {
+		return "", -1
+	}
+	if v, ok := p.Labels[LabelPodIndex]; ok {
+		if n, err := strconv.Atoi(v); err == nil && n >= 0 {
+			return sts, n
+		}
+	}
+	if rest, ok := strings.CutPrefix(p.Name, sts+"-"); ok {
+		if n, err := strconv.Atoi(rest); err == nil && n >= 0 && strconv.Itoa(n) == rest {
+			return sts, n
+		}
+	}
+	return sts, -1
 }
 
 // MayRun reports whether the pod's sandbox may be running with ipwarden's addresses: it is not on

@@ -11,6 +11,7 @@ import (
 
 func TestOf(t *testing.T) {
 	now := metav1.Now()
+	yes := true
 	base := corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "p", UID: "u1"},
 		Spec:       corev1.PodSpec{NodeName: "n1"},
@@ -33,6 +34,28 @@ func TestOf(t *testing.T) {
 		{"host network", func(p *corev1.Pod) { p.Spec.HostNetwork = true }, false, func(p Pod) bool { return p.HostNetwork }},
 		{"pending unscheduled", func(p *corev1.Pod) { p.Spec.NodeName = ""; p.Status = corev1.PodStatus{Phase: corev1.PodPending} }, true,
 			func(p Pod) bool { return p.Node == "" && len(p.IPs) == 0 }},
+		{"no statefulset", func(*corev1.Pod) {}, true, func(p Pod) bool { return p.StatefulSet == "" && p.Ordinal == -1 && !p.Sticky }},
+		{"statefulset by label", func(p *corev1.Pod) {
+			p.Name = "web-x"
+			p.OwnerReferences = []metav1.OwnerReference{{APIVersion: "apps/v1", Kind: "StatefulSet", Name: "web", Controller: &yes}}
+			p.Labels = map[string]string{LabelPodIndex: "3"}
+			p.Annotations = map[string]string{AnnotationSticky: "true"}
+		}, true, func(p Pod) bool { return p.StatefulSet == "web" && p.Ordinal == 3 && p.Sticky }},
+		{"statefulset by name", func(p *corev1.Pod) {
+			p.Name = "web-12"
+			p.OwnerReferences = []metav1.OwnerReference{{APIVersion: "apps/v1", Kind: "StatefulSet", Name: "web", Controller: &yes}}
+		}, true, func(p Pod) bool { return p.StatefulSet == "web" && p.Ordinal == 12 && !p.Sticky }},
+		{"statefulset, odd name", func(p *corev1.Pod) {
+			p.Name = "web-012"
+			p.OwnerReferences = []metav1.OwnerReference{{APIVersion: "apps/v1", Kind: "StatefulSet", Name: "web", Controller: &yes}}
+		}, true, func(p Pod) bool { return p.StatefulSet == "web" && p.Ordinal == -1 }},
+		{"owner that is not the controller", func(p *corev1.Pod) {
+			p.Name = "web-1"
+			p.OwnerReferences = []metav1.OwnerReference{{APIVersion: "apps/v1", Kind: "StatefulSet", Name: "web"}}
+		}, true, func(p Pod) bool { return p.StatefulSet == "" && p.Ordinal == -1 }},
+		{"annotations", func(p *corev1.Pod) {
+			p.Annotations = map[string]string{AnnotationPools: "blue-v4,blue-v6", AnnotationIPAddresses: "10.0.5.20"}
+		}, true, func(p Pod) bool { return p.Pools == "blue-v4,blue-v6" && p.IPAddresses == "10.0.5.20" }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			obj := *base.DeepCopy()

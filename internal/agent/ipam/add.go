@@ -16,8 +16,14 @@ type AddRequest struct {
 	// Netns is CNI_NETNS, recorded in the attachment.
 	Netns string
 	Pod   PodRef
-	// Pools to draw one address each from, in order; empty means the pools that select the node.
+	// Pools is the network configuration's "pools": one address each, in order; empty means the
+	// pools that select the node. The pod's and its namespace's annotations in Meta come first.
 	Pools []string
+	// Meta is what the agent read of the pod and its namespace (choose.go).
+	Meta PodMeta
+	// PoolNetwork is the network the CNI configuration names ("network"; "" for the pod
+	// network): only pools of that network serve the attachment.
+	PoolNetwork string
 }
 
 // ConfigError is a request that names something invalid (CNI code 7). Field is the network
@@ -33,10 +39,19 @@ func (e *ConfigError) Error() string { return e.Field + ": " + e.Msg }
 // the agent has waited long enough). Nothing was taken from any pool.
 type ShortError struct {
 	Pools []string
+	// Wanted are static addresses the node does not hold yet: it waits for the controller.
+	Wanted []Address
 }
 
 func (e *ShortError) Error() string {
-	return "no free address in pool " + strings.Join(e.Pools, ", ")
+	var parts []string
+	if len(e.Pools) > 0 {
+		parts = append(parts, "no free address in pool "+strings.Join(e.Pools, ", "))
+	}
+	for _, w := range e.Wanted {
+		parts = append(parts, fmt.Sprintf("address %s of pool %s is not on the node yet", w.Addr, w.Pool))
+	}
+	return strings.Join(parts, "; ")
 }
 
 // NoPoolsError says that no pool selects the node and the request named none.
@@ -114,7 +129,7 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 	if a, ok := s.atts[req.Key]; ok {
 		return *a.clone(), Change{}, nil
 	}
-	pools, err := s.resolvePools(req.Pools)
+	pools, err := s.ResolvePools(req)
 	if err != nil {
 		return Attachment{}, Change{}, err
 	}
@@ -127,9 +142,31 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 			}
 		}
 	}
+	meta := req.Meta
+	if req.PoolNetwork != "" {
+		meta.IPAddresses = "" // static addresses are the pod network's
+	}
+	statics, err := s.staticPicks(meta, pools)
+	if err != nil {
+		return Attachment{}, Change{}, err
+	}
+	if req.PoolNetwork == "" {
+		for _, name := range pools {
+			if _, ok := statics[name]; ok {
+				continue
+			}
+			if a, ok := s.stickyFor(meta, name); ok {
+				if statics == nil {
+					statics = map[string]netip.Addr{}
+				}
+				statics[name] = a
+			}
+		}
+	}
 	picks := make([]Address, len(pools))
 	adopted := make([]bool, len(pools))
 	var short []string
+	var waitFor []Address
 	for i, name := range pools {
 		if ph != nil {
 			if j := slices.IndexFunc(ph.Addresses, func(a Address) bool { return a.Pool == name }); j >= 0 {
@@ -137,15 +174,35 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 				continue
 			}
 		}
-		a, _, ok := s.pools[name].next(now)
+		if a, ok := statics[name]; ok {
+			p := s.pools[name]
+			if k, used := p.inUse[a]; used {
+				who := k.String()
+				if att := s.atts[k]; att != nil && att.Pod.String() != "" {
+					who = "pod " + att.Pod.String()
+				}
+				return Attachment{}, Change{}, &StaticUnavailableError{Msg: fmt.Sprintf("address %s is in use by %s on node %s", a, who, s.node)}
+			}
+			_, rel := p.releasing[a]
+			if rel || !p.heldKnown || !p.held.Contains(a) || p.unattributed.Contains(a) || s.recordMissing {
+				if reason, ok := s.refused[name][a]; ok && !(p.heldKnown && p.held.Contains(a)) {
+					return Attachment{}, Change{}, &StaticUnavailableError{Msg: fmt.Sprintf("address %s of pool %s cannot move to node %s: %s", a, name, s.node, reason)}
+				}
+				waitFor = append(waitFor, Address{Pool: name, Addr: a})
+				continue
+			}
+			picks[i] = Address{Pool: name, Addr: a}
+			continue
+		}
+		a, _, ok := s.pools[name].next(now, s.reserved(name))
 		if !ok || s.recordMissing {
 			short = append(short, name)
 			continue
 		}
 		picks[i] = Address{Pool: name, Addr: a}
 	}
-	if len(short) > 0 {
-		return Attachment{}, Change{}, &ShortError{Pools: short}
+	if len(short) > 0 || len(waitFor) > 0 {
+		return Attachment{}, Change{}, &ShortError{Pools: short, Wanted: waitFor}
 	}
 
 	var ch Change
@@ -312,11 +369,11 @@ func (s *State) Stale(network string, valid []Key, bornBefore time.Time) []Key {
 
 // AddWaiter records that the ADD of k is waiting for addresses in pools, for the pod with uid
 // (may be empty); it counts as demand until Add succeeds or RemoveWaiter.
-func (s *State) AddWaiter(k Key, uid string, pools []string) {
+func (s *State) AddWaiter(k Key, uid string, pools []string, static ...Address) {
 	if len(pools) == 0 {
 		pools = s.served
 	}
-	s.waiters[k] = waiter{uid: uid, pools: slices.Clone(pools)}
+	s.waiters[k] = waiter{uid: uid, pools: slices.Clone(pools), static: slices.Clone(static)}
 }
 
 // RemoveWaiter forgets the waiting ADD of k.

@@ -14,6 +14,9 @@ import (
 // MaxItems); the rest wait for the next round.
 const MaxReleasingBlocks = 1024
 
+// MaxWanted is the most wanted blocks one pool request publishes (the API's MaxItems).
+const MaxWanted = 64
+
 func setOf(a netip.Addr) addr.Set { return addr.SetOfAddrs(a) }
 
 func count(s addr.Set) int {
@@ -45,7 +48,7 @@ func (s *State) Demand(pool string) int {
 	waiting := map[string]bool{}
 	if s.isServed(pool) {
 		for _, pod := range s.pods {
-			if !pod.NeedsAddress() || pod.Ref.UID == "" || s.podHolds(pod.Ref.UID, pool) {
+			if !pod.NeedsAddress() || pod.Ref.UID == "" || s.podHolds(pod.Ref.UID, pool) || !s.podWants(pod, pool) {
 				continue
 			}
 			waiting[pod.Ref.UID] = true
@@ -62,6 +65,14 @@ func (s *State) Demand(pool string) int {
 		waiting[id] = true
 	}
 	return scaling.Demand(inUse, len(waiting))
+}
+
+// podWants reports whether pod will draw from pool, by the rule its ADD follows (choosePools),
+// before the CNI config is known: a pod whose annotations name no pool counts in every pool that
+// serves the node and admits its namespace; one whose choice is refused counts nowhere.
+func (s *State) podWants(pod Pod, pool string) bool {
+	names, err := s.choosePools(s.podMeta(pod), nil, pod.Ref.Namespace, "")
+	return err == nil && slices.Contains(names, pool)
 }
 
 // podHolds reports whether the pod with uid has an attachment with an address of pool.
@@ -141,7 +152,8 @@ func (s *State) Release(now time.Time) ReleasePlan {
 			continue
 		}
 		holding := p.held.Subtract(p.relSet)
-		free := holding.Subtract(p.inUseSet()).Subtract(p.unattributed)
+		// Static addresses pods here ask for are never given back (static.go).
+		free := holding.Subtract(p.inUseSet()).Subtract(p.unattributed).Subtract(s.wanted(name))
 		// Free addresses the pool's current spec no longer covers are given back at once
 		// (they are never handed out); addresses in use drain as their pods go (see PlanDel).
 		// Addresses of unknown owner (the hold after a rebuild) are neither.
@@ -162,6 +174,9 @@ func (s *State) Release(now time.Time) ReleasePlan {
 			}
 			rel = rel.Union(pick)
 		}
+		// Free addresses a pod on another node asks for by name go back, whatever the target,
+		// so the controller can move them there (static.go); addresses in use stay.
+		rel = rel.Union(free.Intersect(s.elsewhere[name]))
 		if rel.IsEmpty() {
 			continue
 		}
@@ -218,8 +233,12 @@ func (s *State) Spec() []PoolRequest {
 		if claimed.NumRanges() > MaxReleasingBlocks {
 			claimed = addr.NewSet(claimed.Ranges()[:MaxReleasingBlocks]...)
 		}
+		wanted := s.wanted(name).Subtract(p.held)
+		if wanted.NumRanges() > MaxWanted {
+			wanted = addr.NewSet(wanted.Ranges()[:MaxWanted]...)
+		}
 		out = append(out, PoolRequest{Pool: name, Requested: s.Request(name), Releasing: rel,
-			ReleasingCooled: p.relCooled.Intersect(rel), Claimed: claimed})
+			ReleasingCooled: p.relCooled.Intersect(rel), Claimed: claimed, Wanted: wanted, Sticky: s.stickyUses(name)})
 	}
 	return out
 }

@@ -7,7 +7,10 @@ import (
 	"slices"
 	"time"
 
+	"k8s.io/apimachinery/pkg/labels"
+
 	"github.com/ipwarden/ipwarden/internal/addr"
+	"github.com/ipwarden/ipwarden/internal/sticky"
 )
 
 // State is the node's allocation state. The zero value is not usable; see New.
@@ -21,7 +24,15 @@ type State struct {
 	// AbortAdd needs to undo them.
 	pending map[Key]*undo
 	pods    []Pod
-	waiters map[Key]waiter
+	// namespaces are the namespaces the agent knows, for pool choice (choose.go).
+	namespaces map[string]Namespace
+	// refused: wanted addresses the controller refused, per pool, with its reason (static.go).
+	refused map[string]map[netip.Addr]string
+	// elsewhere: held addresses a pod on another node asks for by name, per pool (static.go).
+	elsewhere map[string]addr.Set
+	// stickyRes: the pools' status.sticky, reserved addresses per identity (sticky.go).
+	stickyRes map[string]map[sticky.Identity]netip.Addr
+	waiters   map[Key]waiter
 	// clock is the latest time any call passed in: Demand counts the addresses still cooling
 	// then, without a time argument of its own.
 	clock time.Time
@@ -67,12 +78,22 @@ type poolState struct {
 	// used) when it was marked releasing: the controller may hand it to another node at once.
 	// Memory only: after a restart every releasing address cools in the pool again.
 	relCooled addr.Set
+	// nsSel is cfg.NamespaceSelector parsed; nil admits every namespace.
+	nsSel labels.Selector
 }
 
 // setConfig sets the pool's configuration and what it lets the node hand out.
 func (p *poolState) setConfig(cfg Pool) {
 	p.cfg, p.known = cfg, true
 	p.usable, p.usableKnown = cfg.Usable()
+	p.nsSel = nil
+	if cfg.NamespaceSelector != "" {
+		sel, err := labels.Parse(cfg.NamespaceSelector)
+		if err != nil {
+			sel = labels.Nothing() // unreadable: admit no namespace rather than every one
+		}
+		p.nsSel = sel
+	}
 }
 
 // isUsable reports whether the pool's current spec lets the node hand out a.
@@ -89,8 +110,9 @@ func (p *poolState) outside() addr.Set {
 
 // waiter is an ADD waiting for addresses; it counts as demand.
 type waiter struct {
-	uid   string
-	pools []string
+	uid    string
+	pools  []string
+	static []Address // the ADD's static addresses (static.go)
 }
 
 // undo is what AbortAdd restores.
@@ -310,7 +332,8 @@ func (s *State) setServed(served []string) {
 func poolEqual(a, b Pool) bool {
 	return a.Name == b.Name && slices.Equal(a.CIDRs, b.CIDRs) && a.Gateway == b.Gateway && slices.Equal(a.Exclude, b.Exclude) &&
 		slices.Equal(a.Routes, b.Routes) && a.Scaling == b.Scaling && a.Cooldown == b.Cooldown &&
-		a.Exhausted == b.Exhausted && a.Served == b.Served
+		a.Exhausted == b.Exhausted && a.Served == b.Served && a.NamespaceSelector == b.NamespaceSelector && a.Network == b.Network &&
+		a.Sticky == b.Sticky
 }
 
 // CanServeOffline reports whether the state, restored from the journal, can serve ADD before the
@@ -440,22 +463,22 @@ func sortAddresses(as []Address) {
 func (p *poolState) cooled(t, now time.Time) bool { return !now.Before(t.Add(p.cfg.Cooldown)) }
 
 // next returns the address the pool would hand out at now: the lowest of the fresh addresses
-// and those whose cooldown has passed.
-func (p *poolState) next(now time.Time) (a netip.Addr, fromCooling bool, ok bool) {
+// and those whose cooldown has passed; never one of wanted (static addresses other pods ask for).
+func (p *poolState) next(now time.Time, wanted addr.Set) (a netip.Addr, fromCooling bool, ok bool) {
 	if !p.heldKnown {
 		return netip.Addr{}, false, false
 	}
 	// The lowest address that may be handed out, fresh or past its cooldown: pods pack the low
 	// end of the node's holding, so the free addresses gather at the high end, where the node
 	// gives back whole run ends (scaling.ChooseRelease) instead of holes that split its runs.
-	if !p.fresh.IsEmpty() {
-		a, ok = p.fresh.Ranges()[0].First, true
+	if fresh := p.fresh.Subtract(wanted); !fresh.IsEmpty() {
+		a, ok = fresh.Ranges()[0].First, true
 	}
 	for _, c := range p.coolq {
 		if !p.cooled(c.FreedAt, now) {
 			break
 		}
-		if (!ok || c.Addr.Less(a)) && p.held.Contains(c.Addr) && p.isUsable(c.Addr) {
+		if (!ok || c.Addr.Less(a)) && p.held.Contains(c.Addr) && p.isUsable(c.Addr) && !wanted.Contains(c.Addr) {
 			a, fromCooling, ok = c.Addr, true, true
 		}
 	}

@@ -9,6 +9,7 @@ import (
 	"github.com/ipwarden/ipwarden/internal/addr"
 	"github.com/ipwarden/ipwarden/internal/ippool"
 	"github.com/ipwarden/ipwarden/internal/scaling"
+	"github.com/ipwarden/ipwarden/internal/sticky"
 )
 
 // Key identifies one CNI attachment: a container's interface.
@@ -96,6 +97,14 @@ type Pool struct {
 	Cooldown time.Duration  `json:"cooldown"`
 	// Exhausted mirrors the IPPool's status.exhausted.
 	Exhausted bool `json:"exhausted,omitempty"`
+	// NamespaceSelector is spec.namespaceSelector in label selector syntax ("" admits every
+	// namespace), so an agent serving from its journal enforces it too.
+	NamespaceSelector string `json:"namespaceSelector,omitempty"`
+	// Network is spec.network ("" for the pod network): an attachment draws only from pools
+	// of the network its CNI configuration names.
+	Network string `json:"network,omitempty"`
+	// Sticky is spec.sticky: StatefulSet pods keep their addresses (sticky.go).
+	Sticky bool `json:"sticky,omitempty"`
 	// Served records that the pool selected the node when the agent last heard from the API
 	// server, so an agent restarted while the API server is away serves ADD from the same pools.
 	Served bool `json:"served,omitempty"`
@@ -113,6 +122,10 @@ func PoolOf(name string, spec ippool.Pool, exhausted bool) Pool {
 		Scaling:   spec.Scaling,
 		Cooldown:  spec.Cooldown,
 		Exhausted: exhausted,
+		// An unset selector is labels.Everything(), whose String() is "".
+		NamespaceSelector: spec.NamespaceSelector.String(),
+		Network:           spec.Network,
+		Sticky:            spec.Sticky,
 	}
 }
 
@@ -230,6 +243,14 @@ type Pod struct {
 	Finished bool
 	// Deleting is set once the pod has a deletion timestamp; it may still run.
 	Deleting bool
+	// Pools and IPAddresses are the pod's ipwarden.io/pools and ipwarden.io/ip-addresses
+	// annotations as written.
+	Pools       string
+	IPAddresses string
+	// Identity is the pod's StatefulSet identity (StatefulSet "" when none); Sticky its
+	// ipwarden.io/sticky opt-in.
+	Identity sticky.Identity
+	Sticky   bool
 }
 
 // NeedsAddress reports whether the pod will need an address it may not have yet: it counts as
@@ -249,4 +270,8 @@ type PoolRequest struct {
 	ReleasingCooled addr.Set
 	// Claimed are addresses the node's attachments use that its status lacks (record.go).
 	Claimed addr.Set
+	// Wanted are static addresses the node's pods ask for that it does not hold (static.go).
+	Wanted addr.Set
+	// Sticky are addresses the node's sticky pods use that the pool's record lacks (sticky.go).
+	Sticky []StickyUse
 }
