@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"github.com/containernetworking/cni/libcni"
+	"github.com/containernetworking/cni/pkg/invoke"
+	"github.com/containernetworking/cni/pkg/version"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -146,7 +148,7 @@ func ipamNetwork(cniDir, cache string, plugin map[string]any) (*ipamNet, error) 
 	if err != nil {
 		return nil, err
 	}
-	return &ipamNet{cni: libcni.NewCNIConfigWithCacheDir([]string{cniDir}, cache, nil), list: list}, nil
+	return &ipamNet{cni: libcni.NewCNIConfigWithCacheDir([]string{cniDir}, cache, pluginExec()), list: list}, nil
 }
 
 func (n *ipamNet) pair(ctx context.Context) error {
@@ -218,4 +220,10 @@ func createPool(ctx context.Context, c client.Client, name, cidr string, sc ipwa
 		CIDRs: []ipwardenv1.CIDR{ipwardenv1.CIDR(cidr)}, Scaling: sc, ReuseCooldown: metav1.Duration{Duration: cooldown},
 		NodeSelector: &metav1.LabelSelector{MatchLabels: map[string]string{"ipwarden.io/bench-pool": name}},
 	}})
+}
+
+// pluginExec is libcni's default plugin executor, given explicitly: with nil, libcni creates it
+// lazily inside each call, which races when calls run concurrently (a burst).
+func pluginExec() invoke.Exec {
+	return &invoke.DefaultExec{RawExec: &invoke.RawExec{Stderr: os.Stderr}, PluginDecoder: version.PluginDecoder{}}
 }

@@ -14,7 +14,9 @@ import (
 	"time"
 
 	"github.com/containernetworking/cni/libcni"
+	"github.com/containernetworking/cni/pkg/invoke"
 	current "github.com/containernetworking/cni/pkg/types/100"
+	"github.com/containernetworking/cni/pkg/version"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -197,7 +199,7 @@ func newNetwork(t *testing.T, bridge, socket string, pools ...string) *network {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &network{cni: libcni.NewCNIConfigWithCacheDir([]string{cniDir}, t.TempDir(), nil), list: list}
+	return &network{cni: libcni.NewCNIConfigWithCacheDir([]string{cniDir}, t.TempDir(), pluginExec()), list: list}
 }
 
 func runtimeConf(ns, containerID, pod string) *libcni.RuntimeConf {
@@ -225,4 +227,10 @@ func ping(ns, ip string) error {
 		return fmt.Errorf("ping %s from %s: %v: %s", ip, ns, err, strings.TrimSpace(string(out)))
 	}
 	return nil
+}
+
+// pluginExec is libcni's default plugin executor, given explicitly: with nil, libcni creates it
+// lazily inside each call, which races when calls run concurrently (a burst).
+func pluginExec() invoke.Exec {
+	return &invoke.DefaultExec{RawExec: &invoke.RawExec{Stderr: os.Stderr}, PluginDecoder: version.PluginDecoder{}}
 }
