@@ -36,8 +36,10 @@ type prepared struct {
 	Node     controlplane.NodeBinaries
 	CNIDir   string // bridge, host-local, loopback, portmap (the node's own plugins)
 	Images   []string
-	Scratch  string // the suite's scratch directory (removed by the parent)
-	Prepared time.Duration
+	// Whereabouts is built for the pod-startup bench only (IPWARDEN_NODE_BENCH).
+	Whereabouts localcluster.Whereabouts
+	Scratch     string // the suite's scratch directory (removed by the parent)
+	Prepared    time.Duration
 }
 
 var prep prepared
@@ -182,6 +184,11 @@ func prepare() (prepared, error) {
 		return p, err
 	}
 	p.CNIDir, p.Ipwarden = lc.CNIDir, lc.Ipwarden
+	if os.Getenv(benchEnv) != "" {
+		if p.Whereabouts, err = localcluster.EnsureWhereabouts(p.BinDir, os.Stderr); err != nil {
+			return p, err
+		}
+	}
 	for _, plugin := range []string{"main/loopback", "meta/portmap"} {
 		if _, err := os.Stat(filepath.Join(p.CNIDir, filepath.Base(plugin))); err == nil {
 			continue
