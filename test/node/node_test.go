@@ -63,6 +63,7 @@ type realNode struct {
 	cgroupRoot string
 	cgroupDirs []string
 	pool       ipwardenv1.IPPoolSpec // scaling and cooldown of the pool deployIpwarden creates
+	second     *secondNode           // the controller-only second node, once started
 }
 
 func (n *realNode) logf(format string, args ...any) {
@@ -290,33 +291,41 @@ func (n *realNode) startControllers() error {
 // makeCgroupRoot creates the kubelet's cgroup root in every cgroup v1 hierarchy (cpuset needs
 // its cpus and mems before anything can join).
 func (n *realNode) makeCgroupRoot() error {
+	dirs, err := makeCgroupRoot(n.cgroupRoot)
+	n.cgroupDirs = append(n.cgroupDirs, dirs...)
+	return err
+}
+
+// makeCgroupRoot creates root in every cgroup v1 hierarchy and returns the directories made.
+func makeCgroupRoot(root string) ([]string, error) {
+	var made []string
 	ents, err := os.ReadDir("/sys/fs/cgroup")
 	if err != nil {
-		return err
+		return made, err
 	}
 	for _, e := range ents {
 		if !e.IsDir() || e.Type()&os.ModeSymlink != 0 {
 			continue
 		}
 		base := filepath.Join("/sys/fs/cgroup", e.Name())
-		d := filepath.Join(base, n.cgroupRoot)
+		d := filepath.Join(base, root)
 		if err := os.MkdirAll(d, 0o755); err != nil {
-			return fmt.Errorf("cgroup %s: %w", d, err)
+			return made, fmt.Errorf("cgroup %s: %w", d, err)
 		}
-		n.cgroupDirs = append(n.cgroupDirs, d)
+		made = append(made, d)
 		if e.Name() == "cpuset" {
 			for _, f := range []string{"cpuset.cpus", "cpuset.mems"} {
 				b, err := os.ReadFile(filepath.Join(base, f))
 				if err != nil {
-					return err
+					return made, err
 				}
 				if err := os.WriteFile(filepath.Join(d, f), b, 0o644); err != nil {
-					return fmt.Errorf("%s/%s: %w", d, f, err)
+					return made, fmt.Errorf("%s/%s: %w", d, f, err)
 				}
 			}
 		}
 	}
-	return nil
+	return made, nil
 }
 
 // teardown stops everything in order and fails the test if anything is left: processes, pod
@@ -342,6 +351,9 @@ func (n *realNode) teardown() {
 		}); err != nil {
 			t.Errorf("teardown: ipwarden pods not gone: %v", err)
 		}
+	}
+	if n.second != nil {
+		n.second.teardown(ctx, t)
 	}
 	for _, p := range []*localcluster.Process{n.scheduler, n.kcm, n.kubelet} {
 		if p != nil {
