@@ -197,7 +197,7 @@ func (n *realNode) burst(ctx context.Context, label string, count int) burstResu
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer w.Stop()
+	defer func() { w.Stop() }()
 	writesBefore := n.apiWrites(ctx)
 	var mu sync.Mutex
 	created := map[string]time.Time{}
@@ -235,40 +235,57 @@ func (n *realNode) burst(ctx context.Context, label string, count int) burstResu
 		t.Fatal(err)
 	}
 	var all time.Duration
+	observe := func(p *corev1.Pod, now time.Time) {
+		for _, c := range p.Status.Conditions {
+			if c.Type == corev1.PodReadyToStartContainers && c.Status == corev1.ConditionTrue {
+				if _, seen := ready[p.Name]; !seen {
+					mu.Lock()
+					ready[p.Name] = now.Sub(created[p.Name])
+					mu.Unlock()
+				}
+			}
+		}
+		if p.Status.Phase == corev1.PodRunning && !running[p.Name] {
+			ip, err := netip.ParseAddr(p.Status.PodIP)
+			if err != nil || !poolPrefix.Contains(ip) {
+				t.Fatalf("%s: pod %s runs with address %q, not in %s", label, p.Name, p.Status.PodIP, poolCIDR)
+			}
+			running[p.Name] = true
+			all = now.Sub(start)
+		}
+	}
 	deadline := time.After(10 * time.Minute)
 	for len(running) < count {
 		select {
 		case ev, ok := <-w.ResultChan():
 			if !ok {
-				t.Fatal("pod watch closed")
+				// The API server ended the watch (it does, under load): list what changed
+				// meanwhile (seen late, so those pods' times run long) and watch on from there.
+				list, err := n.kube.CoreV1().Pods(testNamespace).List(ctx, metav1.ListOptions{LabelSelector: "bench=" + label})
+				if err != nil {
+					t.Fatal(err)
+				}
+				now := time.Now()
+				for i := range list.Items {
+					observe(&list.Items[i], now)
+				}
+				n.logf("%s: pod watch ended; resumed with %d of %d running", label, len(running), count)
+				w, err = n.kube.CoreV1().Pods(testNamespace).Watch(ctx, metav1.ListOptions{LabelSelector: "bench=" + label, ResourceVersion: list.ResourceVersion})
+				if err != nil {
+					t.Fatal(err)
+				}
+				continue
 			}
 			if ev.Type != watch.Added && ev.Type != watch.Modified {
 				continue
 			}
-			p := ev.Object.(*corev1.Pod)
-			now := time.Now()
-			for _, c := range p.Status.Conditions {
-				if c.Type == corev1.PodReadyToStartContainers && c.Status == corev1.ConditionTrue {
-					if _, seen := ready[p.Name]; !seen {
-						mu.Lock()
-						ready[p.Name] = now.Sub(created[p.Name])
-						mu.Unlock()
-					}
-				}
-			}
-			if p.Status.Phase == corev1.PodRunning && !running[p.Name] {
-				ip, err := netip.ParseAddr(p.Status.PodIP)
-				if err != nil || !poolPrefix.Contains(ip) {
-					t.Fatalf("%s: pod %s runs with address %q, not in %s", label, p.Name, p.Status.PodIP, poolCIDR)
-				}
-				running[p.Name] = true
-				all = now.Sub(start)
-			}
+			observe(ev.Object.(*corev1.Pod), time.Now())
 		case <-deadline:
 			n.dumpState(ctx)
 			t.Fatalf("%s: %d of %d pods running after 10 minutes", label, len(running), count)
 		}
 	}
+	w.Stop()
 	startWrites := localcluster.DiffWrites(writesBefore, n.apiWrites(ctx))
 	var d []time.Duration
 	for _, v := range ready {
