@@ -26,6 +26,8 @@ const (
 	// share this machine's node paths (/run/ipwarden, /var/lib/ipwarden, /etc/cni/net.d).
 	secondNodeName = "ipwn-node2"
 	secondNodeIP   = "10.250.0.3"
+	// secondNodeCgroupSuffix names the second kubelet's cgroup root after the first's.
+	secondNodeCgroupSuffix = "-node2"
 	// controllerOnlyLabel marks a node the test overlay keeps the agent DaemonSet off.
 	controllerOnlyLabel = "ipwarden.test/controller-only"
 )
@@ -112,7 +114,7 @@ state = %q
 		}
 	}
 
-	cgroupRoot := "/" + filepath.Base(prep.Scratch) + "-node2"
+	cgroupRoot := "/" + filepath.Base(prep.Scratch) + secondNodeCgroupSuffix
 	s.cgroupDirs, err = makeCgroupRoot(cgroupRoot)
 	must(err)
 	ports, err := freePorts(2)
