@@ -109,7 +109,7 @@ bench: tools
 
 # Pod startup on the real-node suite's kubelet and containerd, ipwarden vs host-local (root).
 bench-node: tools
-	IPWARDEN_NODE_BENCH=1 $(GO) test -count=1 -v -run TestPodStartupBench -timeout 30m ./test/node
+	IPWARDEN_NODE_BENCH=1 $(GO) test -count=1 -v -run TestPodStartupBench -timeout 50m ./test/node
 .PHONY: bench-node
 
 # kubectl from the same pinned Kubernetes release, to explore the demo (--keep).

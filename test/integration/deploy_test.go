@@ -160,6 +160,16 @@ func TestDeployManifests(t *testing.T) {
 		if len(c.Ports) > 0 {
 			t.Errorf("controller container %s declares ports %v: with hostNetwork they are host ports, and two replicas could not share a node", c.Name, c.Ports)
 		}
+		// hostNetwork replicas share the node's hostname: the Lease holder names the pod.
+		var env []string
+		for _, e := range c.Env {
+			if e.ValueFrom != nil && e.ValueFrom.FieldRef != nil {
+				env = append(env, e.Name+"="+e.ValueFrom.FieldRef.FieldPath)
+			}
+		}
+		if !slices.Contains(env, "POD_NAME=metadata.name") {
+			t.Errorf("controller container %s env %v: want POD_NAME from metadata.name (the leader's identity)", c.Name, env)
+		}
 	}
 	// Metrics and probe ports stay out of 9100-9999, the range Prometheus exporters allocate.
 	for _, spec := range []corev1.PodSpec{dep.Spec.Template.Spec, ds.Spec.Template.Spec} {

@@ -10,6 +10,7 @@
 package node
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -36,8 +37,10 @@ type prepared struct {
 	Node     controlplane.NodeBinaries
 	CNIDir   string // bridge, host-local, loopback, portmap (the node's own plugins)
 	Images   []string
-	Scratch  string // the suite's scratch directory (removed by the parent)
-	Prepared time.Duration
+	// Whereabouts is built for the pod-startup bench only (IPWARDEN_NODE_BENCH).
+	Whereabouts localcluster.Whereabouts
+	Scratch     string // the suite's scratch directory (removed by the parent)
+	Prepared    time.Duration
 }
 
 var prep prepared
@@ -93,6 +96,25 @@ func parent() int {
 		}
 		code = 1
 	}
+	// Container processes live in the kubelets' cgroup roots, named for the scratch directory: a
+	// shim killed above leaves its containers running there.
+	if p.Scratch != "" {
+		var roots []string
+		for _, name := range []string{filepath.Base(p.Scratch), filepath.Base(p.Scratch) + secondNodeCgroupSuffix} {
+			m, _ := filepath.Glob(filepath.Join("/sys/fs/cgroup", "*", name))
+			roots = append(roots, m...)
+		}
+		if left := cgroupProcesses(roots); len(left) > 0 {
+			fmt.Fprintf(os.Stderr, "node: FAIL: %d container processes left in the suite's cgroups; killing them\n", len(left))
+			for _, pid := range left {
+				_ = syscall.Kill(pid, syscall.SIGKILL)
+			}
+			code = 1
+		}
+		for _, r := range roots {
+			_ = localcluster.WaitFor(context.Background(), 10*time.Second, 100*time.Millisecond, func() error { return removeCgroupTree(r) })
+		}
+	}
 	// The node's bridge, the kubelet's and the CNI plugins' iptables chains lived in the suite's
 	// network namespace, which is gone: none may appear in the host's.
 	for k := range hostNetworkState() {
@@ -122,6 +144,29 @@ func hostNetworkState() map[string]bool {
 				}
 			}
 		}
+	}
+	return out
+}
+
+// cgroupProcesses lists the processes in the cgroup trees below roots.
+func cgroupProcesses(roots []string) []int {
+	seen := map[int]bool{}
+	var out []int
+	for _, r := range roots {
+		_ = filepath.WalkDir(r, func(path string, d os.DirEntry, err error) error {
+			if err != nil || d.IsDir() || d.Name() != "cgroup.procs" {
+				return nil
+			}
+			b, _ := os.ReadFile(path)
+			for _, f := range strings.Fields(string(b)) {
+				var pid int
+				if _, err := fmt.Sscanf(f, "%d", &pid); err == nil && !seen[pid] {
+					seen[pid] = true
+					out = append(out, pid)
+				}
+			}
+			return nil
+		})
 	}
 	return out
 }
@@ -182,6 +227,11 @@ func prepare() (prepared, error) {
 		return p, err
 	}
 	p.CNIDir, p.Ipwarden = lc.CNIDir, lc.Ipwarden
+	if os.Getenv(benchEnv) != "" {
+		if p.Whereabouts, err = localcluster.EnsureWhereabouts(p.BinDir, os.Stderr); err != nil {
+			return p, err
+		}
+	}
 	if err := localcluster.InstallPlugins(p.CNIDir, os.Stderr, "main/loopback", "meta/portmap"); err != nil {
 		return p, err
 	}

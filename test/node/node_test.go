@@ -62,6 +62,7 @@ type realNode struct {
 	cgroupRoot string
 	cgroupDirs []string
 	pool       ipwardenv1.IPPoolSpec // scaling and cooldown of the pool deployIpwarden creates
+	second     *secondNode           // the controller-only second node, once started
 }
 
 func (n *realNode) logf(format string, args ...any) {
@@ -289,40 +290,48 @@ func (n *realNode) startControllers() error {
 // makeCgroupRoot creates the kubelet's cgroup root in every cgroup v1 hierarchy (cpuset needs
 // its cpus and mems before anything can join).
 func (n *realNode) makeCgroupRoot() error {
+	dirs, err := makeCgroupRoot(n.cgroupRoot)
+	n.cgroupDirs = append(n.cgroupDirs, dirs...)
+	return err
+}
+
+// makeCgroupRoot creates root in every cgroup v1 hierarchy and returns the directories made.
+func makeCgroupRoot(root string) ([]string, error) {
+	var made []string
 	ents, err := os.ReadDir("/sys/fs/cgroup")
 	if err != nil {
-		return err
+		return made, err
 	}
 	for _, e := range ents {
 		if !e.IsDir() || e.Type()&os.ModeSymlink != 0 {
 			continue
 		}
 		base := filepath.Join("/sys/fs/cgroup", e.Name())
-		d := filepath.Join(base, n.cgroupRoot)
+		d := filepath.Join(base, root)
 		if err := os.MkdirAll(d, 0o755); err != nil {
-			return fmt.Errorf("cgroup %s: %w", d, err)
+			return made, fmt.Errorf("cgroup %s: %w", d, err)
 		}
-		n.cgroupDirs = append(n.cgroupDirs, d)
+		made = append(made, d)
 		if e.Name() == "cpuset" {
 			for _, f := range []string{"cpuset.cpus", "cpuset.mems"} {
 				b, err := os.ReadFile(filepath.Join(base, f))
 				if err != nil {
-					return err
+					return made, err
 				}
 				if err := os.WriteFile(filepath.Join(d, f), b, 0o644); err != nil {
-					return fmt.Errorf("%s/%s: %w", d, f, err)
+					return made, fmt.Errorf("%s/%s: %w", d, f, err)
 				}
 			}
 		}
 	}
-	return nil
+	return made, nil
 }
 
 // teardown stops everything in order and fails the test if anything is left: processes, pod
 // sandboxes, network namespaces, mounts or cgroups.
 func (n *realNode) teardown() {
 	t := n.t
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
 	defer cancel()
 	keepLogs := t.Failed()
 	if n.k8s != nil && n.kubelet != nil && n.kubelet.Running() && n.containerd != nil && n.containerd.Running() {
@@ -342,6 +351,9 @@ func (n *realNode) teardown() {
 			t.Errorf("teardown: ipwarden pods not gone: %v", err)
 		}
 	}
+	if n.second != nil {
+		n.second.teardown(ctx, t)
+	}
 	for _, p := range []*localcluster.Process{n.scheduler, n.kcm, n.kubelet} {
 		if p != nil {
 			p.Stop()
@@ -353,8 +365,9 @@ func (n *realNode) teardown() {
 			t.Errorf("teardown: %v", err)
 		}
 		// Each shim exits once containerd has removed its sandbox; on a loaded machine that
-		// takes a moment.
-		if err := localcluster.WaitFor(ctx, time.Minute, 200*time.Millisecond, func() error {
+		// takes a moment (after the bench's 300 sandboxes at load average 80, 11 shims were
+		// still running after a minute).
+		if err := localcluster.WaitFor(ctx, 3*time.Minute, 200*time.Millisecond, func() error {
 			if left := processesMentioning(n.criSock); len(left) > 0 {
 				return fmt.Errorf("%d shims still running", len(left))
 			}

@@ -175,6 +175,17 @@ func TestRealNode(t *testing.T) {
 		n.t = t
 		n.checkClean(ctx)
 	})
+
+	// Last, as it adds a node: a second kubelet (its own containerd) that runs only the
+	// controller's pods.
+	t.Run("controller rollout restart on two nodes", func(t *testing.T) {
+		n.t = t
+		n.startSecondNode(ctx)
+		n.checkRolloutOnTwoNodes(ctx)
+		// The new leader serves: a new pod on the first node gets an address.
+		n.scale(ctx, 8)
+		n.checkAttachments(ctx, n.waitPods(ctx, 8))
+	})
 	n.t = t
 	n.logf("suite body took %s (preparation %s)", time.Since(began).Round(time.Second), prep.Prepared.Round(time.Second))
 }
@@ -212,6 +223,14 @@ patches:
     spec:
       template:
         spec:
+          # The suite's second node runs only the controller: both nodes share this
+          # machine's node paths, so the agent stays off it.
+          affinity:
+            nodeAffinity:
+              requiredDuringSchedulingIgnoredDuringExecution:
+                nodeSelectorTerms:
+                - matchExpressions:
+                  - {key: %s, operator: DoesNotExist}
           initContainers:
           - name: install-cni
             imagePullPolicy: Never
@@ -232,7 +251,7 @@ patches:
           - name: controller
             imagePullPolicy: Never
             env:%s
-`, base, apiEnv, apiEnv)
+`, base, controllerOnlyLabel, apiEnv, apiEnv)
 	if err := os.WriteFile(filepath.Join(overlay, "kustomization.yaml"), []byte(k), 0o644); err != nil {
 		t.Fatal(err)
 	}
