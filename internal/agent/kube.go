@@ -642,8 +642,17 @@ func requestsOf(pools []ipwardenv1.NodePoolRequest) []ipam.PoolRequest {
 		return s
 	}
 	for _, p := range pools {
-		out = append(out, ipam.PoolRequest{Pool: p.Pool, Requested: int(p.Requested), Releasing: parse(p.Releasing),
-			ReleasingCooled: parse(p.ReleasingCooled), Claimed: parse(p.Claimed)})
+		r := ipam.PoolRequest{Pool: p.Pool, Requested: int(p.Requested), Releasing: parse(p.Releasing),
+			ReleasingCooled: parse(p.ReleasingCooled), Claimed: parse(p.Claimed), Wanted: parse(p.Wanted)}
+		for _, u := range p.Sticky {
+			a, err := netip.ParseAddr(string(u.Address))
+			if err != nil {
+				continue
+			}
+			r.Sticky = append(r.Sticky, ipam.StickyUse{Addr: a,
+				Identity: sticky.Identity{Namespace: u.Namespace, StatefulSet: u.StatefulSet, Ordinal: int(u.Ordinal)}})
+		}
+		out = append(out, r)
 	}
 	return out
 }

@@ -9,6 +9,8 @@ import (
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/controlplane"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
 )
 
 // etcd restored from an older snapshot, by Kubernetes' documented procedure (revision bumped
@@ -20,8 +22,10 @@ import (
 // the system converges with no address on two pods and none in two statuses.
 func TestEtcdRewindNeverPutsAnAddressOnTwoPods(t *testing.T) {
 	agentPool(t, "rewind", "rewind", ipwardenv1.IPPoolSpec{
-		CIDRs:         []ipwardenv1.CIDR{"10.122.0.0/28"},
-		Scaling:       ipwardenv1.Scaling{BatchSize: 2, BufferPercent: 0, MaxPerNode: 14},
+		CIDRs: []ipwardenv1.CIDR{"10.122.0.0/28"},
+		// No release hysteresis or delay: node a gives back what its pods stop using at once.
+		Scaling: ipwardenv1.Scaling{BatchSize: 2, BufferPercent: 0, MaxPerNode: 14,
+			ReleaseSlackPercent: ptr.To[int32](0), ReleaseDelay: &metav1.Duration{}},
 		ReuseCooldown: cooldown(0),
 	})
 	agentNode(t, "rewind-a", "rewind")

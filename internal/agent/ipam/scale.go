@@ -411,7 +411,8 @@ func SpecWorthWriting(published, desired []PoolRequest) bool {
 	}
 	for _, d := range desired {
 		p, ok := byPool[d.Pool]
-		if !ok || p.Requested != d.Requested || !p.Claimed.Equal(d.Claimed) ||
+		if !ok || p.Requested != d.Requested || !p.Claimed.Equal(d.Claimed) || !p.Wanted.Equal(d.Wanted) ||
+			!slices.Equal(p.Sticky, d.Sticky) ||
 			!p.Releasing.ContainsSet(d.Releasing) || !p.ReleasingCooled.ContainsSet(d.ReleasingCooled) {
 			return true
 		}
