@@ -1,6 +1,7 @@
 package addr
 
 import (
+	"cmp"
 	"fmt"
 	"math/bits"
 	"slices"
@@ -232,6 +233,10 @@ func (a *Allocator) Expire(now time.Time) Set {
 //
 // near should be the requester's current holdings. The choice, in order:
 //
+//  0. the holes between near's ranges that are entirely free, smallest
+//     first, as long as they fit in n: each joins two of the holder's runs
+//     (the rest of n is then chosen by the steps below, near including
+//     the holes);
 //  1. n addresses right next to a range of near (extending it or filling
 //     a gap), so the holder's routes aggregate, unless that would need
 //     more routes than a fresh block;
@@ -254,15 +259,75 @@ func (a *Allocator) Allocate(n int, near Set, now time.Time) (Set, error) {
 	if a.freeSize.Cmp(CountOf(uint64(n))) < 0 {
 		return Set{}, &ExhaustedError{Requested: n, Available: a.freeSize}
 	}
-	pick := a.pick(uint64(n), near)
+	pick, got := a.gaps(uint64(n), near)
+	a.take(pick, got)
+	if got < uint64(n) {
+		rest := a.pick(uint64(n)-got, near.Union(pick))
+		a.take(rest, uint64(n)-got)
+		pick = pick.Union(rest)
+	}
+	return pick, nil
+}
+
+// take moves pick, free and of size k, to allocated.
+func (a *Allocator) take(pick Set, k uint64) {
+	if k == 0 {
+		return
+	}
 	a.allocated.add(pick)
 	a.free.remove(pick)
 	if a.freeSize == MaxCount {
 		a.freeSize = a.free.s.Size()
 	} else {
-		a.freeSize = a.freeSize.Sub(CountOf(uint64(n)))
+		a.freeSize = a.freeSize.Sub(CountOf(k))
 	}
-	return pick, nil
+}
+
+// gaps implements step 1 of Allocate: the holes between near's ranges that are entirely free
+// and together hold at most n addresses, smallest first. Filling a hole whole joins two of the
+// holder's runs into one, so each one taken is a route fewer. It returns them and their size.
+func (a *Allocator) gaps(n uint64, near Set) (Set, uint64) {
+	type gap struct {
+		g    rng
+		size uint64
+		is4  bool
+	}
+	var cands []gap
+	for _, is4 := range []bool{true, false} {
+		nr, fr := near.fam(is4), a.free.s.fam(is4)
+		k := 0
+		for i := 0; i+1 < len(nr) && len(fr) > 0; i++ {
+			g := rng{nr[i].hi.add1(), nr[i+1].lo.sub1()}
+			sz := g.size()
+			if sz.hi != 0 || sz.lo > n {
+				continue
+			}
+			if k = seekHi(fr, k, g.lo); k == len(fr) {
+				break
+			}
+			if fr[k].lo.lessEq(g.lo) && g.hi.lessEq(fr[k].hi) {
+				cands = append(cands, gap{g, sz.lo, is4})
+			}
+		}
+	}
+	if len(cands) == 0 {
+		return Set{}, 0
+	}
+	slices.SortStableFunc(cands, func(x, y gap) int { return cmp.Compare(x.size, y.size) })
+	var v4, v6 []rng
+	got := uint64(0)
+	for _, c := range cands {
+		if got+c.size > n {
+			break
+		}
+		got += c.size
+		if c.is4 {
+			v4 = append(v4, c.g)
+		} else {
+			v6 = append(v6, c.g)
+		}
+	}
+	return fromUnsorted(v4, v6), got
 }
 
 // pick chooses n free addresses; a.free must hold at least n.

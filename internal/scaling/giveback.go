@@ -20,8 +20,14 @@ func Keep(demand int, p Params, exhausted bool) int {
 
 // Release is DecideRelease's answer.
 type Release struct {
-	// Give is how many free addresses to give back now (0: none).
+	// Give is how many free addresses to give back now, at most (0: none).
 	Give int
+	// Least is how many of them must go now, whatever the cost in runs: Give when the pool is
+	// exhausted or the node is over maxPerNode, else only what brings the holding back within
+	// Keep. The rest of Give goes only where it does not split one of the node's runs
+	// (ChooseReleaseBounded), so the give-back never fragments the holding for addresses the
+	// hysteresis would let the node keep.
+	Least int
 	// Request is what the node publishes as spec.requested: its target when it grows or gives
 	// back, else what it keeps holding, so demand moving inside the hysteresis band changes
 	// nothing the controller sees (no write).
@@ -41,7 +47,8 @@ type Release struct {
 //   - the pool is exhausted, or holding exceeds maxPerNode: give back down to Target at once.
 //   - holding <= Keep (the hysteresis band): keep it all; the request stays at holding.
 //   - holding > Keep: give back down to Target once it has been beyond Keep for the release
-//     delay without a break; until then keep it and wake at the end of the delay.
+//     delay without a break (at least down to Keep; see Least); until then keep it and wake at
+//     the end of the delay.
 func DecideRelease(holding, demand int, p Params, exhausted bool, excessSince, now time.Time) Release {
 	target := Target(demand, p, exhausted)
 	holding = max(holding, 0)
@@ -49,8 +56,10 @@ func DecideRelease(holding, demand int, p Params, exhausted bool, excessSince, n
 	case holding <= target:
 		return Release{Request: target}
 	case exhausted || holding > p.MaxPerNode:
-		return Release{Give: holding - target, Request: target}
-	case holding <= Keep(demand, p, exhausted):
+		return Release{Give: holding - target, Least: holding - target, Request: target}
+	}
+	keep := Keep(demand, p, exhausted)
+	if holding <= keep {
 		return Release{Request: holding}
 	}
 	if excessSince.IsZero() || excessSince.After(now) {
@@ -60,5 +69,5 @@ func DecideRelease(holding, demand int, p Params, exhausted bool, excessSince, n
 	if now.Before(due) {
 		return Release{Request: holding, ExcessSince: excessSince, WakeAt: due}
 	}
-	return Release{Give: holding - target, Request: target}
+	return Release{Give: holding - target, Least: holding - keep, Request: target}
 }

@@ -51,16 +51,16 @@ func TestDecideRelease(t *testing.T) {
 		{"beyond the band, delay running", 64, 30, d, false, t0, t0.Add(time.Minute),
 			Release{Request: 64, ExcessSince: t0, WakeAt: t0.Add(3 * time.Minute)}},
 		{"beyond the band for the delay: give back to the target", 64, 30, d, false, t0, t0.Add(3 * time.Minute),
-			Release{Give: 16, Request: 48}},
+			Release{Give: 16, Least: 10, Request: 48}},
 		{"a since in the future (clock step back) restarts the delay", 64, 30, d, false, t0.Add(time.Hour), t0,
 			Release{Request: 64, ExcessSince: t0, WakeAt: t0.Add(3 * time.Minute)}},
-		{"no delay: at once", 64, 30, noDelay, false, time.Time{}, t0, Release{Give: 16, Request: 48}},
-		{"exhausted: spares go at once, down to demand", 48, 30, d, true, time.Time{}, t0, Release{Give: 18, Request: 30}},
+		{"no delay: at once", 64, 30, noDelay, false, time.Time{}, t0, Release{Give: 16, Least: 10, Request: 48}},
+		{"exhausted: spares go at once, down to demand", 48, 30, d, true, time.Time{}, t0, Release{Give: 18, Least: 18, Request: 30}},
 		{"exhausted and nothing spare", 30, 30, d, true, time.Time{}, t0, Release{Request: 30}},
 		{"above maxPerNode (lowered): at once", 64, 10, Params{BatchSize: 16, BufferPercent: 50, MaxPerNode: 32, ReleaseSlackPercent: 100, ReleaseDelay: time.Minute},
-			false, time.Time{}, t0, Release{Give: 32, Request: 32}},
+			false, time.Time{}, t0, Release{Give: 32, Least: 32, Request: 32}},
 		{"empty node holding a batch keeps it", 16, 0, d, false, time.Time{}, t0, Release{Request: 16}},
-		{"empty node holding three batches waits, then gives two", 48, 0, d, false, t0, t0.Add(5 * time.Minute), Release{Give: 32, Request: 16}},
+		{"empty node holding three batches waits, then gives two", 48, 0, d, false, t0, t0.Add(5 * time.Minute), Release{Give: 32, Least: 24, Request: 16}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			got := DecideRelease(tc.holding, tc.demand, tc.p, tc.exhausted, tc.since, tc.now)
@@ -89,6 +89,12 @@ func TestDecideReleaseBounds(t *testing.T) {
 					}
 					if r.Give > 0 && holding-r.Give != target {
 						t.Fatalf("%+v ex=%v holding %d demand %d: keeps %d after giving, target %d", p, ex, holding, demand, holding-r.Give, target)
+					}
+					if r.Least < 0 || r.Least > r.Give || (r.Give > 0 && holding-r.Least > Keep(demand, p, ex)) {
+						t.Fatalf("%+v ex=%v holding %d demand %d: must give %d of %d, keeping %d beyond Keep %d", p, ex, holding, demand, r.Least, r.Give, holding-r.Least, Keep(demand, p, ex))
+					}
+					if ex && r.Least != r.Give {
+						t.Fatalf("%+v exhausted holding %d demand %d: must give %d of %d; every spare goes back at once", p, holding, demand, r.Least, r.Give)
 					}
 					if r.Give == 0 && holding > Keep(demand, p, ex) {
 						t.Fatalf("%+v ex=%v holding %d demand %d: keeps %d beyond Keep %d after the delay", p, ex, holding, demand, holding, Keep(demand, p, ex))

@@ -18,7 +18,15 @@ import (
 //
 // Ties go to the higher address. It returns fewer than k addresses only when free holds fewer.
 func ChooseRelease(held, free addr.Set, k int) addr.Set {
+	return ChooseReleaseBounded(held, free, k, k)
+}
+
+// ChooseReleaseBounded is ChooseRelease giving at most k addresses, of which only the first
+// least may split a run (step 3): past least it stops where every free address left lies inside
+// a run. Steps 1 and 2 never add a run, so the node keeps its holding in as few runs as before.
+func ChooseReleaseBounded(held, free addr.Set, k, least int) addr.Set {
 	free = free.Intersect(held)
+	least = min(least, k)
 	if k <= 0 || free.IsEmpty() {
 		return addr.Set{}
 	}
@@ -68,7 +76,10 @@ func ChooseRelease(held, free addr.Set, k int) addr.Set {
 			take(edge)
 			continue
 		}
-		// 3. The highest free address inside a run.
+		// 3. The highest free address inside a run, while fewer than least are chosen.
+		if len(chosen) >= least {
+			break
+		}
 		fr := free.Ranges()
 		take(fr[len(fr)-1].Last)
 	}

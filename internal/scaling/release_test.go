@@ -47,6 +47,27 @@ func TestChooseRelease(t *testing.T) {
 	}
 }
 
+func TestChooseReleaseBounded(t *testing.T) {
+	for _, tc := range []struct {
+		name       string
+		held, free []string
+		k, least   int
+		want       []string
+	}{
+		{"ends up to k, no interior past least", []string{"10.0.0.0/28"}, []string{"10.0.0.3", "10.0.0.14-10.0.0.15"}, 3, 0, []string{"10.0.0.14/31"}},
+		{"interior up to least", []string{"10.0.0.0/28"}, []string{"10.0.0.3", "10.0.0.5", "10.0.0.15"}, 3, 2, []string{"10.0.0.5", "10.0.0.15"}},
+		{"least beyond k is k", []string{"10.0.0.0/28"}, []string{"10.0.0.3", "10.0.0.5"}, 1, 9, []string{"10.0.0.5"}},
+		{"whole runs need no least", []string{"10.0.0.0/28", "10.0.1.0/30"}, []string{"10.0.0.3", "10.0.1.0/30"}, 8, 0, []string{"10.0.1.0/30"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got := ChooseReleaseBounded(mustSet(t, tc.held...), mustSet(t, tc.free...), tc.k, tc.least)
+			if want := mustSet(t, tc.want...); !got.Equal(want) {
+				t.Fatalf("ChooseReleaseBounded = %v, want %v", got, want)
+			}
+		})
+	}
+}
+
 // TestChooseReleaseProperties: the choice is always k free held addresses (or all of them), and
 // when the free addresses sit at run ends the node never ends up with more runs than before.
 func TestChooseReleaseProperties(t *testing.T) {
@@ -76,6 +97,9 @@ func TestChooseReleaseProperties(t *testing.T) {
 		}
 		if !f.ContainsSet(got) {
 			t.Fatalf("chose %v, not all free (%v)", got, f)
+		}
+		if b := ChooseReleaseBounded(h, f, k, 0); h.Subtract(b).NumRanges() > h.NumRanges() || !got.ContainsSet(b) && !interiorForced(h, f, k) {
+			t.Fatalf("held %v free %v k %d: bounded with least 0 chose %v, runs went %d -> %d", h, f, k, b, h.NumRanges(), h.Subtract(b).NumRanges())
 		}
 		if after := h.Subtract(got); after.NumRanges() > h.NumRanges() && !interiorForced(h, f, k) {
 			t.Fatalf("held %v free %v k %d: chose %v, runs went %d -> %d though ends were free",

@@ -12,8 +12,9 @@ import (
 // figures at scale are in docs/simulate.md.
 
 // TestEconomySteadyChurn: 50 nodes, 30 pods each, one pod start per node per minute, for an
-// hour: at most 1/batch API writes per pod start counting the give-back, no pod waits, and a
-// node at rest (no release delay running) holds at most demand + batch*(buffer+1).
+// hour: at most 1/batch API writes per pod start counting the give-back, no pod waits, a node
+// at rest (no release delay running) holds at most demand + batch*(buffer+1), and node holdings
+// stay in few runs (routes): a mean of at most 2 and a p99 of at most 4.
 func TestEconomySteadyChurn(t *testing.T) {
 	cfg := DefaultConfig()
 	cfg.Nodes = 50
@@ -32,6 +33,9 @@ func TestEconomySteadyChurn(t *testing.T) {
 	}
 	if s.Pods.Waited != 0 || s.Pods.Failed != 0 {
 		t.Errorf("pods %+v: want none waiting", s.Pods)
+	}
+	if s.PerNode.Runs.Mean > 2 || s.PerNode.Runs.P99 > 4 {
+		t.Errorf("runs per node %+v: want a mean of at most 2 and a p99 of at most 4", s.PerNode.Runs)
 	}
 }
 

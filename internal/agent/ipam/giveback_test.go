@@ -1,6 +1,7 @@
 package ipam
 
 import (
+	"slices"
 	"testing"
 	"time"
 
@@ -143,5 +144,27 @@ func TestAddPacksLowAddresses(t *testing.T) {
 	h.now = h.now.Add(time.Minute)
 	if got := h.mustAdd("d"); got[0] != "10.0.0.8" {
 		t.Fatalf("ADD after a's cooldown got %v, want the cooled 10.0.0.8 before fresh 10.0.0.11", got)
+	}
+}
+
+// TestAddPacksTheLargestRun: with a holding of several runs, an ADD takes the lowest address of
+// the largest run first and the smaller runs only when it is full, so a small run's pods drain
+// away and the node gives it back whole (one route fewer) instead of spreading pods over every
+// run.
+func TestAddPacksTheLargestRun(t *testing.T) {
+	h := newHarness(t, poolV4)
+	h.hold("v4", "10.0.0.2/31", "10.0.0.16/30", "10.0.0.32/29")
+	var got []string
+	for _, k := range []string{"a", "b", "c", "d", "e", "f", "g", "h", "i"} {
+		got = append(got, h.mustAdd(k)[0])
+	}
+	want := []string{"10.0.0.32", "10.0.0.33", "10.0.0.34", "10.0.0.35", "10.0.0.36", "10.0.0.37", "10.0.0.38", "10.0.0.39", "10.0.0.16"}
+	if !slices.Equal(got, want) {
+		t.Fatalf("ADDs got %v, want %v", got, want)
+	}
+	h.del("b")
+	h.now = h.now.Add(time.Minute)
+	if got := h.mustAdd("j"); got[0] != "10.0.0.33" {
+		t.Fatalf("ADD after b's cooldown got %v, want its cooled 10.0.0.33 in the largest run before fresh 10.0.0.17", got)
 	}
 }

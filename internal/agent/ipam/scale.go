@@ -103,7 +103,7 @@ func (s *State) Target(pool string) int {
 func (s *State) decide(name string, holding int) scaling.Release {
 	p := s.pools[name]
 	if !p.known || !s.isServed(name) {
-		return scaling.Release{Give: holding}
+		return scaling.Release{Give: holding, Least: holding}
 	}
 	return scaling.DecideRelease(holding, s.Demand(name), p.cfg.Scaling, p.cfg.Exhausted, p.excessSince, s.clock)
 }
@@ -168,9 +168,10 @@ func (s *State) Release(now time.Time) ReleasePlan {
 			// Addresses past their cooldown (or never used) first: those the controller can
 			// hand to another node at once.
 			cooled := free.Subtract(p.stillCooling(now))
-			pick := scaling.ChooseRelease(holding, cooled, give)
+			least := min(d.Least, give)
+			pick := scaling.ChooseReleaseBounded(holding, cooled, give, least)
 			if n := count(pick); n < give {
-				pick = pick.Union(scaling.ChooseRelease(holding.Subtract(pick), free.Subtract(pick), give-n))
+				pick = pick.Union(scaling.ChooseReleaseBounded(holding.Subtract(pick), free.Subtract(pick), give-n, least-n))
 			}
 			rel = rel.Union(pick)
 		}

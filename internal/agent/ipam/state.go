@@ -462,24 +462,49 @@ func sortAddresses(as []Address) {
 // cooled reports whether a cooling address freed at t may be handed out at now.
 func (p *poolState) cooled(t, now time.Time) bool { return !now.Before(t.Add(p.cfg.Cooldown)) }
 
-// next returns the address the pool would hand out at now: the lowest of the fresh addresses
-// and those whose cooldown has passed; never one of wanted (static addresses other pods ask for).
+// next returns the address the pool would hand out at now: of the fresh addresses and those
+// whose cooldown has passed, never one of wanted (static addresses other pods ask for), the
+// lowest in the node's largest run.
+//
+// Pods pack the low end of the node's largest run, so the free addresses gather at its high end
+// and in the node's smaller runs: the node gives back whole small runs and run ends
+// (scaling.ChooseRelease) instead of holes that split its runs, and its holding stays few routes.
 func (p *poolState) next(now time.Time, wanted addr.Set) (a netip.Addr, fromCooling bool, ok bool) {
 	if !p.heldKnown {
 		return netip.Addr{}, false, false
 	}
-	// The lowest address that may be handed out, fresh or past its cooldown: pods pack the low
-	// end of the node's holding, so the free addresses gather at the high end, where the node
-	// gives back whole run ends (scaling.ChooseRelease) instead of holes that split its runs.
-	if fresh := p.fresh.Subtract(wanted); !fresh.IsEmpty() {
-		a, ok = fresh.Ranges()[0].First, true
+	runs := p.held.Ranges()
+	runSize := func(a netip.Addr) addr.Count {
+		i, _ := slices.BinarySearchFunc(runs, a, func(r addr.Range, a netip.Addr) int {
+			if r.Last.Less(a) {
+				return -1
+			}
+			if a.Less(r.First) {
+				return 1
+			}
+			return 0
+		})
+		if i < len(runs) && runs[i].Contains(a) {
+			return runs[i].Size()
+		}
+		return addr.Count{}
+	}
+	var best addr.Count
+	consider := func(c netip.Addr, cooling bool) {
+		sz := runSize(c)
+		if cmp := sz.Cmp(best); !ok || cmp > 0 || (cmp == 0 && c.Less(a)) {
+			a, fromCooling, ok, best = c, cooling, true, sz
+		}
+	}
+	for _, r := range p.fresh.Subtract(wanted).Ranges() {
+		consider(r.First, false)
 	}
 	for _, c := range p.coolq {
 		if !p.cooled(c.FreedAt, now) {
 			break
 		}
-		if (!ok || c.Addr.Less(a)) && p.held.Contains(c.Addr) && p.isUsable(c.Addr) && !wanted.Contains(c.Addr) {
-			a, fromCooling, ok = c.Addr, true, true
+		if p.held.Contains(c.Addr) && p.isUsable(c.Addr) && !wanted.Contains(c.Addr) {
+			consider(c.Addr, true)
 		}
 	}
 	return a, fromCooling, ok
