@@ -77,6 +77,8 @@ pod, or on the node's NodeIPAllocation when the pod object is gone from the agen
 	fs.StringVar(&f.metricsAddr, "metrics-bind-address", ":10372", `address of the Prometheus /metrics endpoint ("0" disables)`)
 	fs.StringVar(&f.probeAddr, "health-probe-bind-address", ":10373", `address of /healthz and /readyz ("0" disables)`)
 	fs.DurationVar(&f.cfg.Resync, "resync", 60*time.Second, "the pool monitor recomputes the request at least this often")
+	fs.DurationVar(&f.cfg.RequestCoalesce, "request-coalesce", 100*time.Millisecond,
+		"after a change (a pod bound, an address freed) the pool monitor waits until no other change came for this long, at most ten times as long, before it recomputes and publishes the request, so a burst of pods raises it once; an ADD waiting for an address skips the wait; 0 disables")
 	fs.DurationVar(&f.cfg.GCGrace, "gc-grace", time.Minute,
 		"an attachment younger than this is never freed by the full check or by CNI GC (its pod may not be in the agent's cache yet); the deletion of its pod, matched by UID, makes it a candidate at any age; "+
 			"an attachment recorded without a network namespace path (older journals) is freed this long after its pod is gone")
@@ -112,6 +114,9 @@ func runAgent(ctx context.Context, f *agentFlags) error {
 	}
 	if f.cfg.AddressWait <= 0 {
 		return fmt.Errorf("--address-wait %s: must be positive", f.cfg.AddressWait)
+	}
+	if f.cfg.RequestCoalesce < 0 || f.cfg.RequestCoalesce > 10*time.Second {
+		return fmt.Errorf("--request-coalesce %s: give 0 (off) up to 10s", f.cfg.RequestCoalesce)
 	}
 	if f.cfg.Resync <= 0 {
 		return fmt.Errorf("--resync %s: must be positive", f.cfg.Resync)

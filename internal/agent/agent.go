@@ -114,6 +114,8 @@ type Config struct {
 	MetricsAddr string
 	ProbeAddr   string
 	Resync      time.Duration
+	// RequestCoalesce is the pool monitor's coalescing quiet time (Monitor.SetCoalesce).
+	RequestCoalesce time.Duration
 	// GCGrace: an attachment younger than this is never freed by the full check or CNI GC.
 	GCGrace time.Duration
 	// GCFullCheckInterval is the period of the leak collector's full check (default 5m).
@@ -376,7 +378,8 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 	signal.SetReporting(events.NewRecorder(eventScheme(cfg.Scheme), corev1.EventSource{Component: "ipwarden-agent", Host: cfg.Node}),
 		svc.metrics.AddressesExhausted)
 	mon.SetSignal(signal)
-	svc.SetKick(mon.Kick)
+	mon.SetCoalesce(cfg.RequestCoalesce)
+	svc.SetKick(mon.Kick, mon.KickNow)
 	if err := mon.Round(ctx); err != nil {
 		log.Error(err, "first pool monitor round failed; retrying in the background")
 	}

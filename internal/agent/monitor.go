@@ -17,14 +17,19 @@ type SpecPublisher interface {
 // Monitor is the pool monitor (seed 000's shape): on every change it is kicked, and at least
 // every resync period, it recomputes each pool's target from demand (scaling.Target through the
 // state machine), marks what it gives back as releasing (journaled before anything is
-// published), and publishes the request. Kicks coalesce, so a burst of ADDs costs a round per
-// burst, and the API sees a write only when a target crosses a batch boundary.
+// published), and publishes the request. Kicks coalesce: after one, the monitor gathers the
+// changes that follow until none came for the coalescing quiet time (at most ten times that), so
+// pods bound to the node in a burst raise the request once, and the API sees a write only when
+// a target crosses a batch boundary. KickNow, for an ADD that waits for an address, cuts the
+// gathering short.
 type Monitor struct {
 	svc     *Service
 	pub     SpecPublisher
 	resync  time.Duration
 	log     logr.Logger
 	kick    chan struct{}
+	now     chan struct{}
+	quiet   time.Duration
 	metrics *Metrics
 	// nextCooled is when the next address counted as cooling by the last round's target leaves
 	// its cooldown (zero: none); Run does a round then.
@@ -37,8 +42,12 @@ type Monitor struct {
 
 // NewMonitor returns a monitor; Run starts it.
 func NewMonitor(svc *Service, pub SpecPublisher, resync time.Duration, log logr.Logger) *Monitor {
-	return &Monitor{svc: svc, pub: pub, resync: resync, log: log, kick: make(chan struct{}, 1), metrics: svc.metrics}
+	return &Monitor{svc: svc, pub: pub, resync: resync, log: log, kick: make(chan struct{}, 1), now: make(chan struct{}, 1), metrics: svc.metrics}
 }
+
+// SetCoalesce sets the coalescing quiet time (call before Run; 0, the default, does a round at
+// every kick).
+func (m *Monitor) SetCoalesce(quiet time.Duration) { m.quiet = max(quiet, 0) }
 
 // SetSignal makes each round show the scheduler signal through sig (call before Run).
 func (m *Monitor) SetSignal(sig *NodeSignal) { m.signal = sig }
@@ -48,6 +57,40 @@ func (m *Monitor) Kick() {
 	select {
 	case m.kick <- struct{}{}:
 	default:
+	}
+}
+
+// KickNow asks for a round at once, ending any gathering; it never blocks.
+func (m *Monitor) KickNow() {
+	select {
+	case m.now <- struct{}{}:
+	default:
+	}
+}
+
+// gather waits, after a kick, until no other kick came for the quiet time, at most ten quiet
+// times, or until KickNow or ctx ends.
+func (m *Monitor) gather(ctx context.Context) {
+	if m.quiet <= 0 {
+		return
+	}
+	limit := time.NewTimer(10 * m.quiet)
+	defer limit.Stop()
+	quiet := time.NewTimer(m.quiet)
+	defer quiet.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-m.now:
+			return
+		case <-limit.C:
+			return
+		case <-quiet.C:
+			return
+		case <-m.kick:
+			quiet.Reset(m.quiet)
+		}
 	}
 }
 
@@ -68,6 +111,8 @@ func (m *Monitor) Run(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-m.kick:
+			m.gather(ctx)
+		case <-m.now:
 		case <-ticker.C:
 		case <-retry:
 		case <-cooled.C:

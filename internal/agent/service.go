@@ -48,7 +48,7 @@ type Service struct {
 	mu      sync.Mutex
 	st      *ipam.State
 	changed chan struct{} // closed and replaced whenever an address may have become usable
-	kickFn  func()
+	kickFn, kickNowFn func()
 	// lookup reads a pod from the API server (Kube.GetPod); CNI GC re-checks candidates with it.
 	lookup func(context.Context, gc.Name) gc.Lookup
 	// podMeta reads a pod's annotations and namespace for pool choice (Kube.PodMeta).
@@ -120,21 +120,31 @@ func NewService(st *ipam.State, journal Committer, opts ServiceOptions) *Service
 		st:          st,
 		changed:     make(chan struct{}),
 		kickFn:      func() {},
+		kickNowFn:   func() {},
 		conflicts:   map[ipam.Address]ipam.Key{},
 		gate:        gate{node: opts.Node, leaseNS: opts.LeaseNamespace, enforce: opts.Gated},
 	}
 }
 
-// SetKick sets the function that asks the pool monitor to recompute the node's request.
-func (s *Service) SetKick(f func()) {
+// SetKick sets the functions that ask the pool monitor to recompute the node's request: kick
+// soon (changes coalesce), and now, for an ADD that waits for an address (Monitor.Kick and
+// Monitor.KickNow).
+func (s *Service) SetKick(kick, now func()) {
 	s.mu.Lock()
-	s.kickFn = f
+	s.kickFn, s.kickNowFn = kick, now
 	s.mu.Unlock()
 }
 
 func (s *Service) kick() {
 	s.mu.Lock()
 	f := s.kickFn
+	s.mu.Unlock()
+	f()
+}
+
+func (s *Service) kickNow() {
+	s.mu.Lock()
+	f := s.kickNowFn
 	s.mu.Unlock()
 	f()
 }
@@ -746,7 +756,7 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 				wake = next
 			}
 			s.mu.Unlock()
-			s.kick()
+			s.kickNow()
 			timer := time.NewTimer(wake.Sub(now))
 			select {
 			case <-changed:

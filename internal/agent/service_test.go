@@ -109,7 +109,7 @@ func newSvc(t *testing.T, wait time.Duration, pools ...ipam.Pool) *svcHarness {
 	svc.SetPools(pools, names)
 	pub := &fakePublisher{}
 	h := &svcHarness{t: t, svc: svc, j: j, pub: pub, mon: NewMonitor(svc, pub, time.Hour, logr.Discard())}
-	svc.SetKick(h.mon.Kick)
+	svc.SetKick(h.mon.Kick, h.mon.KickNow)
 	svc.SetReady(true)
 	return h
 }
