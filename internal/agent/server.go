@@ -101,16 +101,25 @@ func Serve(ctx context.Context, l net.Listener, svc *Service, requestTimeout tim
 	defer stop()
 	defer wg.Wait()
 	slots := make(chan struct{}, maxConns)
+	var backoff time.Duration
 	for {
 		conn, err := l.Accept()
 		if err != nil {
 			if ctx.Err() != nil || errors.Is(err, net.ErrClosed) {
 				return nil
 			}
-			log.Error(err, "accept on the agent socket")
-			time.Sleep(50 * time.Millisecond)
+			// As net/http's Serve: back off from 5 ms doubling to 1 s (out of file descriptors,
+			// say), so a failing accept does not spin.
+			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+			log.Error(err, "accept on the agent socket", "retryIn", backoff.String())
+			select {
+			case <-ctx.Done():
+				return nil
+			case <-time.After(backoff):
+			}
 			continue
 		}
+		backoff = 0
 		if !acquire(ctx, slots, busyWait) {
 			svc.metrics.Busy.Inc()
 			busy(conn)

@@ -3,7 +3,6 @@ package integration
 import (
 	"context"
 	"fmt"
-	"syscall"
 	"testing"
 	"time"
 
@@ -45,15 +44,12 @@ func TestNewLeaderWaitsForANodeWhoseRecordIsMissing(t *testing.T) {
 
 	// Controllers down, node a's agent paused, its record deleted: nothing re-creates it yet.
 	ctrl.kill()
-	pid := a.cmd.Process.Pid
-	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
-		t.Fatal(err)
-	}
+	a.proc.Pause()
 	resumed := false
 	resume := func() {
 		if !resumed {
 			resumed = true
-			_ = syscall.Kill(pid, syscall.SIGCONT)
+			a.proc.Resume()
 		}
 	}
 	t.Cleanup(resume)

@@ -453,10 +453,8 @@ func TestPluginGivesUpOnAStoppedAgent(t *testing.T) {
 	ag.waitServing(t)
 	conf := pluginConf("1.1.0", ag.socket)
 	mustAdd(t, conf, "a")
-	if err := syscall.Kill(ag.cmd.Process.Pid, syscall.SIGSTOP); err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = syscall.Kill(ag.cmd.Process.Pid, syscall.SIGCONT) }()
+	ag.proc.Pause()
+	defer ag.proc.Resume()
 	start := time.Now()
 	_, e := cni(t, "DEL", conf, "a", podArgs("default", "pod-a", "uid-a"))
 	took := time.Since(start)
@@ -466,6 +464,6 @@ func TestPluginGivesUpOnAStoppedAgent(t *testing.T) {
 	if took > 45*time.Second {
 		t.Fatalf("the plugin took %s", took)
 	}
-	_ = syscall.Kill(ag.cmd.Process.Pid, syscall.SIGCONT)
+	ag.proc.Resume()
 	mustDel(t, conf, "a")
 }

@@ -7,7 +7,6 @@ import (
 	"regexp"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -189,13 +188,11 @@ func staleLeaderScenario(t *testing.T, n int, lease []string, skipLocal bool) {
 	}
 
 	// Pause the leader past its lease; the standby takes over.
-	if err := syscall.Kill(leader.cmd.Process.Pid, syscall.SIGSTOP); err != nil {
-		t.Fatal(err)
-	}
+	leader.Pause()
 	paused := true
 	defer func() {
 		if paused {
-			_ = syscall.Kill(leader.cmd.Process.Pid, syscall.SIGCONT)
+			leader.Resume()
 		}
 	}()
 	eventually(t, 60*time.Second, "the standby to take over the Lease", func() error {
@@ -223,9 +220,7 @@ func staleLeaderScenario(t *testing.T, n int, lease []string, skipLocal bool) {
 
 	// Resume the stale leader: its informers deliver what changed, its workers sync from its
 	// stale record, and every write it attempts is refused; it exits.
-	if err := syscall.Kill(leader.cmd.Process.Pid, syscall.SIGCONT); err != nil {
-		t.Fatal(err)
-	}
+	leader.Resume()
 	paused = false
 	select {
 	case <-leader.done:
