@@ -45,9 +45,9 @@ type Service struct {
 	log         logr.Logger
 	metrics     *Metrics
 
-	mu      sync.Mutex
-	st      *ipam.State
-	changed chan struct{} // closed and replaced whenever an address may have become usable
+	mu                sync.Mutex
+	st                *ipam.State
+	changed           chan struct{} // closed and replaced whenever an address may have become usable
 	kickFn, kickNowFn func()
 	// lookup reads a pod from the API server (Kube.GetPod); CNI GC re-checks candidates with it.
 	lookup func(context.Context, gc.Name) gc.Lookup
