@@ -44,44 +44,37 @@ func (c ClaimConflict) String() string {
 // SetClaims records the addresses a node claims, from its spec.
 func (s *State) SetClaims(name string, spec ipwardenv1.NodeIPAllocationSpec) {
 	n := s.node(name)
-	seen := map[string]bool{}
-	for _, req := range spec.Pools {
-		set, err := addr.ParseSet(blocks(req.Claimed))
-		if err != nil || set.IsEmpty() {
-			continue
-		}
-		seen[req.Pool] = true
-		n.claims[req.Pool] = set
-		s.pool(req.Pool).claims[name] = set
-	}
-	for pool := range n.claims {
-		if !seen[pool] {
-			delete(n.claims, pool)
-			if p, ok := s.pools[pool]; ok {
-				delete(p.claims, name)
-			}
-		}
-	}
+	s.setPerPool(name, spec, n.claims, func(p *poolState) map[string]addr.Set { return p.claims },
+		func(r ipwardenv1.NodePoolRequest) []ipwardenv1.AddressBlock { return r.Claimed })
 }
 
 // SetWanted records the addresses a node's pods ask for by name, from its spec.
 func (s *State) SetWanted(name string, spec ipwardenv1.NodeIPAllocationSpec) {
 	n := s.node(name)
+	s.setPerPool(name, spec, n.wanted, func(p *poolState) map[string]addr.Set { return p.wanted },
+		func(r ipwardenv1.NodePoolRequest) []ipwardenv1.AddressBlock { return r.Wanted })
+}
+
+// setPerPool records one per-pool address list of node name's spec (field) both in the node's
+// map (byPool) and in each pool's map by node (of), dropping pools the spec no longer lists.
+// Malformed or empty lists count as absent.
+func (s *State) setPerPool(name string, spec ipwardenv1.NodeIPAllocationSpec, byPool map[string]addr.Set,
+	of func(*poolState) map[string]addr.Set, field func(ipwardenv1.NodePoolRequest) []ipwardenv1.AddressBlock) {
 	seen := map[string]bool{}
 	for _, req := range spec.Pools {
-		set, err := addr.ParseSet(blocks(req.Wanted))
+		set, err := addr.ParseSet(blocks(field(req)))
 		if err != nil || set.IsEmpty() {
 			continue
 		}
 		seen[req.Pool] = true
-		n.wanted[req.Pool] = set
-		s.pool(req.Pool).wanted[name] = set
+		byPool[req.Pool] = set
+		of(s.pool(req.Pool))[name] = set
 	}
-	for pool := range n.wanted {
+	for pool := range byPool {
 		if !seen[pool] {
-			delete(n.wanted, pool)
+			delete(byPool, pool)
 			if p, ok := s.pools[pool]; ok {
-				delete(p.wanted, name)
+				delete(of(p), name)
 			}
 		}
 	}
