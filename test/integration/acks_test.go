@@ -105,3 +105,53 @@ func TestNewLeaderWaitsForANodeWhoseRecordIsMissing(t *testing.T) {
 		t.Fatal("the leader's settle did not end by the nodes' acknowledgements")
 	}
 }
+
+// The settle bound: a node whose agent stays silent (paused) past --claim-settle does not hold
+// the new leader up for ever. Once the bound passes the leader fills the other nodes anyway,
+// says so in its log and with a Warning event LeaderNotAcknowledged on the silent node's
+// NodeIPAllocation; the silent node keeps what its status holds (nothing of it goes elsewhere).
+func TestSettleBoundFillsPastASilentNode(t *testing.T) {
+	agentPool(t, "bound", "bound", ipwardenv1.IPPoolSpec{
+		CIDRs:         []ipwardenv1.CIDR{"10.124.0.0/26"},
+		Scaling:       ipwardenv1.Scaling{BatchSize: 4, BufferPercent: 0, MaxPerNode: 64},
+		ReuseCooldown: cooldown(0),
+	})
+	agentNode(t, "bound-a", "bound")
+	agentNode(t, "bound-b", "bound")
+	ctrl := startController(t)
+	args := []string{"--gc-grace=1h", "--address-wait=90s", "--lease-namespace=" + controlplane.ControllerNamespace}
+	a := startAgent(t, "bound-a", "", args...)
+	b := startAgent(t, "bound-b", "", args...)
+	a.waitServing(t)
+	b.waitServing(t)
+	confA, confB := pluginConf("1.1.0", a.socket, "bound"), pluginConf("1.1.0", b.socket, "bound")
+	for i := range 3 {
+		mustAdd(t, confA, fmt.Sprintf("sa%d", i))
+	}
+	heldA := held(t, "bound-a", "bound")
+
+	// The controller goes; node a's agent stops answering; a new leader starts with a short bound.
+	ctrl.kill()
+	a.proc.Pause()
+	t.Cleanup(a.proc.Resume)
+	freeLease(t)
+	leader := startController(t, "--leader-elect=true", "--leader-election-namespace="+controlplane.ControllerNamespace,
+		"--leader-election-id="+controlplane.ControllerLease, "--claim-settle=3s")
+	for i := range 8 {
+		mustAdd(t, confB, fmt.Sprintf("sb%d", i))
+	}
+	if !leader.logContains("nodes did not acknowledge this leader within --claim-settle") {
+		t.Fatal("node b was filled, but the leader's log does not say the settle bound passed")
+	}
+	if leader.logContains("every node acknowledged this leader") {
+		t.Fatal("the leader says every node acknowledged it, but node a's agent is paused")
+	}
+	obj := nipa(t, "bound-a")
+	waitEvent(t, "LeaderNotAcknowledged", "NodeIPAllocation", "bound-a", string(obj.UID), "did not acknowledge controller")
+	if hb := held(t, "bound-b", "bound"); hb.Overlaps(heldA) {
+		t.Fatalf("node b was given %v, which silent node a holds", hb.Intersect(heldA))
+	}
+	if h := held(t, "bound-a", "bound"); !h.ContainsSet(heldA) {
+		t.Fatalf("silent node a held %v, now %v", heldA, h)
+	}
+}
