@@ -210,4 +210,11 @@ const (
 	// ConditionAddressConflict is True on a NodeIPAllocation when the node's pods use an
 	// address another node holds (both nodes get it); an operator must decide which pod keeps it.
 	ConditionAddressConflict = "AddressConflict"
+	// ConditionStickyFull is True on an IPPool whose status.sticky holds 90 % or more of the
+	// MaxStickyReservations it may hold; once full, new StatefulSet pods get ordinary addresses.
+	ConditionStickyFull = "StickyFull"
 )
+
+// MaxStickyReservations is how many sticky reservations one IPPool's status may hold (the
+// API's maxItems of status.sticky).
+const MaxStickyReservations = 4096

@@ -740,6 +740,7 @@ func (s *State) PoolStatus(name string, prev ipwardenv1.IPPoolStatus, generation
 	for _, c := range PoolConditions(p.parseErr, p.overlaps, p.exhausted, free.Int64Sat(), count(conflicts), generation) {
 		meta.SetStatusCondition(&st.Conditions, c)
 	}
+	meta.SetStatusCondition(&st.Conditions, StickyCondition(len(p.sticky), generation))
 	p.dirty = false
 	return st, true
 }

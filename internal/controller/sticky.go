@@ -2,8 +2,11 @@ package controller
 
 import (
 	"cmp"
+	"fmt"
 	"net/netip"
 	"slices"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/sticky"
@@ -54,6 +57,11 @@ func (s *State) recordSticky(name string, spec ipwardenv1.NodeIPAllocationSpec) 
 			if _, has := p.sticky[id]; has {
 				continue
 			}
+			if len(p.sticky) >= ipwardenv1.MaxStickyReservations {
+				// The status holds no more (its maxItems): the pod keeps an ordinary address,
+				// and the pool's StickyFull condition says so.
+				continue
+			}
 			taken := false
 			for _, b := range p.sticky {
 				taken = taken || b == a
@@ -95,11 +103,29 @@ func (p *poolState) stickyStatus() []ipwardenv1.StickyAddress {
 	slices.SortFunc(out, func(a, b ipwardenv1.StickyAddress) int {
 		return cmp.Or(cmp.Compare(a.Namespace, b.Namespace), cmp.Compare(a.StatefulSet, b.StatefulSet), cmp.Compare(a.Ordinal, b.Ordinal))
 	})
-	if len(out) > 4096 { // the API's MaxItems
-		out = out[:4096]
+	if len(out) > ipwardenv1.MaxStickyReservations { // recordSticky never gets here
+		out = out[:ipwardenv1.MaxStickyReservations]
 	}
 	if len(out) == 0 {
 		return nil
 	}
 	return out
+}
+
+// StickyCondition is a pool's StickyFull condition for n reservations: True from 90 % of
+// MaxStickyReservations on, so an operator hears of it before new StatefulSet pods stop keeping
+// their addresses.
+func StickyCondition(n int, gen int64) metav1.Condition {
+	limit := ipwardenv1.MaxStickyReservations
+	c := metav1.Condition{Type: ipwardenv1.ConditionStickyFull, Status: metav1.ConditionFalse, Reason: "Room",
+		Message: fmt.Sprintf("%d of %d sticky reservations", n, limit), ObservedGeneration: gen}
+	switch {
+	case n >= limit:
+		c.Status, c.Reason = metav1.ConditionTrue, "Full"
+		c.Message = fmt.Sprintf("%d of %d sticky reservations: new StatefulSet pods get ordinary addresses that do not follow them; turn sticky off for some StatefulSets or move them to another pool", n, limit)
+	case n >= limit*9/10:
+		c.Status, c.Reason = metav1.ConditionTrue, "NearlyFull"
+		c.Message = fmt.Sprintf("%d of %d sticky reservations: at %d, new StatefulSet pods get ordinary addresses; turn sticky off for some StatefulSets or move them to another pool", n, limit, limit)
+	}
+	return c
 }
