@@ -243,31 +243,28 @@ func (k *Kube) Push(ctx context.Context) ([]ipam.Pod, error) {
 	}
 	var pools []ipam.Pool
 	var served []string
-	reservations := map[string]map[sticky.Identity]netip.Addr{}
 	for i := range poolList.Items {
 		p := &poolList.Items[i]
-		for _, e := range p.Status.Sticky {
-			a, err := netip.ParseAddr(string(e.Address))
-			if err != nil {
-				continue
-			}
-			if reservations[p.Name] == nil {
-				reservations[p.Name] = map[sticky.Identity]netip.Addr{}
-			}
-			reservations[p.Name][sticky.Identity{Namespace: e.Namespace, StatefulSet: e.StatefulSet, Ordinal: int(e.Ordinal)}] = a
-		}
 		spec, err := ippool.Parse(p.Spec)
 		if err != nil {
 			k.log.Error(err, "ignoring an IPPool the agent cannot read", "pool", p.Name)
 			continue
 		}
-		pools = append(pools, ipam.PoolOf(p.Name, spec, p.Status.Exhausted))
+		pc := ipam.PoolOf(p.Name, spec, p.Status.Exhausted)
+		for _, e := range p.Status.Sticky {
+			a, err := netip.ParseAddr(string(e.Address))
+			if err != nil {
+				continue
+			}
+			pc.Reserved = append(pc.Reserved, ipam.StickyUse{Identity: sticky.Identity{Namespace: e.Namespace, StatefulSet: e.StatefulSet, Ordinal: int(e.Ordinal)}, Addr: a})
+		}
+		slices.SortFunc(pc.Reserved, func(a, b ipam.StickyUse) int { return a.Addr.Compare(b.Addr) })
+		pools = append(pools, pc)
 		if spec.Selects(nodeLabels) && (len(k.only) == 0 || slices.Contains(k.only, p.Name)) {
 			served = append(served, p.Name)
 		}
 	}
 	k.svc.SetPools(pools, served)
-	k.svc.SetSticky(reservations)
 
 	k.recordMu.Lock()
 	err := k.pushRecord(ctx, &node)

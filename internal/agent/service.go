@@ -20,7 +20,6 @@ import (
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
 	"github.com/ipwarden/ipwarden/internal/agent/journal"
 	"github.com/ipwarden/ipwarden/internal/cniproto"
-	"github.com/ipwarden/ipwarden/internal/sticky"
 )
 
 // Committer writes state machine changes durably; the journal implements it.
@@ -409,14 +408,6 @@ func (s *Service) SetWantedElsewhere(m map[string]addr.Set) {
 	s.st.SetWantedElsewhere(m)
 	s.mu.Unlock()
 	s.kick()
-}
-
-// SetSticky hands the service the pools' sticky reservations (status.sticky).
-func (s *Service) SetSticky(m map[string]map[sticky.Identity]netip.Addr) {
-	s.mu.Lock()
-	s.st.SetSticky(m)
-	s.notifyLocked()
-	s.mu.Unlock()
 }
 
 // SetPodMeta sets how an ADD reads its pod's annotations and namespace (Kube.PodMeta).

@@ -1,6 +1,7 @@
 package ipam
 
 import (
+	"encoding/json"
 	"errors"
 	"net/netip"
 	"slices"
@@ -328,15 +329,15 @@ func TestChoosePoolsByNetwork(t *testing.T) {
 // A sticky pod gets its identity's reserved address as a static address; no other pod gets a
 // reserved address; a sticky pod's address the record lacks is reported in the spec.
 func TestStickyAddresses(t *testing.T) {
-	p4 := poolV4
-	p4.Sticky = true
-	h := newHarness(t, p4)
-	h.hold("v4", "10.0.0.2-10.0.0.9")
 	web0 := sticky.Identity{Namespace: "ns", StatefulSet: "web", Ordinal: 0}
 	web1 := sticky.Identity{Namespace: "ns", StatefulSet: "web", Ordinal: 1}
-	h.s.SetSticky(map[string]map[sticky.Identity]netip.Addr{"v4": {web0: ip("10.0.0.2")}})
+	p4 := poolV4
+	p4.Sticky = true
+	p4.Reserved = []StickyUse{{Identity: web0, Addr: ip("10.0.0.2")}}
+	h := newHarness(t, p4)
+	h.hold("v4", "10.0.0.2-10.0.0.9")
 	// An ordinary pod never gets the reserved 10.0.0.2.
-	if a := h.mustAdd("plain"); a[0] == "10.0.0.2/24" {
+	if a := h.mustAdd("plain"); a[0] == "10.0.0.2" {
 		t.Fatalf("ordinary pod got a reserved address")
 	}
 	add := func(cid string, id sticky.Identity) (Attachment, error) {
@@ -364,5 +365,41 @@ func TestStickyAddresses(t *testing.T) {
 	h.s.SetPools([]Pool{poolV4}, []string{"v4"})
 	if spec := h.s.Spec(); len(spec[0].Sticky) != 0 {
 		t.Fatalf("non-sticky pool reports %+v", spec[0].Sticky)
+	}
+}
+
+// The reservations are part of the journaled pool settings: an agent restarted from its journal
+// alone (the API server away) still keeps a reserved address out of ordinary ADDs and hands it
+// to its identity's pod. The pool settings go through JSON as the journal stores them.
+func TestStickyReservationsSurviveARestart(t *testing.T) {
+	web0 := sticky.Identity{Namespace: "ns", StatefulSet: "web", Ordinal: 0}
+	p4 := poolV4
+	p4.Sticky = true
+	p4.Reserved = []StickyUse{{Identity: web0, Addr: ip("10.0.0.2")}}
+	h := newHarness(t, p4)
+	h.hold("v4", "10.0.0.2-10.0.0.9")
+	raw, err := json.Marshal(h.snap.Pools)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.snap.Pools = nil
+	if err := json.Unmarshal(raw, &h.snap.Pools); err != nil {
+		t.Fatal(err)
+	}
+	old := h.s
+	h.s = New(old.node)
+	if problems := h.s.Restore(h.snap); len(problems) > 0 {
+		t.Fatalf("restore: %v", problems)
+	}
+	if a := h.mustAdd("plain"); a[0] == "10.0.0.2" {
+		t.Fatal("after a restart from the journal an ordinary pod got the reserved address")
+	}
+	a, ch, err := h.s.Add(AddRequest{Key: key("web-0"), Pod: PodRef{"ns", "web-0", "uid-web-0"}, Meta: PodMeta{Identity: web0, NamespaceKnown: true}}, h.now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.commit(ch)
+	if a.Addresses[0].Addr != ip("10.0.0.2") {
+		t.Fatalf("after a restart from the journal web-0 got %v, want its reserved 10.0.0.2", a.Addresses)
 	}
 }

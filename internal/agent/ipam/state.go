@@ -30,8 +30,6 @@ type State struct {
 	refused map[string]map[netip.Addr]string
 	// elsewhere: held addresses a pod on another node asks for by name, per pool (static.go).
 	elsewhere map[string]addr.Set
-	// stickyRes: the pools' status.sticky, reserved addresses per identity (sticky.go).
-	stickyRes map[string]map[sticky.Identity]netip.Addr
 	waiters   map[Key]waiter
 	// clock is the latest time any call passed in: Demand counts the addresses still cooling
 	// then, without a time argument of its own.
@@ -80,11 +78,17 @@ type poolState struct {
 	relCooled addr.Set
 	// nsSel is cfg.NamespaceSelector parsed; nil admits every namespace.
 	nsSel labels.Selector
+	// reserved is cfg.Reserved by identity (sticky.go).
+	reserved map[sticky.Identity]netip.Addr
 }
 
 // setConfig sets the pool's configuration and what it lets the node hand out.
 func (p *poolState) setConfig(cfg Pool) {
 	p.cfg, p.known = cfg, true
+	p.reserved = make(map[sticky.Identity]netip.Addr, len(cfg.Reserved))
+	for _, r := range cfg.Reserved {
+		p.reserved[r.Identity] = r.Addr
+	}
 	p.usable, p.usableKnown = cfg.Usable()
 	p.nsSel = nil
 	if cfg.NamespaceSelector != "" {
@@ -333,7 +337,7 @@ func poolEqual(a, b Pool) bool {
 	return a.Name == b.Name && slices.Equal(a.CIDRs, b.CIDRs) && a.Gateway == b.Gateway && slices.Equal(a.Exclude, b.Exclude) &&
 		slices.Equal(a.Routes, b.Routes) && a.Scaling == b.Scaling && a.Cooldown == b.Cooldown &&
 		a.Exhausted == b.Exhausted && a.Served == b.Served && a.NamespaceSelector == b.NamespaceSelector && a.Network == b.Network &&
-		a.Sticky == b.Sticky
+		a.Sticky == b.Sticky && slices.Equal(a.Reserved, b.Reserved)
 }
 
 // CanServeOffline reports whether the state, restored from the journal, can serve ADD before the

@@ -16,14 +16,11 @@ import (
 // addresses are never handed to another pod. The node reports the addresses its sticky pods use
 // that the record lacks (spec.pools[].sticky); the controller records them.
 
-// StickyUse is an address a sticky pod on the node uses.
+// StickyUse is an address a sticky pod on the node uses, or one a pool reserves for an identity.
 type StickyUse struct {
-	Identity sticky.Identity
-	Addr     netip.Addr
+	Identity sticky.Identity `json:"identity"`
+	Addr     netip.Addr      `json:"addr"`
 }
-
-// SetSticky records the pools' status.sticky.
-func (s *State) SetSticky(m map[string]map[sticky.Identity]netip.Addr) { s.stickyRes = m }
 
 // stickyFor returns the address pool reserves for the pod in meta, if it is sticky there.
 func (s *State) stickyFor(meta PodMeta, pool string) (netip.Addr, bool) {
@@ -34,15 +31,17 @@ func (s *State) stickyFor(meta PodMeta, pool string) (netip.Addr, bool) {
 	if p == nil || !(meta.Sticky || p.cfg.Sticky) {
 		return netip.Addr{}, false
 	}
-	a, ok := s.stickyRes[pool][meta.Identity]
+	a, ok := p.reserved[meta.Identity]
 	return a, ok
 }
 
 // stickyReserved is every address pool reserves for an identity.
 func (s *State) stickyReserved(pool string) addr.Set {
 	var as []netip.Addr
-	for _, a := range s.stickyRes[pool] {
-		as = append(as, a)
+	if p := s.pools[pool]; p != nil {
+		for _, a := range p.reserved {
+			as = append(as, a)
+		}
 	}
 	return addr.SetOfAddrs(as...)
 }
@@ -59,7 +58,7 @@ func (s *State) stickyUses(pool string) []StickyUse {
 		if id.StatefulSet == "" || id.Ordinal < 0 || !(pod.Sticky || p.cfg.Sticky) || pod.Ref.UID == "" {
 			continue
 		}
-		if _, has := s.stickyRes[pool][id]; has {
+		if _, has := p.reserved[id]; has {
 			continue
 		}
 		for _, k := range s.PodAttachments(pod.Ref.UID) {

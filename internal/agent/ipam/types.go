@@ -105,6 +105,10 @@ type Pool struct {
 	Network string `json:"network,omitempty"`
 	// Sticky is spec.sticky: StatefulSet pods keep their addresses (sticky.go).
 	Sticky bool `json:"sticky,omitempty"`
+	// Reserved is status.sticky, sorted by address: the address reserved for each StatefulSet
+	// identity. It is journaled with the rest, so an agent restarted while the API server is
+	// away still keeps reserved addresses out of ordinary ADDs and hands them to their pods.
+	Reserved []StickyUse `json:"reserved,omitempty"`
 	// Served records that the pool selected the node when the agent last heard from the API
 	// server, so an agent restarted while the API server is away serves ADD from the same pools.
 	Served bool `json:"served,omitempty"`
