@@ -26,6 +26,9 @@ type AddRequest struct {
 	PoolNetwork string
 }
 
+// PrimaryIfName is the interface a runtime gives the pod network's attachment (CNI_IFNAME).
+const PrimaryIfName = "eth0"
+
 // ConfigError is a request that names something invalid (CNI code 7). Field is the network
 // configuration key at fault.
 type ConfigError struct {
@@ -238,11 +241,22 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 	s.pending[req.Key] = u
 	delete(s.waiters, req.Key)
 	ch.PutAttachments = append(ch.PutAttachments, *att.clone())
+	if req.PoolNetwork == "" && req.Key.IfName == PrimaryIfName && !slices.Equal(s.configPools, req.Pools) {
+		// The pod network's configuration "pools", for the demand of pods not yet added
+		// (podWants); journaled with the attachment and taken on at ConfirmAdd.
+		cp := slices.Clone(req.Pools)
+		ch.PutConfigPools, u.configPools = &cp, &cp
+	}
 	return *att.clone(), ch, nil
 }
 
 // ConfirmAdd marks the pending ADD of k as journaled.
-func (s *State) ConfirmAdd(k Key) { delete(s.pending, k) }
+func (s *State) ConfirmAdd(k Key) {
+	if u := s.pending[k]; u != nil && u.configPools != nil {
+		s.configPools = slices.Clone(*u.configPools)
+	}
+	delete(s.pending, k)
+}
 
 // AbortAdd undoes the pending ADD of k after its journal write failed: its addresses go back
 // where they came from, as if the ADD had never happened.

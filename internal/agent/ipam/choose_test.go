@@ -176,6 +176,43 @@ func TestDemandFollowsPoolChoice(t *testing.T) {
 	}
 }
 
+// Once an ADD on eth0 brought the pod network configuration's "pools", a bound pod without
+// annotations counts where its ADD will draw (the configuration's pools), not in every pool that
+// selects the node; a secondary interface's configuration changes nothing. It survives a restart.
+func TestDemandFollowsTheConfigPools(t *testing.T) {
+	other := poolV4
+	other.Name, other.CIDRs, other.Gateway = "other-v4", []netip.Prefix{netip.MustParsePrefix("10.0.1.0/24")}, ip("10.0.1.1")
+	h := newHarness(t, poolV4, other)
+	h.hold("v4", "10.0.0.2-10.0.0.9")
+	h.s.SetPods([]Pod{{Ref: PodRef{"ns", "a", "ua"}}, {Ref: PodRef{"ns", "b", "ub"}}})
+	if v4, o := h.s.Demand("v4"), h.s.Demand("other-v4"); v4 != 2 || o != 2 {
+		t.Fatalf("before any ADD: demand v4 %d, other-v4 %d; want 2 and 2 (every pool that selects the node)", v4, o)
+	}
+	add := func(cid, ifname string, pools ...string) {
+		t.Helper()
+		_, ch, err := h.s.Add(AddRequest{Key: Key{ContainerID: cid, IfName: ifname}, Pod: PodRef{"ns", cid, "u" + cid}, Pools: pools}, h.now)
+		if err != nil {
+			t.Fatal(err)
+		}
+		h.commit(ch)
+		h.s.ConfirmAdd(Key{ContainerID: cid, IfName: ifname})
+	}
+	add("z", "eth0", "v4")
+	if v4, o := h.s.Demand("v4"), h.s.Demand("other-v4"); v4 != 3 || o != 0 {
+		t.Fatalf("after an ADD with pools [v4]: demand v4 %d, other-v4 %d; want 3 (a, b and z) and 0", v4, o)
+	}
+	h.hold("other-v4", "10.0.1.2-10.0.1.9")
+	add("y", "net1", "other-v4")
+	if v4, o := h.s.Demand("v4"), h.s.Demand("other-v4"); v4 != 3 || o != 1 {
+		t.Fatalf("after an ADD on net1 with pools [other-v4]: demand v4 %d, other-v4 %d; want 3 and 1 (y's address only)", v4, o)
+	}
+	h.restart()
+	h.s.SetPods([]Pod{{Ref: PodRef{"ns", "a", "ua"}}, {Ref: PodRef{"ns", "b", "ub"}}})
+	if v4, o := h.s.Demand("v4"), h.s.Demand("other-v4"); v4 != 3 || o != 1 {
+		t.Fatalf("after a restart: demand v4 %d, other-v4 %d; want 3 and 1 (the journaled configuration's pools)", v4, o)
+	}
+}
+
 func TestParseStaticAddresses(t *testing.T) {
 	for _, tc := range []struct {
 		in  string

@@ -68,10 +68,12 @@ func (s *State) Demand(pool string) int {
 }
 
 // podWants reports whether pod will draw from pool, by the rule its ADD follows (choosePools),
-// before the CNI config is known: a pod whose annotations name no pool counts in every pool that
-// serves the node and admits its namespace; one whose choice is refused counts nowhere.
+// before its ADD: the pod network's configuration is taken to be the last one an ADD on eth0
+// brought (its "pools"; before any, none, so a pod whose annotations name no pool counts in every
+// pool that serves the node and admits its namespace); a pod whose choice is refused counts
+// nowhere.
 func (s *State) podWants(pod Pod, pool string) bool {
-	names, err := s.choosePools(s.podMeta(pod), nil, pod.Ref.Namespace, "")
+	names, err := s.choosePools(s.podMeta(pod), s.configPools, pod.Ref.Namespace, "")
 	return err == nil && slices.Contains(names, pool)
 }
 

@@ -58,9 +58,12 @@ func (snap Snapshot) Apply(ch Change) Snapshot {
 	for _, p := range ch.PutPools {
 		pools[p.Name] = p
 	}
-	out := Snapshot{Mark: snap.Mark}
+	out := Snapshot{Mark: snap.Mark, ConfigPools: snap.ConfigPools}
 	if ch.PutMark != nil {
 		out.Mark = *ch.PutMark
+	}
+	if ch.PutConfigPools != nil {
+		out.ConfigPools = slices.Clone(*ch.PutConfigPools)
 	}
 	for _, a := range atts {
 		out.Attachments = append(out.Attachments, a)

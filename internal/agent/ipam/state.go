@@ -26,6 +26,9 @@ type State struct {
 	pods    []Pod
 	// namespaces are the namespaces the agent knows, for pool choice (choose.go).
 	namespaces map[string]Namespace
+	// configPools is the pod network configuration's "pools" from the last ADD on eth0: the
+	// demand of bound pods counts them where their ADD will draw (podWants).
+	configPools []string
 	// refused: wanted addresses the controller refused, per pool, with its reason (static.go).
 	refused map[string]map[netip.Addr]string
 	// elsewhere: held addresses a pod on another node asks for by name, per pool (static.go).
@@ -123,6 +126,7 @@ type waiter struct {
 type undo struct {
 	fromCooling []Cooling
 	placeholder *Attachment // the rebuilt attachment the ADD adopted addresses from, before
+	configPools *[]string   // the configuration's pools the ADD journals (ConfirmAdd takes them on)
 }
 
 // New returns an empty state for node.
@@ -160,6 +164,7 @@ func (s *State) pool(name string) *poolState {
 // wins, nothing is handed out twice) and reported as problems.
 func (s *State) Restore(snap Snapshot) (problems []string) {
 	s.mark = snap.Mark
+	s.configPools = slices.Clone(snap.ConfigPools)
 	var served []string
 	for _, pc := range snap.Pools {
 		p := s.pool(pc.Name)

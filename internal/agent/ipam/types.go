@@ -192,6 +192,8 @@ type Change struct {
 	DeletePools       []string
 	// PutMark replaces the record mark (record.go) when set.
 	PutMark *RecordMark
+	// PutConfigPools replaces the pod network configuration's "pools" (podWants) when set.
+	PutConfigPools *[]string
 }
 
 // IsEmpty reports whether c records nothing.
@@ -199,7 +201,7 @@ func (c *Change) IsEmpty() bool {
 	return len(c.PutAttachments) == 0 && len(c.DeleteAttachments) == 0 && len(c.PutCooling) == 0 &&
 		len(c.DeleteCooling) == 0 && len(c.PutReleasing) == 0 && len(c.DeleteReleasing) == 0 &&
 		len(c.PutHoldings) == 0 && len(c.DeleteHoldings) == 0 && len(c.PutPools) == 0 && len(c.DeletePools) == 0 &&
-		c.PutMark == nil
+		c.PutMark == nil && c.PutConfigPools == nil
 }
 
 // Merge appends o to c.
@@ -217,6 +219,9 @@ func (c *Change) Merge(o Change) {
 	if o.PutMark != nil {
 		c.PutMark = o.PutMark
 	}
+	if o.PutConfigPools != nil {
+		c.PutConfigPools = o.PutConfigPools
+	}
 }
 
 // Snapshot is the durable part of a State, as the journal loads it.
@@ -228,6 +233,8 @@ type Snapshot struct {
 	Pools       []Pool
 	// Mark is the NodeIPAllocation the node last wrote (record.go); zero when never.
 	Mark RecordMark
+	// ConfigPools is the pod network configuration's "pools" the last ADD on eth0 brought.
+	ConfigPools []string
 }
 
 // IsEmpty reports whether s holds no record at all (a new or lost journal).

@@ -416,8 +416,17 @@ func apply(tx *bolt.Tx, ch ipam.Change) error {
 			return err
 		}
 	}
+	if ch.PutConfigPools != nil {
+		if err := putJSON(tx.Bucket(bucketMeta), keyConfigPools, *ch.PutConfigPools); err != nil {
+			return err
+		}
+	}
 	return nil
 }
+
+// keyConfigPools (in the meta bucket) holds the pod network configuration's "pools" the last
+// ADD brought (ipam.Snapshot.ConfigPools). Journals without it load none.
+var keyConfigPools = []byte("configPools")
 
 // keyRecordMark (in the meta bucket) holds the ipam.RecordMark: the NodeIPAllocation the node
 // last wrote. Journals without it load a zero mark.
@@ -496,6 +505,11 @@ func (j *Journal) Load() (ipam.Snapshot, error) {
 		if v := tx.Bucket(bucketMeta).Get(keyRecordMark); v != nil {
 			if err := json.Unmarshal(v, &snap.Mark); err != nil {
 				return fmt.Errorf("record mark: %w", err)
+			}
+		}
+		if v := tx.Bucket(bucketMeta).Get(keyConfigPools); v != nil {
+			if err := json.Unmarshal(v, &snap.ConfigPools); err != nil {
+				return fmt.Errorf("config pools: %w", err)
 			}
 		}
 		return tx.Bucket(bucketPools).ForEach(func(k, v []byte) error {

@@ -12,6 +12,7 @@ import (
 	"github.com/ipwarden/ipwarden/internal/addr"
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
 	"github.com/ipwarden/ipwarden/internal/scaling"
+	"github.com/ipwarden/ipwarden/internal/sticky"
 )
 
 var t0 = time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)
@@ -44,7 +45,9 @@ func canon(t testing.TB, s ipam.Snapshot) string {
 		R []ipam.Releasing
 		H []holding
 		P []ipam.Pool
-	}{s.Attachments, s.Cooling, s.Releasing, hs, s.Pools})
+		M ipam.RecordMark
+		F []string
+	}{s.Attachments, s.Cooling, s.Releasing, hs, s.Pools, s.Mark, s.ConfigPools})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -66,15 +69,17 @@ func TestRoundTrip(t *testing.T) {
 	pool := ipam.Pool{
 		Name: "v4", CIDRs: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/24")}, Gateway: netip.MustParseAddr("10.0.0.1"),
 		Routes:  []ipam.Route{{Dst: netip.MustParsePrefix("0.0.0.0/0")}},
-		Scaling: scaling.DefaultParams, Cooldown: 30 * time.Second,
+		Scaling: scaling.DefaultParams, Cooldown: 30 * time.Second, Sticky: true,
+		Reserved: []ipam.StickyUse{{Identity: sticky.Identity{Namespace: "ns", StatefulSet: "db", Ordinal: 2}, Addr: netip.MustParseAddr("10.0.0.9")}},
 	}
+	configPools := []string{"v4"}
 	changes := []ipam.Change{
 		{PutPools: []ipam.Pool{pool}, PutHoldings: []ipam.Holding{{Pool: "v4", Addresses: addr.MustParseSetString("10.0.0.0/28")}}},
 		{PutAttachments: []ipam.Attachment{{
 			Key: ipam.Key{ContainerID: "abc", IfName: "eth0"}, Network: "net",
 			Pod:       ipam.PodRef{Namespace: "ns", Name: "web", UID: "u1"},
 			Addresses: []ipam.Address{{Pool: "v4", Addr: netip.MustParseAddr("10.0.0.2")}}, Created: t0,
-		}}},
+		}}, PutConfigPools: &configPools},
 		{PutCooling: []ipam.Cooling{{Pool: "v4", Addr: netip.MustParseAddr("10.0.0.3"), FreedAt: t0}},
 			PutReleasing: []ipam.Releasing{{Pool: "v4", Addr: netip.MustParseAddr("10.0.0.15"), Since: t0}}},
 		{DeleteCooling: []ipam.Address{{Pool: "v4", Addr: netip.MustParseAddr("10.0.0.3")}},
