@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"net/http"
 	"net/netip"
@@ -24,6 +25,7 @@ import (
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/addr"
+	"github.com/ipwarden/ipwarden/internal/cniproto"
 	"github.com/ipwarden/ipwarden/internal/localcluster"
 )
 
@@ -158,6 +160,7 @@ func (w writeCount) String() string {
 type holding struct {
 	requested, held int
 	runs            int // contiguous ranges of the held addresses: one route each at best
+	addresses       string
 }
 
 func holdings(ctx context.Context, c client.Client, pool string, names []string) (map[string]holding, error) {
@@ -181,7 +184,7 @@ func holdings(ctx context.Context, c client.Client, pool string, names []string)
 			if err != nil {
 				return nil, fmt.Errorf("node %s: %w", name, err)
 			}
-			h.held, h.runs = int(p.Held), set.NumRanges()
+			h.held, h.runs, h.addresses = int(p.Held), set.NumRanges(), set.String()
 		}
 		out[name] = h
 	}
@@ -466,6 +469,10 @@ func churnBench(ctx context.Context, env *benchEnv, o churnOptions) ([]figure, e
 	if restErr != nil {
 		fmt.Fprintln(os.Stderr, "  nodes not at rest by the deadline:", restErr)
 	}
+	for _, n := range nodes {
+		h := final[n.name]
+		fmt.Printf("  %s at the end: holds %d in %d runs: %s; in use: %s\n", n.name, h.held, h.runs, h.addresses, inUse(ctx, n.node))
+	}
 
 	perPod := after.total() / float64(starts)
 	var idle []string
@@ -484,8 +491,8 @@ func churnBench(ctx context.Context, env *benchEnv, o churnOptions) ([]figure, e
 		meanRuns /= float64(len(runs))
 	}
 	p99Runs := 0
-	if len(runs) > 0 {
-		p99Runs = runs[int(0.99*float64(len(runs)-1))]
+	if len(runs) > 0 { // nearest rank: with few samples the p99 is the largest
+		p99Runs = runs[int(math.Ceil(0.99*float64(len(runs))))-1]
 	}
 	var finalRuns []string
 	for _, name := range names {
@@ -637,4 +644,24 @@ func equalRun(ctx context.Context, env *benchEnv, pool, cidr string, headroom bo
 			value: fmt.Sprintf("%d of %d, the last after %s", got, pods, last.Round(time.Millisecond)), goal: fmt.Sprintf("all (retried up to %s)", limit), ok: lost == 0},
 		{name: "equal pool: ADDs that failed first (CNI error 11, retried)", value: strconv.Itoa(failed), goal: "(informational)", ok: true},
 	}, nil
+}
+
+// inUse lists the addresses the node's attachments use, as `ipwarden agent list` shows them.
+func inUse(ctx context.Context, n *node) string {
+	resp, err := cniproto.Call(ctx, n.socket, cniproto.Request{Op: cniproto.OpList})
+	if err == nil {
+		err = resp.AsError()
+	}
+	if err != nil {
+		return err.Error()
+	}
+	var as []netip.Addr
+	for _, a := range resp.Attachments {
+		for _, ip := range a.IPs {
+			if p, err := netip.ParsePrefix(ip.Address); err == nil {
+				as = append(as, p.Addr())
+			}
+		}
+	}
+	return addr.SetOfAddrs(as...).String()
 }
