@@ -601,6 +601,11 @@ func equalRun(ctx context.Context, env *benchEnv, pool, cidr string, headroom bo
 			jobs = append(jobs, &job{&nodes[i], p})
 		}
 	}
+	var agents []*node
+	for _, n := range nodes {
+		agents = append(agents, n.node)
+	}
+	before := countWrites(env.ctrlMetrics, agents)
 	start := time.Now()
 	end := start.Add(limit)
 	var (
@@ -633,16 +638,36 @@ func equalRun(ctx context.Context, env *benchEnv, pool, cidr string, headroom bo
 	if firstErr != nil {
 		fmt.Fprintln(os.Stderr, "  first pod without an address:", firstErr)
 	}
+	// What it cost and whether the pool went through exhaustion (the mechanism that lets it
+	// converge: nodes hold just their demand and give every spare back at once).
+	exhausted := "no"
+	if err := localcluster.WaitFor(ctx, 30*time.Second, 100*time.Millisecond, func() error {
+		hs, err := holdings(ctx, env.c, pool, nodeNames(agents))
+		if err != nil {
+			return err
+		}
+		return poolSettled(ctx, env.c, pool, hs)
+	}); err != nil {
+		fmt.Fprintln(os.Stderr, "  pool status not settled:", err)
+	}
+	if p := (&ipwardenv1.IPPool{}); env.c.Get(ctx, client.ObjectKey{Name: pool}, p) == nil && p.Status.Exhausted {
+		exhausted = "yes"
+	}
+	w := countWrites(env.ctrlMetrics, agents).minus(before)
+	cost := figure{name: fmt.Sprintf("%s: API writes per pod start; pool marked exhausted at the end", pool),
+		value: fmt.Sprintf("%.2f (%.0f: %s); %s", w.total()/float64(pods), w.total(), w, exhausted), goal: "(informational)", ok: true}
 	if headroom {
 		return []figure{
 			{name: fmt.Sprintf("10%% headroom: %d pods, pool of %d, 3 real agents: ADDs failed past --address-wait (10s)", pods, capacity),
 				value: fmt.Sprintf("%d (%d of %d pods got one, the last after %s)", failed, got, pods, last.Round(time.Millisecond)), goal: "0", ok: failed == 0 && lost == 0},
+			cost,
 		}, nil
 	}
 	return []figure{
 		{name: fmt.Sprintf("equal pool: %d pods, pool of %d, 3 real agents (50/30/20 %%): pods with an address", pods, capacity),
 			value: fmt.Sprintf("%d of %d, the last after %s", got, pods, last.Round(time.Millisecond)), goal: fmt.Sprintf("all (retried up to %s)", limit), ok: lost == 0},
 		{name: "equal pool: ADDs that failed first (CNI error 11, retried)", value: strconv.Itoa(failed), goal: "(informational)", ok: true},
+		cost,
 	}, nil
 }
 
@@ -664,4 +689,12 @@ func inUse(ctx context.Context, n *node) string {
 		}
 	}
 	return addr.SetOfAddrs(as...).String()
+}
+
+func nodeNames(ns []*node) []string {
+	var out []string
+	for _, n := range ns {
+		out = append(out, n.name)
+	}
+	return out
 }
