@@ -100,14 +100,15 @@ func burstBench(ctx context.Context, env *benchEnv, pods int) ([]figure, error) 
 			ok = append(ok, w)
 		}
 	}
-	// The agent's own view of the wait: how many ADDs found no free address and how long they
-	// waited for the controller, apart from the plugin's exec and the socket under load.
+	// The agent's own view of the wait: how long ADDs waited for the controller to give the
+	// node addresses, apart from the plugin's exec and the socket under load (an ADD that found
+	// a free address still observes its few microseconds of locking, hence the 1 ms bucket).
 	am := scrape("http://" + n.metrics + "/metrics")
 	waitCount, waitSum := am.sum("ipwarden_agent_ip_wait_seconds_count"), am.sum("ipwarden_agent_ip_wait_seconds_sum")
-	waited := waitCount - am.sum("ipwarden_agent_ip_wait_seconds_bucket", `le="0"`)
-	agentWait := figure{name: "burst: ADDs that waited in the agent for addresses; their mean wait", value: "none", goal: "(informational)", ok: true}
-	if waited > 0 {
-		agentWait.value = fmt.Sprintf("%.0f of %.0f; %s", waited, waitCount, time.Duration(waitSum/waited*float64(time.Second)).Round(time.Millisecond))
+	agentWait := figure{name: "burst: the agent's IP wait: ADDs that waited over 1 ms; mean over all", goal: "(informational)", ok: true}
+	if waitCount > 0 {
+		agentWait.value = fmt.Sprintf("%.0f of %.0f; %s", waitCount-am.sum("ipwarden_agent_ip_wait_seconds_bucket", `le="0.001"`), waitCount,
+			time.Duration(waitSum/waitCount*float64(time.Second)).Round(100*time.Microsecond))
 	}
 	return []figure{
 		{name: fmt.Sprintf("burst 0 to %d pods on a cold node (batch 16): ADDs that succeeded", pods),
