@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"math"
 	"math/rand/v2"
 	"net/http"
@@ -85,15 +86,21 @@ func stopPod(ctx context.Context, c client.Client, n *ipamNet, p benchPod) error
 type metrics map[string]float64
 
 func scrape(url string) metrics {
-	m := metrics{}
 	resp, err := http.Get(url)
 	if err != nil {
-		return m
+		return metrics{}
 	}
 	defer resp.Body.Close()
-	sc := bufio.NewScanner(resp.Body)
+	return parseMetrics(resp.Body)
+}
+
+// parseMetrics reads the Prometheus text format: comments and blank lines are skipped, a
+// sample whose value does not parse is left out.
+func parseMetrics(r io.Reader) metrics {
+	m := metrics{}
+	sc := bufio.NewScanner(r)
 	for sc.Scan() {
-		line := sc.Text()
+		line := strings.TrimSpace(sc.Text())
 		if line == "" || line[0] == '#' {
 			continue
 		}
@@ -482,18 +489,7 @@ func churnBench(ctx context.Context, env *benchEnv, o churnOptions) ([]figure, e
 		idle = append(idle, strconv.Itoa(h.held-o.pods))
 		idleOK = idleOK && h.held-o.pods <= restIdle
 	}
-	sort.Ints(runs)
-	meanRuns := 0.0
-	for _, r := range runs {
-		meanRuns += float64(r)
-	}
-	if len(runs) > 0 {
-		meanRuns /= float64(len(runs))
-	}
-	p99Runs := 0
-	if len(runs) > 0 { // nearest rank: with few samples the p99 is the largest
-		p99Runs = runs[int(math.Ceil(0.99*float64(len(runs))))-1]
-	}
+	meanRuns, p99Runs := runStats(runs)
 	var finalRuns []string
 	for _, name := range names {
 		finalRuns = append(finalRuns, strconv.Itoa(final[name].runs))
@@ -697,4 +693,17 @@ func nodeNames(ns []*node) []string {
 		out = append(out, n.name)
 	}
 	return out
+}
+
+// runStats is the mean and the p99 (nearest rank: under 100 samples, the largest) of runs.
+func runStats(runs []int) (mean float64, p99 int) {
+	if len(runs) == 0 {
+		return 0, 0
+	}
+	s := append([]int(nil), runs...)
+	sort.Ints(s)
+	for _, r := range s {
+		mean += float64(r)
+	}
+	return mean / float64(len(s)), s[int(math.Ceil(0.99*float64(len(s))))-1]
 }
