@@ -587,6 +587,11 @@ func equalRun(ctx context.Context, env *benchEnv, pool, cidr string, headroom bo
 		n *eqNode
 		p benchPod
 	}
+	var agents []*node
+	for _, n := range nodes {
+		agents = append(agents, n.node)
+	}
+	before := countWrites(env.ctrlMetrics, agents) // the agents raise their requests as the pods are bound
 	var jobs []*job
 	for i, n := range nodes {
 		for k := range share[i] {
@@ -597,11 +602,6 @@ func equalRun(ctx context.Context, env *benchEnv, pool, cidr string, headroom bo
 			jobs = append(jobs, &job{&nodes[i], p})
 		}
 	}
-	var agents []*node
-	for _, n := range nodes {
-		agents = append(agents, n.node)
-	}
-	before := countWrites(env.ctrlMetrics, agents)
 	start := time.Now()
 	end := start.Add(limit)
 	var (

@@ -41,8 +41,14 @@ type benchEnv struct {
 	ctrlMetrics string
 }
 
+// keepDirs leaves each bench's scratch directory (control plane, controller and agent logs) in place.
+var keepDirs bool
+
 func newEnv(ctx context.Context, root string, bins localcluster.Binaries, withController bool) (*benchEnv, error) {
-	cp, err := controlplane.Start(ctx, controlplane.Options{Root: root})
+	cp, err := controlplane.Start(ctx, controlplane.Options{Root: root, Keep: keepDirs})
+	if err == nil && keepDirs {
+		fmt.Println("  logs and data in", cp.Dir)
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -102,6 +108,7 @@ func run(args []string) error {
 	fs.DurationVar(&churn.releaseDelay, "churn-release-delay", 20*time.Second, "churn bench: the pool's releaseDelay")
 	fs.DurationVar(&churn.cooldown, "churn-cooldown", 30*time.Second, "churn bench: the pool's reuseCooldown")
 	equalLimit := fs.Duration("equal-deadline", 3*time.Minute, "equal bench: how long a pod's ADD is retried on CNI error 11")
+	fs.BoolVar(&keepDirs, "keep", false, "keep each bench's scratch directory (logs of the control plane, controller and agents)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
