@@ -64,6 +64,9 @@ func (n *ipamNet) addRetry(ctx context.Context, p *benchPod, deadline time.Time)
 			return failed, err
 		}
 		failed++
+		if traceChanges {
+			fmt.Printf("  trace %s ADD of %s failed: %v\n", time.Now().UTC().Format("15:04:05.000"), p.name, ce.Msg)
+		}
 		if derr := n.cni.DelNetworkList(ctx, n.list, podRuntime(p.cid(), "default", p.name, p.uid)); derr != nil {
 			return failed, fmt.Errorf("DEL of a failed sandbox: %w", derr)
 		}
@@ -591,6 +594,13 @@ func equalRun(ctx context.Context, env *benchEnv, pool, cidr string, headroom bo
 	for _, n := range nodes {
 		agents = append(agents, n.node)
 	}
+	if traceChanges {
+		tctx, stopTrace := context.WithCancel(ctx)
+		defer stopTrace()
+		if err := traceObjects(tctx, env, pool, time.Now()); err != nil {
+			return nil, err
+		}
+	}
 	before := countWrites(env.ctrlMetrics, agents) // the agents raise their requests as the pods are bound
 	var jobs []*job
 	for i, n := range nodes {
@@ -706,4 +716,53 @@ func runStats(runs []int) (mean float64, p99 int) {
 		mean += float64(r)
 	}
 	return mean / float64(len(s)), s[int(math.Ceil(0.99*float64(len(s))))-1]
+}
+
+// traceObjects prints every change of the pool's status and of the NodeIPAllocations' share of
+// it, with the time since start, until ctx ends (bench --trace: to see how a run converged).
+func traceObjects(ctx context.Context, env *benchEnv, pool string, start time.Time) error {
+	wc, err := client.NewWithWatch(env.cp.Config, client.Options{Scheme: env.c.Scheme()})
+	if err != nil {
+		return err
+	}
+	for _, list := range []client.ObjectList{&ipwardenv1.NodeIPAllocationList{}, &ipwardenv1.IPPoolList{}} {
+		w, err := wc.Watch(ctx, list)
+		if err != nil {
+			return err
+		}
+		go func() {
+			defer w.Stop()
+			for {
+				var ev watch.Event
+				select {
+				case <-ctx.Done():
+					return
+				case e, ok := <-w.ResultChan():
+					if !ok {
+						return
+					}
+					ev = e
+				}
+				at := time.Since(start).Round(time.Millisecond)
+				switch o := ev.Object.(type) {
+				case *ipwardenv1.IPPool:
+					if o.Name == pool {
+						fmt.Printf("  trace %8s pool %s: allocated %d free %d exhausted %t cooling %v\n", at, pool, o.Status.Allocated, o.Status.Free, o.Status.Exhausted, o.Status.Cooling)
+					}
+				case *ipwardenv1.NodeIPAllocation:
+					for _, sp := range o.Spec.Pools {
+						if sp.Pool == pool {
+							fmt.Printf("  trace %8s %s spec: requested %d releasing %v releasingCooled %v\n", at, o.Name, sp.Requested, sp.Releasing, sp.ReleasingCooled)
+						}
+					}
+					for _, st := range o.Status.Pools {
+						if st.Pool == pool {
+							fmt.Printf("  trace %8s %s status: held %d %v\n", at, o.Name, st.Held, st.Addresses)
+						}
+					}
+				}
+			}
+		}()
+	}
+	return nil
 }

@@ -41,8 +41,9 @@ type benchEnv struct {
 	ctrlMetrics string
 }
 
-// keepDirs leaves each bench's scratch directory (control plane, controller and agent logs) in place.
-var keepDirs bool
+// keepDirs leaves each bench's scratch directory (control plane, controller and agent logs) in
+// place; traceChanges prints the equal bench's pool and NodeIPAllocation changes as they happen.
+var keepDirs, traceChanges bool
 
 func newEnv(ctx context.Context, root string, bins localcluster.Binaries, withController bool) (*benchEnv, error) {
 	cp, err := controlplane.Start(ctx, controlplane.Options{Root: root, Keep: keepDirs})
@@ -109,6 +110,7 @@ func run(args []string) error {
 	fs.DurationVar(&churn.cooldown, "churn-cooldown", 30*time.Second, "churn bench: the pool's reuseCooldown")
 	equalLimit := fs.Duration("equal-deadline", 3*time.Minute, "equal bench: how long a pod's ADD is retried on CNI error 11")
 	fs.BoolVar(&keepDirs, "keep", false, "keep each bench's scratch directory (logs of the control plane, controller and agents)")
+	fs.BoolVar(&traceChanges, "trace", false, "equal bench: print every change of the pool status and the nodes' requests and holdings")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
