@@ -2,7 +2,7 @@
 // the reference measured in the same run where one exists, and prints each figure next to its
 // goal. `make bench` runs it all.
 //
-//	go run ./hack/bench [all|cni|burst|controller] [flags]
+//	go run ./hack/bench [all|cni|burst|churn|equal|controller] [flags]
 package main
 
 import (
@@ -41,8 +41,15 @@ type benchEnv struct {
 	ctrlMetrics string
 }
 
+// keepDirs leaves each bench's scratch directory (control plane, controller and agent logs) in
+// place; traceChanges prints the equal bench's pool and NodeIPAllocation changes as they happen.
+var keepDirs, traceChanges bool
+
 func newEnv(ctx context.Context, root string, bins localcluster.Binaries, withController bool) (*benchEnv, error) {
-	cp, err := controlplane.Start(ctx, controlplane.Options{Root: root})
+	cp, err := controlplane.Start(ctx, controlplane.Options{Root: root, Keep: keepDirs})
+	if err == nil && keepDirs {
+		fmt.Println("  logs and data in", cp.Dir)
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -94,6 +101,16 @@ func run(args []string) error {
 	pairs := fs.Int("pairs", 1000, "cni bench: sequential ADD+DEL pairs per plugin for the latency quantiles")
 	window := fs.Duration("window", 5*time.Second, "cni bench: duration of each throughput measurement")
 	pods := fs.Int("pods", 110, "burst bench: pods started at once")
+	var churn churnOptions
+	fs.IntVar(&churn.nodes, "churn-nodes", 3, "churn bench: real agents (nodes) on the pool")
+	fs.IntVar(&churn.pods, "churn-pods", 30, "churn bench: pods bound to each node")
+	fs.DurationVar(&churn.interval, "churn-interval", 2*time.Second, "churn bench: one pod stopped and a new one started per node this often")
+	fs.DurationVar(&churn.duration, "churn-duration", 3*time.Minute, "churn bench: how long the churn lasts (then the nodes come to rest)")
+	fs.DurationVar(&churn.releaseDelay, "churn-release-delay", 20*time.Second, "churn bench: the pool's releaseDelay")
+	fs.DurationVar(&churn.cooldown, "churn-cooldown", 30*time.Second, "churn bench: the pool's reuseCooldown")
+	equalLimit := fs.Duration("equal-deadline", 3*time.Minute, "equal bench: how long a pod's ADD is retried on CNI error 11")
+	fs.BoolVar(&keepDirs, "keep", false, "keep each bench's scratch directory (logs of the control plane, controller and agents)")
+	fs.BoolVar(&traceChanges, "trace", false, "equal bench: print every change of the pool status and the nodes' requests and holdings")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -128,6 +145,22 @@ func run(args []string) error {
 			defer env.close()
 			return burstBench(ctx, env, *pods)
 		}},
+		{"churn", func() ([]figure, error) {
+			env, err := newEnv(ctx, root, bins, true)
+			if err != nil {
+				return nil, err
+			}
+			defer env.close()
+			return churnBench(ctx, env, churn)
+		}},
+		{"equal", func() ([]figure, error) {
+			env, err := newEnv(ctx, root, bins, true)
+			if err != nil {
+				return nil, err
+			}
+			defer env.close()
+			return equalBench(ctx, env, *equalLimit)
+		}},
 		{"controller", func() ([]figure, error) {
 			env, err := newEnv(ctx, root, bins, false)
 			if err != nil {
@@ -156,7 +189,7 @@ func run(args []string) error {
 		all = append(all, figs...)
 	}
 	if !ran {
-		return fmt.Errorf("unknown bench %q: use all, cni, burst or controller", what)
+		return fmt.Errorf("unknown bench %q: use all, cni, burst, churn, equal or controller", what)
 	}
 	fmt.Printf("\nipwarden bench: %d CPUs, %s/%s, %s, everything on loopback of this machine\n", runtime.NumCPU(), runtime.GOOS, runtime.GOARCH, time.Now().UTC().Format("2006-01-02"))
 	tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)

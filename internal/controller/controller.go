@@ -923,6 +923,12 @@ func (c *Controller) afterFill(alloc *ipwardenv1.NodeIPAllocation, f *Fill) {
 	for _, pool := range f.Starved {
 		c.events.Eventf(alloc, corev1.EventTypeWarning, "PoolExhausted", "cannot fill this node's request: %s: %s", f.Pools[pool].Reason, f.Pools[pool].Detail)
 	}
+	c.mu.Lock()
+	missed := c.state.RefillMissed(f, alloc.Spec, c.opts.Now())
+	c.mu.Unlock()
+	if len(missed) > 0 {
+		c.enqueue(alloc.Name) // addresses came back while its fill was in flight
+	}
 	if woke || len(f.Starved) > 0 {
 		c.wakePools()
 	}
