@@ -38,6 +38,7 @@ type Allocator struct {
 	free      cowSet      // pool - allocated - cooling
 	freeSize  Count       // free.s.Size()
 	cooldown  time.Duration
+	roomBits  int // SetRoom
 }
 
 // coolBatch is a set of addresses freed at one time.
@@ -64,6 +65,7 @@ func (a *Allocator) Clone() *Allocator {
 		free:      *a.free.clone(),
 		freeSize:  a.freeSize,
 		cooldown:  a.cooldown,
+		roomBits:  a.roomBits,
 	}
 }
 
@@ -241,7 +243,8 @@ func (a *Allocator) Expire(now time.Time) Set {
 //     a gap), so the holder's routes aggregate, unless that would need
 //     more routes than a fresh block;
 //  2. else the smallest free aligned power-of-two block that holds n
-//     (buddy style, lowest address first), using its first n addresses;
+//     (buddy style, lowest address first), using its first n addresses
+//     (with SetRoom and nothing near, one with room to grow above them);
 //  3. else the largest free aligned blocks, lowest first, until n are
 //     gathered (the last need is again served by the smallest block that
 //     fits).
@@ -330,12 +333,24 @@ func (a *Allocator) gaps(n uint64, near Set) (Set, uint64) {
 	return fromUnsorted(v4, v6), got
 }
 
+// SetRoom makes a holder with nothing yet get its first addresses at the start of the smallest
+// free aligned block of at least 2^roomBits times the request (rounded up to a power of two),
+// where the pool has one: the rest of the block stays free above the holder's run, and other
+// holders' first addresses come from other blocks, so the holder's growth extends its run
+// instead of starting another. 0 (the default) turns it off: the smallest block that fits.
+func (a *Allocator) SetRoom(roomBits int) { a.roomBits = min(max(roomBits, 0), 16) }
+
 // pick chooses n free addresses; a.free must hold at least n.
 func (a *Allocator) pick(n uint64, near Set) Set {
-	block := a.pickBlocks(n)
 	if near.IsEmpty() {
-		return block
+		if k := bits.Len64(n-1) + a.roomBits; a.roomBits > 0 && k < 64 {
+			if b, ok := a.smallestBlock(k, false); ok {
+				return b.first(n)
+			}
+		}
+		return a.pickBlocks(n)
 	}
+	block := a.pickBlocks(n)
 	// Route cost of the block choice, to compare with extending near.
 	blockCost := 0
 	for i, g := range block.rs {
@@ -407,9 +422,18 @@ type blockRef struct {
 	is4   bool
 }
 
-// pickBlocks implements steps 2 and 3 of Allocate.
-func (a *Allocator) pickBlocks(n uint64) Set {
-	k := bits.Len64(n - 1) // 2^k >= n
+// first returns the first n addresses of the block.
+func (b blockRef) first(n uint64) Set {
+	g := rng{b.start, b.start.addU64(n - 1)}
+	if b.is4 {
+		return Set{rs: []rng{g}, n4: 1}
+	}
+	return Set{rs: []rng{g}}
+}
+
+// smallestBlock finds the smallest free aligned block of at least 2^k addresses (of exactly
+// 2^k when exact), lowest first.
+func (a *Allocator) smallestBlock(k int, exact bool) (blockRef, bool) {
 	var best blockRef
 	bestK := -1
 	for _, is4 := range []bool{true, false} {
@@ -436,12 +460,14 @@ func (a *Allocator) pickBlocks(n uint64) Set {
 			break
 		}
 	}
-	if bestK >= 0 {
-		g := rng{best.start, best.start.addU64(n - 1)}
-		if best.is4 {
-			return Set{rs: []rng{g}, n4: 1}
-		}
-		return Set{rs: []rng{g}}
+	return best, bestK >= 0 && (!exact || bestK == k)
+}
+
+// pickBlocks implements steps 2 and 3 of Allocate.
+func (a *Allocator) pickBlocks(n uint64) Set {
+	k := bits.Len64(n - 1) // 2^k >= n
+	if b, ok := a.smallestBlock(k, false); ok {
+		return b.first(n)
 	}
 
 	// No single block fits: bucket all free blocks by size. All are

@@ -137,6 +137,23 @@ func TestAllocatorNear(t *testing.T) {
 	}
 }
 
+// With SetRoom(2) a holder with nothing yet starts at the bottom of a free block four times its
+// request, so the next holder starts in another one and the first can grow in place; when no
+// such block is left, the smallest that fits.
+func TestAllocatorRoom(t *testing.T) {
+	a := NewAllocator(ms("10.0.0.0/24"), time.Minute)
+	a.SetRoom(2)
+	first := mustAlloc(t, a, 16, Set{}, t0, "10.0.0.0/28")
+	mustAlloc(t, a, 16, Set{}, t0, "10.0.0.64/28")
+	mustAlloc(t, a, 32, first, t0, "10.0.0.16-10.0.0.47")
+	mustAlloc(t, a, 16, Set{}, t0, "10.0.0.128/28")
+	mustAlloc(t, a, 16, Set{}, t0, "10.0.0.192/28")
+	// No free /26 is left: the smallest free block that fits.
+	mustAlloc(t, a, 16, Set{}, t0, "10.0.0.48/28")
+	b := a.Clone()
+	mustAlloc(t, b, 4, Set{}, t0, "10.0.0.80/30")
+}
+
 func TestAllocatorAssemble(t *testing.T) {
 	for _, tc := range []struct {
 		pool string

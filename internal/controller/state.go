@@ -184,6 +184,9 @@ func (s *State) setPool(obj *ipwardenv1.IPPool) (selectorChanged bool) {
 	}
 	if p.alloc == nil {
 		p.alloc = addr.NewAllocator(p.cfg.Addresses, p.cfg.Cooldown)
+		// A node's first addresses come with room for three times as many above them
+		// (docs/design.md, "Few runs per node").
+		p.alloc.SetRoom(2)
 	} else {
 		p.alloc.SetPool(p.cfg.Addresses)
 		p.alloc.SetCooldown(p.cfg.Cooldown)
