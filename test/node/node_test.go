@@ -63,6 +63,9 @@ type realNode struct {
 	cgroupDirs []string
 	pool       ipwardenv1.IPPoolSpec // scaling and cooldown of the pool deployIpwarden creates
 	second     *secondNode           // the controller-only second node, once started
+	// others counts pool addresses of workload-namespace pods outside the Deployment (the
+	// sticky StatefulSet's), which waitPods expects on the node beside the Deployment's.
+	others int
 }
 
 func (n *realNode) logf(format string, args ...any) {
