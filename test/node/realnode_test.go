@@ -452,23 +452,9 @@ func (n *realNode) checkAttachments(ctx context.Context, pods []pod) {
 		want[p.ip.String()] = p.name
 	}
 	err := localcluster.WaitFor(ctx, 30*time.Second, 250*time.Millisecond, func() error {
-		out, err := exec.Command(prep.Ipwarden, "agent", "list", "-o", "json", "--socket", cniproto.DefaultSocket).Output()
+		got, err := agentAttachments()
 		if err != nil {
-			return fmt.Errorf("ipwarden agent list: %v", err)
-		}
-		var resp struct{ Attachments []cniproto.Attachment }
-		if err := json.Unmarshal(out, &resp); err != nil {
 			return err
-		}
-		got := map[string]string{}
-		for _, a := range resp.Attachments {
-			for _, ip := range a.IPs {
-				addr := ip.Address
-				if p, err := netip.ParsePrefix(addr); err == nil {
-					addr = p.Addr().String()
-				}
-				got[addr] = a.Pod.Name
-			}
 		}
 		if fmt.Sprint(got) != fmt.Sprint(want) {
 			return fmt.Errorf("agent attachments %v, running pods %v", got, want)
@@ -481,6 +467,30 @@ func (n *realNode) checkAttachments(ctx context.Context, pods []pod) {
 }
 
 // checkClean runs ipwarden check against the cluster and the agent and returns its report.
+// agentAttachments asks the agent (ipwarden agent list on its socket) for its attachments:
+// address -> pod name.
+func agentAttachments() (map[string]string, error) {
+	out, err := exec.Command(prep.Ipwarden, "agent", "list", "-o", "json", "--socket", cniproto.DefaultSocket).Output()
+	if err != nil {
+		return nil, fmt.Errorf("ipwarden agent list: %v", err)
+	}
+	var resp struct{ Attachments []cniproto.Attachment }
+	if err := json.Unmarshal(out, &resp); err != nil {
+		return nil, err
+	}
+	got := map[string]string{}
+	for _, a := range resp.Attachments {
+		for _, ip := range a.IPs {
+			addr := ip.Address
+			if p, err := netip.ParsePrefix(addr); err == nil {
+				addr = p.Addr().String()
+			}
+			got[addr] = a.Pod.Name
+		}
+	}
+	return got, nil
+}
+
 func (n *realNode) checkClean(ctx context.Context) string {
 	out, err := exec.CommandContext(ctx, prep.Ipwarden, "check", "--kubeconfig", n.cp.Kubeconfig, "--grace=0s",
 		"--agent", nodeName+"="+cniproto.DefaultSocket).CombinedOutput()
@@ -531,6 +541,10 @@ func (n *realNode) dumpState(ctx context.Context) {
 	cmd := exec.Command(prep.Kubectl, "--kubeconfig", n.cp.Kubeconfig, "get", "pods,ippools,nodeipallocations", "-A", "-o", "wide")
 	out, _ := cmd.CombinedOutput()
 	n.t.Logf("state:\n%s", out)
+	out, _ = exec.Command(prep.Kubectl, "--kubeconfig", n.cp.Kubeconfig, "get", "ippools,nodeipallocations", "-o", "yaml").CombinedOutput()
+	n.t.Logf("pools and allocations:\n%s", out)
+	out, _ = exec.Command(prep.Ipwarden, "agent", "list", "-o", "json", "--socket", cniproto.DefaultSocket).CombinedOutput()
+	n.t.Logf("ipwarden agent list:\n%s", out)
 	ev := exec.Command(prep.Kubectl, "--kubeconfig", n.cp.Kubeconfig, "get", "events", "-A", "--sort-by=.lastTimestamp")
 	out, _ = ev.CombinedOutput()
 	if len(out) > 6000 {

@@ -32,13 +32,16 @@ const stickySet = "web"
 // restart`, and when its sandbox is stopped under the kubelet; that scaling to 1 returns
 // ordinal 1's reservation (whenScaled: Delete) and deleting the StatefulSet returns the rest
 // (whenDeleted: Delete). Every poll scans every pod network namespace for an address on two.
-// It leaves the Deployment at 7 pods and no StatefulSet.
+//
+// On one node an allocator without stickiness would often hand a re-created pod its old address
+// anyway (it is the one just freed). So the node is kept full (maxPerNode 8: 6 Deployment pods
+// and 2 StatefulSet pods) and a "squatter" pod, bound to the node directly, keeps asking for an
+// address throughout: without the reservation it gets the address a StatefulSet pod gave up,
+// and that pod none. It leaves the Deployment at 7 pods and no StatefulSet.
 func (n *realNode) checkStickyStatefulSet(ctx context.Context) {
 	t := n.t
-	// The node holds at most 8 addresses: 5 Deployment pods, 2 StatefulSet pods and one more
-	// Deployment pod while web-0 is away.
-	n.scale(ctx, 5)
-	n.waitPods(ctx, 5)
+	n.scale(ctx, 6)
+	deploy := n.waitPods(ctx, 6)
 	labels := map[string]string{"app": stickySet}
 	sts := &appsv1.StatefulSet{
 		ObjectMeta: metav1.ObjectMeta{Namespace: testNamespace, Name: stickySet},
@@ -51,14 +54,7 @@ func (n *realNode) checkStickyStatefulSet(ctx context.Context) {
 				WhenScaled: appsv1.DeletePersistentVolumeClaimRetentionPolicyType, WhenDeleted: appsv1.DeletePersistentVolumeClaimRetentionPolicyType},
 			Template: corev1.PodTemplateSpec{
 				ObjectMeta: metav1.ObjectMeta{Labels: labels, Annotations: map[string]string{podinfo.AnnotationSticky: "true"}},
-				Spec: corev1.PodSpec{
-					TerminationGracePeriodSeconds: ptr.To(int64(2)),
-					AutomountServiceAccountToken:  ptr.To(false),
-					EnableServiceLinks:            ptr.To(false),
-					Containers: []corev1.Container{{
-						Name: "sleeper", Image: workloadImage, ImagePullPolicy: corev1.PullNever,
-					}},
-				},
+				Spec:       sleeperPodSpec(),
 			},
 		},
 	}
@@ -67,7 +63,7 @@ func (n *realNode) checkStickyStatefulSet(ctx context.Context) {
 		t.Fatal(err)
 	}
 	n.others = 2
-	first := n.waitStatefulSet(ctx, 2, 5)
+	first := n.waitStatefulSet(ctx, 2, 6)
 	n.logf("sticky: StatefulSet running in %s: %s", time.Since(start).Round(time.Millisecond), podIPs(first))
 	want := map[string]string{}
 	for _, p := range first {
@@ -89,11 +85,33 @@ func (n *realNode) checkStickyStatefulSet(ctx context.Context) {
 		n.waitStickyRecord(ctx, want)
 	}
 
-	// 1. Delete web-0: the StatefulSet controller re-creates it under the same name (a new
-	// UID). A Deployment pod started meanwhile must not get web-0's reserved address.
+	// 1. Delete web-0 with the scheduler stopped, so the StatefulSet controller's new web-0
+	// (same name, new UID) stays unscheduled while the squatter asks for an address: once the
+	// agent has freed web-0's address, an ADD of the squatter that began after that fails.
 	start = time.Now()
-	n.kubectl("delete", "pod", "-n", testNamespace, first[0].name, "--wait=false")
-	n.scale(ctx, 6)
+	n.scheduler.Stop()
+	n.kubectl("delete", "pod", "-n", testNamespace, first[0].name, "--wait=true")
+	squatter := n.createSquatter(ctx)
+	n.refuseSquatter = true
+	n.waitAgentFreed(ctx, first[0].ip)
+	base := n.sandboxFailures(ctx, squatter)
+	if err := localcluster.WaitFor(ctx, time.Minute, 250*time.Millisecond, func() error {
+		if ns := n.scanNoDuplicates()[first[0].ip]; len(ns) > 0 {
+			t.Fatalf("sticky: %s, reserved for %s (unscheduled), is on network namespace %v", first[0].ip, first[0].name, ns)
+		}
+		n.squatterHasNoAddress(ctx)
+		if f := n.sandboxFailures(ctx, squatter); f <= base {
+			return fmt.Errorf("%d failed sandbox creations of the squatter, waiting for more than %d", f, base)
+		}
+		return nil
+	}); err != nil {
+		n.dumpState(ctx)
+		t.Fatal(err)
+	}
+	n.logf("sticky: the squatter was refused %s while %s was away", first[0].ip, first[0].name)
+	if err := n.scheduler.Restart(); err != nil {
+		t.Fatal(err)
+	}
 	after := n.waitStatefulSetWhere(ctx, 2, 6, func(p pod) error {
 		if p.name == first[0].name && p.uid == first[0].uid {
 			return fmt.Errorf("%s not re-created yet", p.name)
@@ -101,12 +119,6 @@ func (n *realNode) checkStickyStatefulSet(ctx context.Context) {
 		return nil
 	})
 	same("deleting "+first[0].name, first, after, func(b, a pod) bool { return b.name == first[0].name })
-	deploy := n.waitPods(ctx, 6)
-	for _, d := range deploy {
-		if d.ip == first[0].ip {
-			t.Fatalf("sticky: Deployment pod %s got %s, reserved for %s", d.name, d.ip, first[0].name)
-		}
-	}
 	n.logf("sticky: pod delete and re-create took %s", time.Since(start).Round(time.Millisecond))
 	n.checkPing(ctx, append([]pod{deploy[0]}, after...))
 	n.checkAttachments(ctx, append(slices.Clone(deploy), after...))
@@ -147,14 +159,19 @@ func (n *realNode) checkStickyStatefulSet(ctx context.Context) {
 	n.checkPing(ctx, append([]pod{deploy[0]}, after...))
 	n.checkAttachments(ctx, append(slices.Clone(deploy), after...))
 
-	// 4. Scale to 1 (whenScaled: Delete): ordinal 1's reservation goes back to the pool.
+	// 4. Scale to 1 (whenScaled: Delete): ordinal 1's reservation goes back to the pool, and
+	// the squatter gets the address (the node's only free one).
 	start = time.Now()
+	n.refuseSquatter = false
 	n.kubectl("scale", "-n", testNamespace, "statefulset/"+stickySet, "--replicas=1")
-	n.others = 1
-	after = n.waitStatefulSet(ctx, 1, 6)
 	delete(want, testNamespace+"/"+first[1].name)
 	n.waitStickyRecord(ctx, want)
-	n.logf("sticky: scale to 1 returned %s in %s", first[1].ip, time.Since(start).Round(time.Millisecond))
+	sq := n.waitSquatterRunning(ctx, first[1].ip)
+	after = n.waitStatefulSet(ctx, 1, 7)
+	n.logf("sticky: scale to 1 returned %s, now the squatter's, in %s", first[1].ip, time.Since(start).Round(time.Millisecond))
+	n.checkAttachments(ctx, append(append(slices.Clone(deploy), after...), sq))
+	n.kubectl("delete", "pod", "-n", testNamespace, squatterName, "--wait=true")
+	n.others = 1
 	out := n.checkClean(ctx)
 	if line := fmt.Sprintf("reserves %s for %s/%s", first[0].ip, testNamespace, first[0].name); !strings.Contains(out, line) {
 		t.Fatalf("ipwarden check does not list %q:\n%s", line, out)
@@ -162,32 +179,145 @@ func (n *realNode) checkStickyStatefulSet(ctx context.Context) {
 	if strings.Contains(out, testNamespace+"/"+first[1].name) {
 		t.Fatalf("ipwarden check still lists %s:\n%s", first[1].name, out)
 	}
-	n.checkAttachments(ctx, append(slices.Clone(deploy), after...))
 
-	// 5. Delete the StatefulSet (whenDeleted: Delete): the last reservation goes; its pod's
-	// address is freed on the node.
+	// 5. Delete the StatefulSet (whenDeleted: Delete): the last reservation goes, and its
+	// address serves ordinary pods again: the Deployment fills the node's 8 addresses.
 	n.kubectl("delete", "statefulset", "-n", testNamespace, stickySet, "--wait=true")
 	n.others = 0
 	n.waitStickyRecord(ctx, map[string]string{})
+	n.scale(ctx, 8)
+	n.checkAttachments(ctx, n.waitPods(ctx, 8))
 	n.scale(ctx, 7)
-	n.checkAttachments(ctx, n.waitPods(ctx, 7))
+	n.waitPods(ctx, 7)
+}
+
+// squatterName is a pod bound to the node directly (no scheduler) that asks for an address
+// while the node has none free but a reserved one.
+const squatterName = "squatter"
+
+func sleeperPodSpec() corev1.PodSpec {
+	return corev1.PodSpec{
+		TerminationGracePeriodSeconds: ptr.To(int64(2)),
+		AutomountServiceAccountToken:  ptr.To(false),
+		EnableServiceLinks:            ptr.To(false),
+		Containers: []corev1.Container{{
+			Name: "sleeper", Image: workloadImage, ImagePullPolicy: corev1.PullNever,
+		}},
+	}
+}
+
+func (n *realNode) createSquatter(ctx context.Context) string {
+	spec := sleeperPodSpec()
+	spec.NodeName = nodeName
+	p, err := n.kube.CoreV1().Pods(testNamespace).Create(ctx, &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: testNamespace, Name: squatterName, Labels: map[string]string{"app": squatterName}},
+		Spec:       spec}, metav1.CreateOptions{})
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	return string(p.UID)
+}
+
+// squatterHasNoAddress fails the test if the squatter has an address.
+func (n *realNode) squatterHasNoAddress(ctx context.Context) {
+	n.t.Helper()
+	p, err := n.kube.CoreV1().Pods(testNamespace).Get(ctx, squatterName, metav1.GetOptions{})
+	if err != nil {
+		return // not there (yet or any more)
+	}
+	if p.Status.PodIP != "" {
+		n.t.Fatalf("sticky: the squatter got %s while the node's only free address was reserved", p.Status.PodIP)
+	}
+}
+
+// waitSquatterRunning waits until the squatter runs with address ip on its sandbox's network
+// namespace.
+func (n *realNode) waitSquatterRunning(ctx context.Context, ip netip.Addr) pod {
+	t := n.t
+	t.Helper()
+	var got pod
+	err := localcluster.WaitFor(ctx, 2*time.Minute, 250*time.Millisecond, func() error {
+		addrs := n.scanNoDuplicates()
+		p, err := n.kube.CoreV1().Pods(testNamespace).Get(ctx, squatterName, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		if p.Status.Phase != corev1.PodRunning || p.Status.PodIP == "" {
+			return fmt.Errorf("squatter is %s (ip %q)", p.Status.Phase, p.Status.PodIP)
+		}
+		if p.Status.PodIP != ip.String() {
+			t.Fatalf("sticky: the squatter got %s, want %s (the node's only free address)", p.Status.PodIP, ip)
+		}
+		sandbox, netns, err := n.podSandbox(ctx, string(p.UID))
+		if err != nil {
+			return err
+		}
+		if ns := addrs[ip]; len(ns) != 1 || ns[0] != netns {
+			return fmt.Errorf("squatter address %s is on network namespaces %v, want only %s", ip, ns, netns)
+		}
+		got = pod{name: p.Name, uid: string(p.UID), ip: ip, netns: netns, sandbox: sandbox}
+		return nil
+	})
+	if err != nil {
+		n.dumpState(ctx)
+		t.Fatal(err)
+	}
+	return got
+}
+
+// sandboxFailures counts the kubelet's FailedCreatePodSandBox events for the pod with uid.
+func (n *realNode) sandboxFailures(ctx context.Context, uid string) int {
+	evs, err := n.kube.CoreV1().Events(testNamespace).List(ctx, metav1.ListOptions{
+		FieldSelector: "involvedObject.uid=" + uid + ",reason=FailedCreatePodSandBox"})
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	var c int
+	for _, e := range evs.Items {
+		c += max(1, int(e.Count))
+	}
+	return c
+}
+
+// waitAgentFreed waits until no attachment of the agent has ip.
+func (n *realNode) waitAgentFreed(ctx context.Context, ip netip.Addr) {
+	t := n.t
+	t.Helper()
+	err := localcluster.WaitFor(ctx, time.Minute, 250*time.Millisecond, func() error {
+		n.scanNoDuplicates()
+		got, err := agentAttachments()
+		if err != nil {
+			return err
+		}
+		if pod, ok := got[ip.String()]; ok {
+			return fmt.Errorf("the agent still has %s attached to %s", ip, pod)
+		}
+		return nil
+	})
+	if err != nil {
+		n.dumpState(ctx)
+		t.Fatal(err)
+	}
 }
 
 // waitStatefulSet waits until the sticky StatefulSet runs exactly want pods and the node's
-// pod network namespaces carry exactly want+deployment pool addresses.
-func (n *realNode) waitStatefulSet(ctx context.Context, want, deployment int) []pod {
-	return n.waitStatefulSetWhere(ctx, want, deployment, func(pod) error { return nil })
+// pod network namespaces carry exactly want+others pool addresses.
+func (n *realNode) waitStatefulSet(ctx context.Context, want, others int) []pod {
+	return n.waitStatefulSetWhere(ctx, want, others, func(pod) error { return nil })
 }
 
 // waitStatefulSetWhere is waitStatefulSet until every pod also satisfies cond. A pod counts when
 // it is Running with one pool address in status.podIP and status.podIPs, and that address is on
 // its ready sandbox's network namespace (asked of the runtime) and on no other.
-func (n *realNode) waitStatefulSetWhere(ctx context.Context, want, deployment int, cond func(pod) error) []pod {
+func (n *realNode) waitStatefulSetWhere(ctx context.Context, want, others int, cond func(pod) error) []pod {
 	t := n.t
 	t.Helper()
 	var pods []pod
 	err := localcluster.WaitFor(ctx, 3*time.Minute, 250*time.Millisecond, func() error {
 		addrs := n.scanNoDuplicates()
+		if n.refuseSquatter {
+			n.squatterHasNoAddress(ctx)
+		}
 		list, err := n.kube.CoreV1().Pods(testNamespace).List(ctx, metav1.ListOptions{LabelSelector: "app=" + stickySet})
 		if err != nil {
 			return err
@@ -229,8 +359,8 @@ func (n *realNode) waitStatefulSetWhere(ctx context.Context, want, deployment in
 				inPool++
 			}
 		}
-		if inPool != want+deployment {
-			return fmt.Errorf("%d pool addresses on pod network namespaces, want %d", inPool, want+deployment)
+		if inPool != want+others {
+			return fmt.Errorf("%d pool addresses on pod network namespaces, want %d", inPool, want+others)
 		}
 		return nil
 	})
