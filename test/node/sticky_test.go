@@ -62,6 +62,19 @@ func (n *realNode) checkStickyStatefulSet(ctx context.Context) {
 	if _, err := n.kube.AppsV1().StatefulSets(testNamespace).Create(ctx, sts, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
+	// Should a step fail, the rest of the suite gets its scheduler back and the Deployment alone.
+	t.Cleanup(func() {
+		if !t.Failed() {
+			return
+		}
+		if !n.scheduler.Running() {
+			_ = n.scheduler.Restart()
+		}
+		bg := context.Background()
+		_ = n.kube.AppsV1().StatefulSets(testNamespace).Delete(bg, stickySet, metav1.DeleteOptions{})
+		_ = n.kube.CoreV1().Pods(testNamespace).Delete(bg, squatterName, metav1.DeleteOptions{})
+		n.others, n.refuseSquatter = 0, false
+	})
 	n.others = 2
 	first := n.waitStatefulSet(ctx, 2, 6)
 	n.logf("sticky: StatefulSet running in %s: %s", time.Since(start).Round(time.Millisecond), podIPs(first))
@@ -93,7 +106,7 @@ func (n *realNode) checkStickyStatefulSet(ctx context.Context) {
 	n.kubectl("delete", "pod", "-n", testNamespace, first[0].name, "--wait=true")
 	squatter := n.createSquatter(ctx)
 	n.refuseSquatter = true
-	n.waitAgentFreed(ctx, first[0].ip)
+	n.waitAgentFreed(ctx, first[0].ip, first[0].name)
 	base := n.sandboxFailures(ctx, squatter)
 	if err := localcluster.WaitFor(ctx, time.Minute, 250*time.Millisecond, func() error {
 		if ns := n.scanNoDuplicates()[first[0].ip]; len(ns) > 0 {
@@ -279,8 +292,9 @@ func (n *realNode) sandboxFailures(ctx context.Context, uid string) int {
 	return c
 }
 
-// waitAgentFreed waits until no attachment of the agent has ip.
-func (n *realNode) waitAgentFreed(ctx context.Context, ip netip.Addr) {
+// waitAgentFreed waits until no attachment of the agent has ip, reserved for owner: an
+// attachment of another pod to it fails the test.
+func (n *realNode) waitAgentFreed(ctx context.Context, ip netip.Addr, owner string) {
 	t := n.t
 	t.Helper()
 	err := localcluster.WaitFor(ctx, time.Minute, 250*time.Millisecond, func() error {
@@ -289,7 +303,9 @@ func (n *realNode) waitAgentFreed(ctx context.Context, ip netip.Addr) {
 		if err != nil {
 			return err
 		}
-		if pod, ok := got[ip.String()]; ok {
+		if pod, ok := got[ip.String()]; ok && pod != owner {
+			t.Fatalf("sticky: the agent attached %s, reserved for %s, to %s", ip, owner, pod)
+		} else if ok {
 			return fmt.Errorf("the agent still has %s attached to %s", ip, pod)
 		}
 		return nil
