@@ -29,6 +29,9 @@ type State struct {
 	// settleUntil: until then no node is filled from the free pool; claims are served first
 	// (docs/design.md, "Claims"). Set when the controller starts leading.
 	settleUntil time.Time
+	// statefulSets: the last view of each StatefulSet seen (ReturnSticky), deleted ones too,
+	// so a node's late report cannot re-record a reservation already returned (sticky.go).
+	statefulSets map[stsKey]sticky.StatefulSet
 }
 
 type poolState struct {

@@ -38,7 +38,14 @@ func (p *poolState) restoreSticky(st []ipwardenv1.StickyAddress) {
 	}
 }
 
-// recordSticky records the sticky addresses node name reports, where it holds them.
+// stsKey names a StatefulSet.
+type stsKey struct{ namespace, name string }
+
+// recordSticky records the sticky addresses node name reports, where it holds them, unless the
+// last view of the identity's StatefulSet says sticky.Keep would return it: a node reports its
+// pod's address until the pod's attachment is gone, which outlives the StatefulSet's deletion or
+// scale-down, and a record made then would never be returned (no StatefulSet event follows a
+// deletion). A StatefulSet not seen yet does not block the record.
 func (s *State) recordSticky(name string, spec ipwardenv1.NodeIPAllocationSpec) {
 	n := s.node(name)
 	for _, req := range spec.Pools {
@@ -56,6 +63,11 @@ func (s *State) recordSticky(name string, spec ipwardenv1.NodeIPAllocationSpec) 
 			}
 			if _, has := p.sticky[id]; has {
 				continue
+			}
+			if view, seen := s.statefulSets[stsKey{id.Namespace, id.StatefulSet}]; seen {
+				if keep, _ := sticky.Keep(id, view); !keep {
+					continue
+				}
 			}
 			if len(p.sticky) >= ipwardenv1.MaxStickyReservations {
 				// The status holds no more (its maxItems): the pod keeps an ordinary address,
@@ -75,8 +87,13 @@ func (s *State) recordSticky(name string, spec ipwardenv1.NodeIPAllocationSpec) 
 }
 
 // ReturnSticky drops the reservations of the StatefulSet namespace/name that sticky.Keep no
-// longer keeps, and reports whether any pool changed.
+// longer keeps, and reports whether any pool changed. It remembers sts as the StatefulSet's
+// last view for recordSticky (a deleted one until a StatefulSet of that name appears again).
 func (s *State) ReturnSticky(namespace, name string, sts sticky.StatefulSet) bool {
+	if s.statefulSets == nil {
+		s.statefulSets = map[stsKey]sticky.StatefulSet{}
+	}
+	s.statefulSets[stsKey{namespace, name}] = sts
 	changed := false
 	for _, p := range s.pools {
 		for id := range p.sticky {

@@ -78,3 +78,68 @@ func TestStickyRecordStopsAtTheLimit(t *testing.T) {
 		t.Fatalf("after the StatefulSet db was deleted, status.sticky = %v, want only web-0", fmt.Sprint(st.Sticky))
 	}
 }
+
+// stickyReport is node spec reporting that its pod web-0 (namespace ns, StatefulSet web) uses
+// address a of pool p.
+func stickyReport(a string) ipwardenv1.NodeIPAllocationSpec {
+	sp := spec("p", 4)
+	sp.Pools[0].Sticky = []ipwardenv1.StickyAddress{{Address: ipwardenv1.IPAddress(a), Namespace: "ns", StatefulSet: "web", Ordinal: 0}}
+	return sp
+}
+
+// A node reports its sticky pod's address until the pod's attachment is gone, which outlives
+// the StatefulSet's scale-down or deletion: the report must not re-record a reservation that
+// sticky.Keep returns, or it stays forever (the real-node suite found this: after the
+// StatefulSet was deleted, web-0's address stayed reserved and the node, at its maxPerNode,
+// refused a Deployment pod).
+func TestRecordStickyFollowsTheStatefulSetsLastView(t *testing.T) {
+	del := appsv1.DeletePersistentVolumeClaimRetentionPolicyType
+	cases := []struct {
+		name   string
+		views  []sticky.StatefulSet // ReturnSticky calls before the report, in order
+		record bool
+	}{
+		{"StatefulSet not seen yet", nil, true},
+		{"runs the ordinal", []sticky.StatefulSet{{Exists: true, Replicas: 2}}, true},
+		{"scaled to zero, whenScaled Delete", []sticky.StatefulSet{{Exists: true, Replicas: 0, WhenScaled: del}}, false},
+		{"scaled to zero, whenScaled Retain", []sticky.StatefulSet{{Exists: true, Replicas: 0}}, true},
+		{"deleted, whenDeleted Delete", []sticky.StatefulSet{{Exists: true, Replicas: 1, WhenDeleted: del}, {Exists: false, Replicas: 1, WhenDeleted: del}}, false},
+		{"deleted, whenDeleted Retain", []sticky.StatefulSet{{Exists: false, Replicas: 1}}, true},
+		{"deleted, then created again", []sticky.StatefulSet{{Exists: false, Replicas: 1, WhenDeleted: del}, {Exists: true, Replicas: 1}}, true},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			s := NewState(DefaultExhaustionMarks)
+			s.Rebuild([]ipwardenv1.IPPool{testPool("p", "10.0.0.0/28", 0)}, []ipwardenv1.NodeIPAllocation{allocWith("a", "p", "10.0.0.1-10.0.0.4")}, t0)
+			for _, v := range c.views {
+				s.ReturnSticky("ns", "web", v)
+			}
+			s.recordSticky("a", stickyReport("10.0.0.2"))
+			got, recorded := s.pools["p"].sticky[sticky.Identity{Namespace: "ns", StatefulSet: "web", Ordinal: 0}]
+			if recorded != c.record || (recorded && got.String() != "10.0.0.2") {
+				t.Fatalf("record %v (%v), want recorded %v", got, recorded, c.record)
+			}
+		})
+	}
+}
+
+// The sequence the real node ran: recorded, the StatefulSet deleted (whenDeleted: Delete) and
+// the reservation returned, then the node, whose pod is still being torn down, reports it
+// again: it stays returned, and the pool's status lists nothing.
+func TestReturnedStickyStaysReturned(t *testing.T) {
+	del := appsv1.DeletePersistentVolumeClaimRetentionPolicyType
+	s := NewState(DefaultExhaustionMarks)
+	s.Rebuild([]ipwardenv1.IPPool{testPool("p", "10.0.0.0/28", 0)}, []ipwardenv1.NodeIPAllocation{allocWith("a", "p", "10.0.0.1-10.0.0.4")}, t0)
+	s.ReturnSticky("ns", "web", sticky.StatefulSet{Exists: true, Replicas: 1, WhenDeleted: del})
+	s.recordSticky("a", stickyReport("10.0.0.2"))
+	if len(s.pools["p"].sticky) != 1 {
+		t.Fatalf("not recorded: %v", s.pools["p"].sticky)
+	}
+	if !s.ReturnSticky("ns", "web", sticky.StatefulSet{Exists: false, Replicas: 1, WhenDeleted: del}) {
+		t.Fatal("deleting the StatefulSet returned nothing")
+	}
+	s.recordSticky("a", stickyReport("10.0.0.2"))
+	if st := s.pools["p"].stickyStatus(); len(st) != 0 {
+		t.Fatalf("the late report re-recorded %v", st)
+	}
+}

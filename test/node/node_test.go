@@ -63,6 +63,12 @@ type realNode struct {
 	cgroupDirs []string
 	pool       ipwardenv1.IPPoolSpec // scaling and cooldown of the pool deployIpwarden creates
 	second     *secondNode           // the controller-only second node, once started
+	// others counts pool addresses of workload-namespace pods outside the Deployment (the
+	// sticky StatefulSet's), which waitPods expects on the node beside the Deployment's.
+	others int
+	// refuseSquatter: while set, the sticky StatefulSet's waits fail the test if the squatter
+	// pod has an address (sticky_test.go).
+	refuseSquatter bool
 }
 
 func (n *realNode) logf(format string, args ...any) {

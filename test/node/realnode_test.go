@@ -176,6 +176,13 @@ func TestRealNode(t *testing.T) {
 		n.checkClean(ctx)
 	})
 
+	// A sticky StatefulSet beside the Deployment: its pods keep their addresses across a pod
+	// delete, a rollout restart and a sandbox restart; scaling down and deleting it return them.
+	t.Run("sticky StatefulSet keeps its addresses", func(t *testing.T) {
+		n.t = t
+		n.checkStickyStatefulSet(ctx)
+	})
+
 	// Last, as it adds a node: a second kubelet (its own containerd) that runs only the
 	// controller's pods.
 	t.Run("controller rollout restart on two nodes", func(t *testing.T) {
@@ -324,6 +331,7 @@ type pod struct {
 	name, uid string
 	ip        netip.Addr
 	netns     string
+	sandbox   string // set by waitStatefulSet only
 }
 
 // waitPods waits until exactly want workload pods exist, all Running with a pool address that
@@ -334,7 +342,7 @@ func (n *realNode) waitPods(ctx context.Context, want int) []pod {
 	var pods []pod
 	err := localcluster.WaitFor(ctx, 3*time.Minute, 250*time.Millisecond, func() error {
 		addrs := n.scanNoDuplicates()
-		list, err := n.kube.CoreV1().Pods(testNamespace).List(ctx, metav1.ListOptions{})
+		list, err := n.kube.CoreV1().Pods(testNamespace).List(ctx, metav1.ListOptions{LabelSelector: "app=sleeper"})
 		if err != nil {
 			return err
 		}
@@ -366,8 +374,8 @@ func (n *realNode) waitPods(ctx context.Context, want int) []pod {
 				inPool++
 			}
 		}
-		if inPool != want {
-			return fmt.Errorf("%d pool addresses on pod network namespaces, want %d", inPool, want)
+		if inPool != want+n.others {
+			return fmt.Errorf("%d pool addresses on pod network namespaces, want %d", inPool, want+n.others)
 		}
 		return nil
 	})
@@ -444,23 +452,9 @@ func (n *realNode) checkAttachments(ctx context.Context, pods []pod) {
 		want[p.ip.String()] = p.name
 	}
 	err := localcluster.WaitFor(ctx, 30*time.Second, 250*time.Millisecond, func() error {
-		out, err := exec.Command(prep.Ipwarden, "agent", "list", "-o", "json", "--socket", cniproto.DefaultSocket).Output()
+		got, err := agentAttachments()
 		if err != nil {
-			return fmt.Errorf("ipwarden agent list: %v", err)
-		}
-		var resp struct{ Attachments []cniproto.Attachment }
-		if err := json.Unmarshal(out, &resp); err != nil {
 			return err
-		}
-		got := map[string]string{}
-		for _, a := range resp.Attachments {
-			for _, ip := range a.IPs {
-				addr := ip.Address
-				if p, err := netip.ParsePrefix(addr); err == nil {
-					addr = p.Addr().String()
-				}
-				got[addr] = a.Pod.Name
-			}
 		}
 		if fmt.Sprint(got) != fmt.Sprint(want) {
 			return fmt.Errorf("agent attachments %v, running pods %v", got, want)
@@ -472,13 +466,39 @@ func (n *realNode) checkAttachments(ctx context.Context, pods []pod) {
 	}
 }
 
-func (n *realNode) checkClean(ctx context.Context) {
+// checkClean runs ipwarden check against the cluster and the agent and returns its report.
+// agentAttachments asks the agent (ipwarden agent list on its socket) for its attachments:
+// address -> pod name.
+func agentAttachments() (map[string]string, error) {
+	out, err := exec.Command(prep.Ipwarden, "agent", "list", "-o", "json", "--socket", cniproto.DefaultSocket).Output()
+	if err != nil {
+		return nil, fmt.Errorf("ipwarden agent list: %v", err)
+	}
+	var resp struct{ Attachments []cniproto.Attachment }
+	if err := json.Unmarshal(out, &resp); err != nil {
+		return nil, err
+	}
+	got := map[string]string{}
+	for _, a := range resp.Attachments {
+		for _, ip := range a.IPs {
+			addr := ip.Address
+			if p, err := netip.ParsePrefix(addr); err == nil {
+				addr = p.Addr().String()
+			}
+			got[addr] = a.Pod.Name
+		}
+	}
+	return got, nil
+}
+
+func (n *realNode) checkClean(ctx context.Context) string {
 	out, err := exec.CommandContext(ctx, prep.Ipwarden, "check", "--kubeconfig", n.cp.Kubeconfig, "--grace=0s",
 		"--agent", nodeName+"="+cniproto.DefaultSocket).CombinedOutput()
 	if err != nil {
 		n.t.Fatalf("ipwarden check: %v\n%s", err, out)
 	}
 	n.logf("ipwarden check:\n%s", out)
+	return string(out)
 }
 
 func (n *realNode) waitNodeReady(ctx context.Context) {
@@ -521,6 +541,10 @@ func (n *realNode) dumpState(ctx context.Context) {
 	cmd := exec.Command(prep.Kubectl, "--kubeconfig", n.cp.Kubeconfig, "get", "pods,ippools,nodeipallocations", "-A", "-o", "wide")
 	out, _ := cmd.CombinedOutput()
 	n.t.Logf("state:\n%s", out)
+	out, _ = exec.Command(prep.Kubectl, "--kubeconfig", n.cp.Kubeconfig, "get", "ippools,nodeipallocations", "-o", "yaml").CombinedOutput()
+	n.t.Logf("pools and allocations:\n%s", out)
+	out, _ = exec.Command(prep.Ipwarden, "agent", "list", "-o", "json", "--socket", cniproto.DefaultSocket).CombinedOutput()
+	n.t.Logf("ipwarden agent list:\n%s", out)
 	ev := exec.Command(prep.Kubectl, "--kubeconfig", n.cp.Kubeconfig, "get", "events", "-A", "--sort-by=.lastTimestamp")
 	out, _ = ev.CombinedOutput()
 	if len(out) > 6000 {
