@@ -20,20 +20,12 @@ import (
 // acknowledgement and the new leader's rebuild, and the leader filled another node with the
 // addresses.) The settle bound is an hour: only the acknowledgement can end the wait.
 func TestNewLeaderWaitsForANodeWhoseRecordIsMissing(t *testing.T) {
-	agentPool(t, "acks", "acks", ipwardenv1.IPPoolSpec{
+	n := startTwoNodes(t, "acks", ipwardenv1.IPPoolSpec{
 		CIDRs:         []ipwardenv1.CIDR{"10.123.0.0/26"},
 		Scaling:       ipwardenv1.Scaling{BatchSize: 4, BufferPercent: 0, MaxPerNode: 64},
 		ReuseCooldown: cooldown(0),
-	})
-	agentNode(t, "acks-a", "acks")
-	agentNode(t, "acks-b", "acks")
-	ctrl := startController(t)
-	args := []string{"--gc-grace=1h", "--address-wait=90s", "--lease-namespace=" + controlplane.ControllerNamespace}
-	a := startAgent(t, "acks-a", "", args...)
-	b := startAgent(t, "acks-b", "", args...)
-	a.waitServing(t)
-	b.waitServing(t)
-	confA, confB := pluginConf("1.1.0", a.socket, "acks"), pluginConf("1.1.0", b.socket, "acks")
+	}, "--gc-grace=1h", "--address-wait=90s", "--lease-namespace="+controlplane.ControllerNamespace)
+	ctrl, a, b, confA, confB := n.ctrl, n.a, n.b, n.confA, n.confB
 	for i := range 6 {
 		mustAdd(t, confA, fmt.Sprintf("ka%d", i))
 	}
@@ -111,20 +103,12 @@ func TestNewLeaderWaitsForANodeWhoseRecordIsMissing(t *testing.T) {
 // says so in its log and with a Warning event LeaderNotAcknowledged on the silent node's
 // NodeIPAllocation; the silent node keeps what its status holds (nothing of it goes elsewhere).
 func TestSettleBoundFillsPastASilentNode(t *testing.T) {
-	agentPool(t, "bound", "bound", ipwardenv1.IPPoolSpec{
+	n := startTwoNodes(t, "bound", ipwardenv1.IPPoolSpec{
 		CIDRs:         []ipwardenv1.CIDR{"10.124.0.0/26"},
 		Scaling:       ipwardenv1.Scaling{BatchSize: 4, BufferPercent: 0, MaxPerNode: 64},
 		ReuseCooldown: cooldown(0),
-	})
-	agentNode(t, "bound-a", "bound")
-	agentNode(t, "bound-b", "bound")
-	ctrl := startController(t)
-	args := []string{"--gc-grace=1h", "--address-wait=90s", "--lease-namespace=" + controlplane.ControllerNamespace}
-	a := startAgent(t, "bound-a", "", args...)
-	b := startAgent(t, "bound-b", "", args...)
-	a.waitServing(t)
-	b.waitServing(t)
-	confA, confB := pluginConf("1.1.0", a.socket, "bound"), pluginConf("1.1.0", b.socket, "bound")
+	}, "--gc-grace=1h", "--address-wait=90s", "--lease-namespace="+controlplane.ControllerNamespace)
+	ctrl, a, confA, confB := n.ctrl, n.a, n.confA, n.confB
 	for i := range 3 {
 		mustAdd(t, confA, fmt.Sprintf("sa%d", i))
 	}

@@ -36,6 +36,30 @@ func agentNode(t *testing.T, name, label string) {
 	createNode(t, name, map[string]string{"ipwarden.test/agent": label})
 }
 
+// twoNodes is a pool, two nodes it selects, a controller, and a serving agent on each node with
+// a plugin configuration for it.
+type twoNodes struct {
+	ctrl         *controllerProcess
+	a, b         *agentProcess
+	confA, confB string
+}
+
+// startTwoNodes creates pool name (with spec, selecting label name) and nodes name-a and name-b,
+// starts a controller and an agent on each node with args, and waits until both agents serve.
+func startTwoNodes(t *testing.T, name string, spec ipwardenv1.IPPoolSpec, args ...string) twoNodes {
+	t.Helper()
+	agentPool(t, name, name, spec)
+	agentNode(t, name+"-a", name)
+	agentNode(t, name+"-b", name)
+	n := twoNodes{ctrl: startController(t)}
+	n.a = startAgent(t, name+"-a", "", args...)
+	n.b = startAgent(t, name+"-b", "", args...)
+	n.a.waitServing(t)
+	n.b.waitServing(t)
+	n.confA, n.confB = pluginConf("1.1.0", n.a.socket, name), pluginConf("1.1.0", n.b.socket, name)
+	return n
+}
+
 func nipa(t *testing.T, node string) *ipwardenv1.NodeIPAllocation {
 	t.Helper()
 	a := &ipwardenv1.NodeIPAllocation{}

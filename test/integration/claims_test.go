@@ -50,20 +50,13 @@ func claimedBy(t *testing.T, node, pool string) addr.Set {
 // at once; a watcher over every status change sees no address in two statuses, and the other
 // node, which asks for every address there is, never gets one the first node's pods use.
 func TestDeletedRecordComesBackWithItsAddresses(t *testing.T) {
-	agentPool(t, "claims", "claims", ipwardenv1.IPPoolSpec{
+	w := watchStatuses(t)
+	n := startTwoNodes(t, "claims", ipwardenv1.IPPoolSpec{
 		CIDRs:         []ipwardenv1.CIDR{"10.121.0.0/26"},
 		Scaling:       ipwardenv1.Scaling{BatchSize: 4, BufferPercent: 0, MaxPerNode: 64},
 		ReuseCooldown: cooldown(0),
-	})
-	agentNode(t, "claims-a", "claims")
-	agentNode(t, "claims-b", "claims")
-	w := watchStatuses(t)
-	ctrl := startController(t)
-	a := startAgent(t, "claims-a", "", "--gc-grace=1h")
-	b := startAgent(t, "claims-b", "", "--gc-grace=1h")
-	a.waitServing(t)
-	b.waitServing(t)
-	confA, confB := pluginConf("1.1.0", a.socket, "claims"), pluginConf("1.1.0", b.socket, "claims")
+	}, "--gc-grace=1h")
+	ctrl, a, b, confA, confB := n.ctrl, n.a, n.b, n.confA, n.confB
 	for i := range 6 {
 		mustAdd(t, confA, fmt.Sprintf("ca%d", i))
 	}

@@ -21,24 +21,16 @@ import (
 // sees its record is older than its own last write and gives them back), node b claims them, and
 // the system converges with no address on two pods and none in two statuses.
 func TestEtcdRewindNeverPutsAnAddressOnTwoPods(t *testing.T) {
-	agentPool(t, "rewind", "rewind", ipwardenv1.IPPoolSpec{
+	// The agents watch the controller's Lease where the deployment keeps it, to acknowledge
+	// each new leader.
+	n := startTwoNodes(t, "rewind", ipwardenv1.IPPoolSpec{
 		CIDRs: []ipwardenv1.CIDR{"10.122.0.0/28"},
 		// No release hysteresis or delay: node a gives back what its pods stop using at once.
 		Scaling: ipwardenv1.Scaling{BatchSize: 2, BufferPercent: 0, MaxPerNode: 14,
 			ReleaseSlackPercent: ptr.To[int32](0), ReleaseDelay: &metav1.Duration{}},
 		ReuseCooldown: cooldown(0),
-	})
-	agentNode(t, "rewind-a", "rewind")
-	agentNode(t, "rewind-b", "rewind")
-	ctrl := startController(t)
-	// The agents watch the controller's Lease where the deployment keeps it, to acknowledge
-	// each new leader.
-	ackArgs := []string{"--gc-grace=1h", "--address-wait=60s", "--lease-namespace=" + controlplane.ControllerNamespace}
-	a := startAgent(t, "rewind-a", "", ackArgs...)
-	b := startAgent(t, "rewind-b", "", ackArgs...)
-	a.waitServing(t)
-	b.waitServing(t)
-	confA, confB := pluginConf("1.1.0", a.socket, "rewind"), pluginConf("1.1.0", b.socket, "rewind")
+	}, "--gc-grace=1h", "--address-wait=60s", "--lease-namespace="+controlplane.ControllerNamespace)
+	ctrl, a, b, confA, confB := n.ctrl, n.a, n.b, n.confA, n.confB
 	for i := range 8 {
 		mustAdd(t, confA, fmt.Sprintf("ra%d", i))
 	}
