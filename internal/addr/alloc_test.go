@@ -150,8 +150,12 @@ func TestAllocatorRoom(t *testing.T) {
 	mustAlloc(t, a, 16, Set{}, t0, "10.0.0.192/28")
 	// No free /26 is left: the smallest free block that fits.
 	mustAlloc(t, a, 16, Set{}, t0, "10.0.0.48/28")
-	b := a.Clone()
-	mustAlloc(t, b, 4, Set{}, t0, "10.0.0.80/30")
+	// A clone keeps the setting: its second holder starts a block further, not right after.
+	c := NewAllocator(ms("10.0.0.0/24"), time.Minute)
+	c.SetRoom(2)
+	c = c.Clone()
+	mustAlloc(t, c, 16, Set{}, t0, "10.0.0.0/28")
+	mustAlloc(t, c, 16, Set{}, t0, "10.0.0.64/28")
 }
 
 func TestAllocatorAssemble(t *testing.T) {
