@@ -16,10 +16,10 @@ import (
 	"github.com/ipwarden/ipwarden/internal/check"
 )
 
-// runCheck runs `ipwarden check -o json` against the test API server.
-func runCheck(t *testing.T) (check.Report, int, string) {
+// runCheck runs `ipwarden check -o json` against the test API server, with args added.
+func runCheck(t *testing.T, args ...string) (check.Report, int, string) {
 	t.Helper()
-	cmd := exec.Command(ipwardenBinary(t), "check", "--kubeconfig", kubeconfigPath, "-o", "json")
+	cmd := exec.Command(ipwardenBinary(t), append([]string{"check", "--kubeconfig", kubeconfigPath, "-o", "json"}, args...)...)
 	var stderr strings.Builder
 	cmd.Stderr = &stderr
 	out, err := cmd.Output()

@@ -396,12 +396,29 @@ func (s *State) RemoveWaiter(k Key) { delete(s.waiters, k) }
 // Rebuild records, for pods bound to the node whose status.podIPs hold addresses of the node's
 // pools that no attachment accounts for, an attachment under RebuiltKey(uid), so those addresses
 // are never handed out twice. It is meant for start-up, after Restore and the first holdings:
-// with a lost journal it rebuilds everything; with an intact one it finds nothing. Addresses that
-// are cooling (their sandbox was deleted) or releasing are skipped and reported.
+// with a lost journal it rebuilds everything; with an intact one it finds nothing. Releasing
+// addresses are skipped and reported.
+//
+// The journal may also have rewound (the node's disk restored from an older snapshot): then it
+// records addresses for pods that ended since, and running pods report addresses it shows as
+// cooling or as another pod's. A running pod's report is the runtime's word that its sandbox
+// has the address; the journal's older record is not. So (see ReportWins):
+//   - an address the journal attaches to another pod moves to the reporting pod when that pod
+//     is gone or no longer reports it (and reports something), else it is a problem reported;
+//   - a cooling address moves to a reporting pod that has no attachment at all (a pod whose
+//     sandbox was deleted and whose status still shows its old address has its new attachment,
+//     or gets the same address back at its next ADD).
 func (s *State) Rebuild(pods []Pod, now time.Time) (Change, []string) {
 	s.observe(now)
 	var ch Change
 	var problems []string
+	bound := make(map[string]Pod, len(pods))
+	for _, pod := range pods {
+		if pod.Ref.UID != "" {
+			bound[pod.Ref.UID] = pod
+		}
+	}
+	changed := map[Key]bool{} // stale attachments that lost an address
 	for _, pod := range pods {
 		if !pod.MayRun() || pod.Ref.UID == "" || len(pod.IPs) == 0 {
 			continue
@@ -416,24 +433,34 @@ func (s *State) Rebuild(pods []Pod, now time.Time) (Change, []string) {
 			if name == "" {
 				continue
 			}
-			p := s.pools[name]
-			if owner, used := p.inUse[ip]; used {
-				if a := s.atts[owner]; a != nil && a.Pod.UID != pod.Ref.UID && a.Pod.UID != "" {
-					problems = append(problems, fmt.Sprintf("pod %s shows address %s, which the journal records for %s of pod %s",
-						pod.Ref, ip, owner, a.Pod))
-				}
+			if slices.ContainsFunc(picks, func(a Address) bool { return a.Pool == name }) {
 				continue
 			}
-			if _, rel := p.releasing[ip]; rel {
+			p := s.pools[name]
+			if owner, used := p.inUse[ip]; used {
+				a := s.atts[owner]
+				if a == nil || a.Pod.UID == pod.Ref.UID || a.Pod.UID == "" {
+					continue
+				}
+				ownerPod, ownerBound := bound[a.Pod.UID]
+				if !ReportWins(ip, ownerPod, ownerBound) {
+					problems = append(problems, fmt.Sprintf("pod %s shows address %s, which the journal records for %s of pod %s",
+						pod.Ref, ip, owner, a.Pod))
+					continue
+				}
+				// The journal's owner ended or moved on: the journal is older than the pods.
+				problems = append(problems, fmt.Sprintf("pod %s shows address %s, which the journal records for %s of pod %s, "+
+					"which is gone or no longer shows it: the journal is older than the pods (a restored disk?); the address moves to %s",
+					pod.Ref, ip, owner, a.Pod, pod.Ref))
+				a.Addresses = slices.DeleteFunc(a.Addresses, func(ad Address) bool { return ad.Addr == ip })
+				delete(p.inUse, ip)
+				changed[owner] = true
+			} else if _, rel := p.releasing[ip]; rel {
 				problems = append(problems, fmt.Sprintf("pod %s shows address %s of pool %s, which the node is releasing; not recorded",
 					pod.Ref, ip, name))
 				continue
-			}
-			if _, cool := p.cooling[ip]; cool {
-				continue // its sandbox was deleted; the status is stale
-			}
-			if slices.ContainsFunc(picks, func(a Address) bool { return a.Pool == name }) {
-				continue
+			} else if _, cool := p.cooling[ip]; cool && len(s.byPod[pod.Ref.UID]) > 0 {
+				continue // its sandbox was deleted and it has its new attachment; the status is stale
 			}
 			picks = append(picks, Address{Pool: name, Addr: ip})
 		}
@@ -441,13 +468,45 @@ func (s *State) Rebuild(pods []Pod, now time.Time) (Change, []string) {
 			continue
 		}
 		for _, ad := range picks {
-			s.pools[ad.Pool].take(ad.Addr, k)
+			if c := s.pools[ad.Pool].take(ad.Addr, k); c != nil {
+				ch.DeleteCooling = append(ch.DeleteCooling, ad)
+			}
 		}
 		att := &Attachment{Key: k, Pod: pod.Ref, Addresses: picks, Created: now, Rebuilt: true}
 		s.putAttachment(att)
 		ch.PutAttachments = append(ch.PutAttachments, *att.clone())
 	}
+	for _, k := range sortedKeys(changed) {
+		a := s.atts[k]
+		if len(a.Addresses) == 0 {
+			s.dropAttachment(k)
+			ch.DeleteAttachments = append(ch.DeleteAttachments, k)
+			continue
+		}
+		ch.PutAttachments = append(ch.PutAttachments, *a.clone())
+	}
 	return ch, problems
+}
+
+// ReportWins decides whether a running pod that reports address ip in its status.podIPs takes
+// it from the journal's attachment of another pod, owner (ownerBound: that pod is bound to the
+// node). The report wins when the owner is gone, finished, or reports addresses without ip: its
+// sandbox with ip was stopped (the journal recorded the pod before that). An owner that may run
+// and reports ip too, or reports nothing yet, keeps it: that is a conflict for an operator.
+func ReportWins(ip netip.Addr, owner Pod, ownerBound bool) bool {
+	if !ownerBound || !owner.MayRun() {
+		return true
+	}
+	return len(owner.IPs) > 0 && !slices.Contains(owner.IPs, ip)
+}
+
+func sortedKeys(m map[Key]bool) []Key {
+	keys := make([]Key, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	slices.SortFunc(keys, func(a, b Key) int { return strings.Compare(a.String(), b.String()) })
+	return keys
 }
 
 // poolOf returns the pool whose holding (else whose CIDRs) contain ip, or "".

@@ -1,0 +1,85 @@
+package ipam
+
+import (
+	"net/netip"
+	"strings"
+	"testing"
+)
+
+func TestReportWins(t *testing.T) {
+	x, y := ip("10.0.0.5"), ip("10.0.0.6")
+	tests := []struct {
+		name       string
+		owner      Pod
+		ownerBound bool
+		want       bool
+	}{
+		{"owner gone from the API", Pod{}, false, true},
+		{"owner finished", Pod{IPs: []netip.Addr{x}, Finished: true}, true, true},
+		{"owner reports another address", Pod{IPs: []netip.Addr{y}}, true, true},
+		{"owner reports the address too", Pod{IPs: []netip.Addr{x}}, true, false},
+		{"owner reports it among others", Pod{IPs: []netip.Addr{y, x}}, true, false},
+		{"owner reports nothing yet", Pod{}, true, false},
+		{"owner deleting, still reporting it", Pod{IPs: []netip.Addr{x}, Deleting: true}, true, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := ReportWins(x, tt.owner, tt.ownerBound); got != tt.want {
+				t.Fatalf("ReportWins = %v, want %v", got, tt.want)
+			}
+		})
+	}
+}
+
+// The node's disk is restored from an older snapshot: the journal attaches 10.0.0.2 to a pod
+// that ended since and shows 10.0.0.4 cooling, while running pods report both. Rebuild moves
+// them to the pods that report them (journaled: a restart keeps them), and no ADD gets them.
+func TestRebuildAfterTheJournalRewound(t *testing.T) {
+	h := newHarness(t, poolV4)
+	h.hold("v4", "10.0.0.0/28")
+	if got := h.mustAdd("old")[0]; got != "10.0.0.2" {
+		t.Fatalf("first ADD got %s", got)
+	}
+	h.mustAdd("kept") // 10.0.0.3, its pod still runs and reports it
+	h.mustAdd("cool") // 10.0.0.4, freed before the snapshot
+	h.del("cool")
+	h.restart() // the snapshot's journal, restored
+
+	pods := []Pod{
+		{Ref: PodRef{"ns", "new", "uid-new"}, IPs: []netip.Addr{ip("10.0.0.2")}},
+		{Ref: PodRef{"ns", "kept", "uid-kept"}, IPs: []netip.Addr{ip("10.0.0.3")}},
+		{Ref: PodRef{"ns", "new2", "uid-new2"}, IPs: []netip.Addr{ip("10.0.0.4")}},
+		// Shows the kept pod's address too: the kept pod still reports it, so it stays.
+		{Ref: PodRef{"ns", "squat", "uid-squat"}, IPs: []netip.Addr{ip("10.0.0.3")}},
+	}
+	ch, problems := h.s.Rebuild(pods, h.now)
+	h.commit(ch)
+	if len(ch.DeleteAttachments) != 1 || ch.DeleteAttachments[0] != key("old") {
+		t.Fatalf("the ended pod's attachment was not dropped: %+v", ch)
+	}
+	if len(ch.DeleteCooling) != 1 || ch.DeleteCooling[0].Addr != ip("10.0.0.4") {
+		t.Fatalf("the cooling address was not taken out of cooling: %+v", ch)
+	}
+	joined := strings.Join(problems, "\n")
+	if !strings.Contains(joined, "moves to ns/new") || !strings.Contains(joined, "pod ns/squat shows address 10.0.0.3") {
+		t.Fatalf("problems: %v", problems)
+	}
+	h.restart()
+	owner := map[netip.Addr]string{}
+	for _, a := range h.s.Attachments() {
+		for _, ad := range a.Addresses {
+			owner[ad.Addr] = a.Pod.UID
+		}
+	}
+	for a, uid := range map[string]string{"10.0.0.2": "uid-new", "10.0.0.3": "uid-kept", "10.0.0.4": "uid-new2"} {
+		if owner[ip(a)] != uid {
+			t.Fatalf("%s is attached to %q, want %s (%v)", a, owner[ip(a)], uid, owner)
+		}
+	}
+	for i := range 10 {
+		got := h.mustAdd("x" + string(rune('a'+i)))[0]
+		if got == "10.0.0.2" || got == "10.0.0.3" || got == "10.0.0.4" {
+			t.Fatalf("handed out a running pod's address: %s", got)
+		}
+	}
+}
