@@ -530,7 +530,9 @@ func (s *Service) Rebuild(pods []ipam.Pod) (int, error) {
 // event, so it logs them only at debug level).
 func (s *Service) rebuild(pods []ipam.Pod, v int) (int, error) {
 	s.mu.Lock()
-	ch, problems := s.st.Rebuild(pods, s.now())
+	ch, problems := s.st.RebuildSeeing(pods, s.now(), func(netns string) bool {
+		return lookSandbox(netns, s.netnsDirs) == gc.SandboxExists
+	})
 	s.mu.Unlock()
 	for _, p := range problems {
 		s.log.V(v).Info("rebuild: " + p)

@@ -409,6 +409,13 @@ func (s *State) RemoveWaiter(k Key) { delete(s.waiters, k) }
 //     sandbox was deleted and whose status still shows its old address has its new attachment,
 //     or gets the same address back at its next ADD).
 func (s *State) Rebuild(pods []Pod, now time.Time) (Change, []string) {
+	return s.RebuildSeeing(pods, now, nil)
+}
+
+// RebuildSeeing is Rebuild for an agent that can look at sandboxes: sandboxExists(netns) says
+// whether the network namespace an attachment recorded at ADD provably still exists. Such an
+// attachment's sandbox may still use its address, so it never loses it to another pod's report.
+func (s *State) RebuildSeeing(pods []Pod, now time.Time, sandboxExists func(netns string) bool) (Change, []string) {
 	s.observe(now)
 	var ch Change
 	var problems []string
@@ -443,7 +450,8 @@ func (s *State) Rebuild(pods []Pod, now time.Time) (Change, []string) {
 					continue
 				}
 				ownerPod, ownerBound := bound[a.Pod.UID]
-				if !ReportWins(ip, ownerPod, ownerBound) {
+				exists := sandboxExists != nil && a.Netns != "" && sandboxExists(a.Netns)
+				if !ReportWins(ip, ownerPod, ownerBound, exists) {
 					problems = append(problems, fmt.Sprintf("pod %s shows address %s, which the journal records for %s of pod %s",
 						pod.Ref, ip, owner, a.Pod))
 					continue
@@ -490,10 +498,15 @@ func (s *State) Rebuild(pods []Pod, now time.Time) (Change, []string) {
 
 // ReportWins decides whether a running pod that reports address ip in its status.podIPs takes
 // it from the journal's attachment of another pod, owner (ownerBound: that pod is bound to the
-// node). The report wins when the owner is gone, finished, or reports addresses without ip: its
-// sandbox with ip was stopped (the journal recorded the pod before that). An owner that may run
-// and reports ip too, or reports nothing yet, keeps it: that is a conflict for an operator.
-func ReportWins(ip netip.Addr, owner Pod, ownerBound bool) bool {
+// node; sandboxExists: the attachment's network namespace provably still exists). The report
+// wins when the owner is gone, finished, or reports addresses without ip: its sandbox with ip was
+// stopped (the journal recorded the pod before that). An owner whose sandbox still exists (a
+// force-deleted pod the runtime has not stopped yet), or that may run and reports ip too or
+// nothing yet, keeps it: that is a conflict for an operator.
+func ReportWins(ip netip.Addr, owner Pod, ownerBound, sandboxExists bool) bool {
+	if sandboxExists {
+		return false
+	}
 	if !ownerBound || !owner.MayRun() {
 		return true
 	}

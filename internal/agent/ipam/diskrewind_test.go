@@ -12,19 +12,22 @@ func TestReportWins(t *testing.T) {
 		name       string
 		owner      Pod
 		ownerBound bool
+		exists     bool
 		want       bool
 	}{
-		{"owner gone from the API", Pod{}, false, true},
-		{"owner finished", Pod{IPs: []netip.Addr{x}, Finished: true}, true, true},
-		{"owner reports another address", Pod{IPs: []netip.Addr{y}}, true, true},
-		{"owner reports the address too", Pod{IPs: []netip.Addr{x}}, true, false},
-		{"owner reports it among others", Pod{IPs: []netip.Addr{y, x}}, true, false},
-		{"owner reports nothing yet", Pod{}, true, false},
-		{"owner deleting, still reporting it", Pod{IPs: []netip.Addr{x}, Deleting: true}, true, false},
+		{"owner gone from the API", Pod{}, false, false, true},
+		{"owner gone, its sandbox still exists (force delete)", Pod{}, false, true, false},
+		{"owner finished", Pod{IPs: []netip.Addr{x}, Finished: true}, true, false, true},
+		{"owner reports another address", Pod{IPs: []netip.Addr{y}}, true, false, true},
+		{"owner reports another address, old sandbox still there", Pod{IPs: []netip.Addr{y}}, true, true, false},
+		{"owner reports the address too", Pod{IPs: []netip.Addr{x}}, true, false, false},
+		{"owner reports it among others", Pod{IPs: []netip.Addr{y, x}}, true, false, false},
+		{"owner reports nothing yet", Pod{}, true, false, false},
+		{"owner deleting, still reporting it", Pod{IPs: []netip.Addr{x}, Deleting: true}, true, false, false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			if got := ReportWins(x, tt.owner, tt.ownerBound); got != tt.want {
+			if got := ReportWins(x, tt.owner, tt.ownerBound, tt.exists); got != tt.want {
 				t.Fatalf("ReportWins = %v, want %v", got, tt.want)
 			}
 		})
@@ -81,5 +84,30 @@ func TestRebuildAfterTheJournalRewound(t *testing.T) {
 		if got == "10.0.0.2" || got == "10.0.0.3" || got == "10.0.0.4" {
 			t.Fatalf("handed out a running pod's address: %s", got)
 		}
+	}
+}
+
+// A force-deleted pod whose sandbox the runtime has not stopped yet keeps its address, even when
+// another pod's status shows it (a stale status from before the address came to it).
+func TestRebuildNeverTakesFromALiveSandbox(t *testing.T) {
+	h := newHarness(t, poolV4)
+	h.hold("v4", "10.0.0.0/28")
+	_, ch, err := h.s.Add(AddRequest{Key: key("forced"), Network: "net", Netns: "/run/netns/cni-forced",
+		Pod: PodRef{"ns", "forced", "uid-forced"}}, h.now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.commit(ch)
+	h.s.ConfirmAdd(key("forced"))
+	pods := []Pod{{Ref: PodRef{"ns", "stale", "uid-stale"}, IPs: []netip.Addr{ip("10.0.0.2")}}}
+	exists := func(netns string) bool { return netns == "/run/netns/cni-forced" }
+	ch, problems := h.s.RebuildSeeing(pods, h.now, exists)
+	if !ch.IsEmpty() || len(problems) != 1 || !strings.Contains(problems[0], "pod ns/stale shows address 10.0.0.2") {
+		t.Fatalf("RebuildSeeing = %+v, %v", ch, problems)
+	}
+	// Once the sandbox is gone, the report wins.
+	ch, _ = h.s.RebuildSeeing(pods, h.now, func(string) bool { return false })
+	if len(ch.DeleteAttachments) != 1 || len(ch.PutAttachments) != 1 || ch.PutAttachments[0].Pod.UID != "uid-stale" {
+		t.Fatalf("RebuildSeeing after the sandbox went = %+v", ch)
 	}
 }
