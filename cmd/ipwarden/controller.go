@@ -73,6 +73,8 @@ to their pools, and reports pool usage in IPPool status. Run two replicas; one l
 	fs.DurationVar(&f.opts.ClaimSettle, "claim-settle", 60*time.Second, "after it starts leading, the controller serves only claims (addresses nodes' pods use that their status lost) and take-backs until every node's agent has acknowledged it (spec.acknowledgedLeader), at most this long; without leader election, exactly this long")
 	fs.BoolVar(&f.skipLocalFence, "unsafe-skip-local-lease-check", false, "testing only: do not check the lease's expiry before each write, leaving only the API server's fence policy")
 	_ = fs.MarkHidden("unsafe-skip-local-lease-check")
+	fs.StringVar(&f.opts.AgentLeaseNamespace, "agent-lease-namespace", orDefault(os.Getenv("POD_NAMESPACE"), "default"),
+		`namespace of the agents' Leases ipwarden-agent-<node> (the agents' --lease-namespace): a deleted Node's addresses return to their pools only once its agent has stopped renewing its Lease, since a Node object can be deleted and re-created while its pods run ("" returns them at once)`)
 	fs.BoolVar(&f.opts.PerNodeMetrics, "per-node-metrics", false, "also export the node x pool gauges ipwarden_controller_node_{held,requested,deficit}_addresses (each agent exports its node's figures: ipwarden_agent_pool_held_addresses, _requested_addresses)")
 	fs.IntVar(&f.opts.Workers, "workers", 4, "node syncs run in parallel")
 	fs.DurationVar(&f.opts.MinSyncInterval, "min-sync-interval", 100*time.Millisecond, "least time between two syncs of one node; events in between coalesce")

@@ -12,6 +12,7 @@ import (
 
 	"github.com/go-logr/logr"
 	appsv1 "k8s.io/api/apps/v1"
+	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -23,6 +24,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
+	"github.com/ipwarden/ipwarden/internal/agent/nodelease"
 	"github.com/ipwarden/ipwarden/internal/sticky"
 )
 
@@ -57,6 +59,12 @@ type Options struct {
 	// node_requested_addresses, node_deficit_addresses) [false: each agent exports the same
 	// figures for its node, and at thousands of nodes these are tens of thousands of series].
 	PerNodeMetrics bool
+	// AgentLeaseNamespace is where the agents keep their Leases ipwarden-agent-<node>: a
+	// deleted node's addresses return to their pools only once its agent has stopped renewing
+	// (agentalive.go) ["": not checked, a deleted node's addresses return at once].
+	AgentLeaseNamespace string
+	// AgentLeaseDuration is the agents' Lease duration when a Lease does not say [15s].
+	AgentLeaseDuration time.Duration
 }
 
 func (o *Options) setDefaults() {
@@ -65,6 +73,9 @@ func (o *Options) setDefaults() {
 	}
 	if o.MinSyncInterval <= 0 {
 		o.MinSyncInterval = 100 * time.Millisecond
+	}
+	if o.AgentLeaseDuration <= 0 {
+		o.AgentLeaseDuration = 15 * time.Second
 	}
 	if o.ResyncPeriod <= 0 {
 		o.ResyncPeriod = time.Minute
@@ -122,6 +133,9 @@ type Controller struct {
 	// or ClaimSettle passed; ledAt is when it started leading.
 	awaitAcks atomic.Bool
 	ledAt     time.Time
+	// agentSeen: for each deleted node whose agent Lease still looked held, when the
+	// controller first saw the Lease's current version (guarded by mu).
+	agentSeen map[string]*nodelease.Observer
 }
 
 // FieldManager is the field manager of every write the controller makes (managedFields shows
@@ -137,7 +151,7 @@ func New(c cache.Cache, reader client.Reader, writer client.Client, events recor
 	s.Now = opts.Now
 	return &Controller{
 		opts: opts, cache: c, reader: reader, writer: client.WithFieldOwner(writer, FieldManager), events: events, metrics: m, log: log,
-		sched: s, state: NewState(opts.Exhaustion), nodeFlags: map[string][2]bool{},
+		sched: s, state: NewState(opts.Exhaustion), nodeFlags: map[string][2]bool{}, agentSeen: map[string]*nodelease.Observer{},
 		poolWake: make(chan struct{}, 1), fence: opts.Fence,
 	}
 }
@@ -703,8 +717,12 @@ func (c *Controller) confirmGone(ctx context.Context, name string, allocExists b
 	if !apierrors.IsNotFound(err) {
 		return fmt.Errorf("confirm node deletion: %w", err)
 	}
+	if alive, err := c.agentAlive(ctx, name, allocExists, alloc); err != nil || alive {
+		return err
+	}
 	now := c.opts.Now()
 	c.mu.Lock()
+	delete(c.agentSeen, name)
 	released := c.state.HeldBy(name)
 	q := c.state.StartNodeGone(name, allocExists, now)
 	c.mu.Unlock()
@@ -729,6 +747,55 @@ func (c *Controller) confirmGone(ctx context.Context, name string, allocExists b
 	c.wakePools()
 	c.log.Info("node deleted: its addresses return to their pools after the reuse cooldown", "node", name, "addresses", total)
 	return nil
+}
+
+// agentAlive reads the agent Lease of a node whose Node is gone and says whether the agent still
+// renews it (DecideAgentAlive): then the node's addresses stay, and the node is looked at again
+// when the Lease would expire.
+func (c *Controller) agentAlive(ctx context.Context, name string, allocExists bool, alloc *ipwardenv1.NodeIPAllocation) (bool, error) {
+	if c.opts.AgentLeaseNamespace == "" {
+		return false, nil
+	}
+	var lease coordinationv1.Lease
+	var rec *nodelease.Record
+	d := c.opts.AgentLeaseDuration
+	err := c.reader.Get(ctx, client.ObjectKey{Namespace: c.opts.AgentLeaseNamespace, Name: nodelease.Name(name)}, &lease)
+	switch {
+	case apierrors.IsNotFound(err):
+	case err != nil:
+		return false, fmt.Errorf("read the agent Lease of deleted node %s: %w", name, err)
+	default:
+		rec = &nodelease.Record{Version: lease.ResourceVersion}
+		if lease.Spec.HolderIdentity != nil {
+			rec.Holder = *lease.Spec.HolderIdentity
+		}
+		if s := lease.Spec.LeaseDurationSeconds; s != nil && *s > 0 {
+			d = time.Duration(*s) * time.Second
+		}
+	}
+	now := c.opts.Now()
+	c.mu.Lock()
+	obs, known := c.agentSeen[name]
+	if !known {
+		obs = &nodelease.Observer{}
+		c.agentSeen[name] = obs
+	}
+	alive, recheck := DecideAgentAlive(rec, obs.Observe(rec, now), now, d)
+	c.mu.Unlock()
+	if !alive {
+		return false, nil
+	}
+	if !known {
+		c.log.Info("node deleted, but its agent still renews its Lease: its addresses stay held until the agent stops (the Node may be re-created)",
+			"node", name, "lease", c.opts.AgentLeaseNamespace+"/"+nodelease.Name(name), "holder", rec.Holder)
+		if allocExists {
+			c.events.Eventf(alloc, corev1.EventTypeWarning, "NodeDeletedAgentAlive",
+				"Node %s is gone but its ipwarden agent still renews its Lease (holder %s): its addresses stay held until the agent stops or the Node comes back",
+				name, rec.Holder)
+		}
+	}
+	time.AfterFunc(recheck.Sub(now)+time.Second, func() { c.enqueue(name) })
+	return true, nil
 }
 
 // fill writes one node's status: released addresses leave, new ones arrive. The order of the
