@@ -8,14 +8,15 @@ import (
 
 // Proxy is a TCP proxy on loopback between components and the API server. Cut closes every
 // connection through it (watches break, as when a load balancer or network drops them); new
-// connections work at once.
+// connections work at once. Block cuts them and refuses new ones until Unblock (a partition).
 type Proxy struct {
 	Addr     string
 	upstream string
 	l        net.Listener
 
-	mu    sync.Mutex
-	conns map[net.Conn]struct{}
+	mu      sync.Mutex
+	conns   map[net.Conn]struct{}
+	blocked bool
 }
 
 // NewProxy listens on a free loopback port and forwards to upstream (host:port).
@@ -40,6 +41,13 @@ func (p *Proxy) serve() {
 }
 
 func (p *Proxy) handle(c net.Conn) {
+	p.mu.Lock()
+	blocked := p.blocked
+	p.mu.Unlock()
+	if blocked {
+		c.Close()
+		return
+	}
 	u, err := net.Dial("tcp", p.upstream)
 	if err != nil {
 		c.Close()
@@ -69,6 +77,22 @@ func (p *Proxy) Cut() int {
 		c.Close()
 	}
 	return n
+}
+
+// Block cuts every connection and refuses new ones until Unblock: the components behind the
+// proxy are cut off from the API server.
+func (p *Proxy) Block() int {
+	p.mu.Lock()
+	p.blocked = true
+	p.mu.Unlock()
+	return p.Cut()
+}
+
+// Unblock lets new connections through again.
+func (p *Proxy) Unblock() {
+	p.mu.Lock()
+	p.blocked = false
+	p.mu.Unlock()
 }
 
 // Close stops the proxy and closes its connections.
