@@ -39,10 +39,13 @@ const fieldOwner = client.FieldOwner("ipwarden-agent")
 // spec.nodeName, the Node and NodeIPAllocation by metadata.name). It pushes what it sees into the
 // Service, level-based, and writes the node's request into the NodeIPAllocation spec.
 type Kube struct {
-	node    string
-	only    []string // --pools: serve only these
-	cache   cache.Cache
-	api     client.Client // uncached: writes and fresh reads
+	node  string
+	only  []string // --pools: serve only these
+	cache cache.Cache
+	api   client.Client // uncached: writes and fresh reads
+	// meta reads a pod's and a namespace's metadata at an ADD whose pod the cache lacks: no
+	// client-side rate limit, so such an ADD never queues behind the agent's other requests.
+	meta    client.Reader
 	log     logr.Logger
 	svc     *Service
 	trigger chan struct{}
@@ -98,7 +101,21 @@ func NewKube(cfg *rest.Config, scheme *runtime.Scheme, node string, only []strin
 	if err != nil {
 		return nil, fmt.Errorf("create API client: %w", err)
 	}
-	return &Kube{node: node, only: only, ctrlLease: ctrlLease, cache: c, api: api, log: log, svc: svc, trigger: make(chan struct{}, 1)}, nil
+	meta, err := client.New(metadataConfig(cfg), client.Options{Scheme: scheme})
+	if err != nil {
+		return nil, fmt.Errorf("create API client: %w", err)
+	}
+	return &Kube{node: node, only: only, ctrlLease: ctrlLease, cache: c, api: api, meta: meta, log: log, svc: svc, trigger: make(chan struct{}, 1)}, nil
+}
+
+// metadataConfig is cfg for the reads an ADD makes when the pod watch lacks its pod: without a
+// client-side rate limit (a negative QPS makes client-go build none), so such an ADD never
+// queues behind the agent's other requests, and bounded by podMetaTimeout.
+func metadataConfig(cfg *rest.Config) *rest.Config {
+	c := rest.CopyConfig(cfg)
+	c.QPS, c.Burst, c.RateLimiter = -1, 0, nil
+	c.Timeout = podMetaTimeout
+	return c
 }
 
 // OnLeaderChange makes f run after every event on the controller's Lease (the monitor's kick:
@@ -694,9 +711,14 @@ func NamespaceFromAPI(m *metav1.ObjectMeta) ipam.Namespace {
 }
 
 // PodMeta reads what pool choice needs of the pod namespace/name with uid (uid may be empty) and
-// its namespace: from the informer cache, else (not there yet, or an older pod of the same name)
-// the pod's metadata from the API server. A pod the API server does not know has no
-// annotations. An error means the pod could not be read at all (the API server is away).
+// its namespace: from the informer caches, which is the usual case at ADD and makes no API call
+// (the kubelet starts a sandbox after the pod is bound, and the agent's pod watch sees the binding
+// as soon as the kubelet's does). On a miss (the watch has not delivered the pod yet, an older
+// pod of the same name, or a pod the API server does not know) it reads the metadata from the API
+// server once, on a client without client-side rate limit (the agent's own requests never delay
+// an ADD). A pod the API server does not know has no annotations. An error means the pod or its
+// namespace could not be read at all (the API server is away): the caller must not choose pools
+// as if there were no annotations.
 func (k *Kube) PodMeta(ctx context.Context, namespace, name, uid string) (ipam.PodMeta, error) {
 	var meta ipam.PodMeta
 	var pod corev1.Pod
@@ -708,7 +730,7 @@ func (k *Kube) PodMeta(ctx context.Context, namespace, name, uid string) (ipam.P
 	} else {
 		m := &metav1.PartialObjectMetadata{}
 		m.SetGroupVersionKind(corev1.SchemeGroupVersion.WithKind("Pod"))
-		err := k.api.Get(ctx, client.ObjectKey{Namespace: namespace, Name: name}, m)
+		err := k.meta.Get(ctx, client.ObjectKey{Namespace: namespace, Name: name}, m)
 		switch {
 		case err == nil:
 			v := podinfo.Of(&corev1.Pod{ObjectMeta: m.ObjectMeta})
@@ -726,8 +748,12 @@ func (k *Kube) PodMeta(ctx context.Context, namespace, name, uid string) (ipam.P
 	}
 	m := &metav1.PartialObjectMetadata{}
 	m.SetGroupVersionKind(corev1.SchemeGroupVersion.WithKind("Namespace"))
-	if err := k.api.Get(ctx, client.ObjectKey{Name: namespace}, m); err == nil {
+	switch err := k.meta.Get(ctx, client.ObjectKey{Name: namespace}, m); {
+	case err == nil:
 		meta.Namespace, meta.NamespaceKnown = NamespaceFromAPI(&m.ObjectMeta), true
+	case apierrors.IsNotFound(err):
+	default:
+		return meta, fmt.Errorf("read namespace %s: %w", namespace, err)
 	}
 	return meta, nil
 }

@@ -57,6 +57,9 @@ type Metrics struct {
 	Busy             prometheus.Counter
 	BadRequests      prometheus.Counter
 	AbandonedAdds    prometheus.Counter
+	// PodUnknown counts ADDs refused because neither the pod watch nor the API server could say
+	// what the pod's annotations are.
+	PodUnknown prometheus.Counter
 
 	// AddressesExhausted is 1 while the node shows the scheduler signal (condition
 	// ipwarden.io/AddressesExhausted).
@@ -102,6 +105,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Requests refused before handling: too large, undecodable, a field too long, or not sent in time."}),
 		AbandonedAdds: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "abandoned_adds_total",
 			Help: "ADDs rolled back because the plugin went away before the agent answered."}),
+		PodUnknown: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "add_pod_unreadable_total",
+			Help: "ADDs refused (CNI error 11, the runtime retries) because the pod watch had not seen the pod and the API server did not answer: pools are never chosen without the pod's annotations."}),
 		Outside: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Name: "addresses_outside_pool",
 			Help: "Addresses the node holds or uses that the pool's current spec no longer covers (a shrunk pool, a new exclusion): never handed out, released as they are freed."}, pool),
 
@@ -161,7 +166,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		reg.MustRegister(m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict, m.Outside,
 			m.Attachments, m.OpDuration, m.IPWait, m.JournalWrite, m.Errors, m.SpecWrites, m.Conflicts, m.RecordRewinds, m.RecordRecreated, m.LeaderAcks,
 			m.GCCandidates, m.GCCollected, m.GCKept, m.GCFailed, m.GCDryRun, m.GCDeleteToFree, m.GCFullChecks, m.GCQueueDepth,
-			m.Unattributed, m.JournalRecovered, m.HoldActive, m.Conns, m.Busy, m.BadRequests, m.AbandonedAdds,
+			m.Unattributed, m.JournalRecovered, m.HoldActive, m.Conns, m.Busy, m.BadRequests, m.AbandonedAdds, m.PodUnknown,
 			m.GCSandboxHeld, m.GCSandboxOutlived)
 	}
 	return m

@@ -702,10 +702,22 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 		meta, err := readMeta(rctx, req.Pod.Namespace, req.Pod.Name, req.Pod.UID)
 		cancel()
 		if err != nil {
-			// The API server is away and the cache does not know the pod: choose as if it had
-			// no annotations (the CNI config's pools, else the node's), so the node keeps
-			// serving; namespaceSelectors are still enforced.
-			s.log.Info("cannot read the pod's annotations; choosing pools without them", "pod", req.Pod.Namespace+"/"+req.Pod.Name, "error", err.Error())
+			// The watch does not know the pod and the API server cannot be asked. Choosing pools
+			// as if it had no annotations would silently ignore its (or its namespace's) pools,
+			// static and sticky addresses. A pod whose earlier sandbox this node served gets its
+			// addresses back without them (the node keeps serving restarted sandboxes through an
+			// outage); any other waits for the API server: the runtime retries.
+			s.mu.Lock()
+			adopts := req.Pod.UID != "" && s.st.HasPod(req.Pod.UID)
+			s.mu.Unlock()
+			if !adopts {
+				s.metrics.PodUnknown.Inc()
+				return errResp(cniproto.CodeTryAgainLater,
+					fmt.Sprintf("ipwarden: the agent on node %s cannot read pod %s/%s's annotations: its watch has not seen the pod and the API server did not answer: %s",
+						s.node, req.Pod.Namespace, req.Pod.Name, cniproto.Truncate(err.Error(), 200)),
+					"pool choice needs the pod's and its namespace's ipwarden.io annotations; is the API server reachable from this node? the runtime retries"), nil
+			}
+			s.log.Info("cannot read the pod's annotations; its earlier sandbox's addresses are handed back", "pod", req.Pod.Namespace+"/"+req.Pod.Name, "error", err.Error())
 		}
 		areq.Meta = meta
 	}

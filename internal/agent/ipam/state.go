@@ -424,6 +424,9 @@ func (s *State) Holding(pool string) (addr.Set, bool) {
 	return p.held, p.heldKnown
 }
 
+// HasPod reports whether some attachment belongs to the pod with uid.
+func (s *State) HasPod(uid string) bool { return len(s.byPod[uid]) > 0 }
+
 // Attachment returns a copy of the attachment k.
 func (s *State) Attachment(k Key) (Attachment, bool) {
 	a, ok := s.atts[k]
