@@ -77,6 +77,10 @@ pod, or on the node's NodeIPAllocation when the pod object is gone from the agen
 	fs.StringVar(&f.metricsAddr, "metrics-bind-address", ":10372", `address of the Prometheus /metrics endpoint ("0" disables)`)
 	fs.StringVar(&f.probeAddr, "health-probe-bind-address", ":10373", `address of /healthz and /readyz ("0" disables)`)
 	fs.DurationVar(&f.cfg.Resync, "resync", 60*time.Second, "the pool monitor recomputes the request at least this often")
+	fs.DurationVar(&f.cfg.LeaseDuration, "lease-duration", agent.DefaultLeaseDuration,
+		"another agent for this node takes its Lease once it has not been renewed for this long; the holder re-checks it before an ADD once its last renewal is this old")
+	fs.DurationVar(&f.cfg.LeaseRenew, "lease-renew-interval", agent.DefaultLeaseRenew,
+		"how often the agent renews the node's Lease: its only periodic API write (at most a third of --lease-duration)")
 	fs.DurationVar(&f.cfg.RequestCoalesce, "request-coalesce", 100*time.Millisecond,
 		"after a change (a pod bound, an address freed) the pool monitor waits until no other change came for this long, at most ten times as long, before it recomputes and publishes the request, so a burst of pods raises it once; an ADD waiting for an address skips the wait; 0 disables")
 	fs.DurationVar(&f.cfg.GCGrace, "gc-grace", time.Minute,
@@ -114,6 +118,12 @@ func runAgent(ctx context.Context, f *agentFlags) error {
 	}
 	if f.cfg.AddressWait <= 0 {
 		return fmt.Errorf("--address-wait %s: must be positive", f.cfg.AddressWait)
+	}
+	if f.cfg.LeaseDuration < 3*time.Second || f.cfg.LeaseDuration%time.Second != 0 {
+		return fmt.Errorf("--lease-duration %s: give whole seconds, at least 3s (the Lease stores whole seconds)", f.cfg.LeaseDuration)
+	}
+	if f.cfg.LeaseRenew <= 0 || 3*f.cfg.LeaseRenew > f.cfg.LeaseDuration {
+		return fmt.Errorf("--lease-renew-interval %s: give more than 0 and at most a third of --lease-duration (%s), so a renewal that fails twice still keeps the Lease", f.cfg.LeaseRenew, f.cfg.LeaseDuration)
 	}
 	if f.cfg.RequestCoalesce < 0 || f.cfg.RequestCoalesce > 10*time.Second {
 		return fmt.Errorf("--request-coalesce %s: give 0 (off) up to 10s", f.cfg.RequestCoalesce)

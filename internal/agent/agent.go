@@ -131,6 +131,10 @@ type Config struct {
 	NetnsDirs []string
 	// LeaseNamespace holds the node's Lease ipwarden-agent-<node> (one agent per node).
 	LeaseNamespace string
+	// LeaseDuration and LeaseRenew: another agent takes the node's Lease once it has not been
+	// renewed for LeaseDuration; the holder renews it every LeaseRenew [DefaultLeaseDuration,
+	// DefaultLeaseRenew].
+	LeaseDuration, LeaseRenew time.Duration
 	// ControllerLease names the controller's leader election Lease in LeaseNamespace; the agent
 	// acknowledges each new leader (spec.acknowledgedLeader). Empty: it acknowledges none.
 	ControllerLease string
@@ -315,7 +319,7 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 		}
 		backoff = min(2*backoff, 10*time.Second)
 	}
-	lease := NewNodeLease(kube.API(), cfg.LeaseNamespace, cfg.Node, identity, svc, log.WithName("lease"))
+	lease := NewNodeLease(kube.API(), cfg.LeaseNamespace, cfg.Node, identity, cfg.LeaseDuration, cfg.LeaseRenew, svc, log.WithName("lease"))
 	leaseDone := make(chan struct{})
 	go func() {
 		defer close(leaseDone)

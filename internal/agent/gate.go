@@ -1,8 +1,10 @@
 package agent
 
 import (
+	"context"
 	"fmt"
 	"sync"
+	"time"
 
 	"github.com/ipwarden/ipwarden/internal/agent/nodelease"
 	"github.com/ipwarden/ipwarden/internal/cniproto"
@@ -18,7 +20,9 @@ import (
 //
 // A Lease renewal that fails because the API server is away changes nothing: the agent keeps
 // serving from what it holds, as through any outage, and stops at once when the API server shows
-// another holder.
+// another holder. Past its permit (its last successful renewal's start plus the Lease duration:
+// the agent was paused, or its renewals fail), an ADD first re-checks the Lease: another agent
+// may have taken it meanwhile.
 type gate struct {
 	node, leaseNS string
 	enforce       bool // off: ADD is always allowed (tests of the request paths)
@@ -28,6 +32,9 @@ type gate struct {
 	leaseKnown bool // the agent has read the Lease at least once
 	leaseHeld  bool
 	holder     string // the other holder, when !leaseHeld
+	permit     time.Time
+	recheck    func(context.Context)
+	now        func() time.Time
 	synced     bool   // reconciled with the API server once
 	apiErr     string // the last error talking to the API server before it synced
 	stage      string // what the agent waits for once the API server answers, before it synced
@@ -38,10 +45,41 @@ func (g *gate) setStage(s string) { g.mu.Lock(); g.stage = s; g.mu.Unlock() }
 
 func (g *gate) setOffline(ok bool) { g.mu.Lock(); g.offline = ok; g.mu.Unlock() }
 
-func (g *gate) setLease(held bool, holder string) {
+// setLease records what the agent's last Lease round found; until is its permit when held.
+func (g *gate) setLease(held bool, holder string, until time.Time) {
 	g.mu.Lock()
 	g.leaseKnown, g.leaseHeld, g.holder = true, held, holder
+	if held {
+		g.permit = until
+	}
 	g.mu.Unlock()
+}
+
+// setRecheck sets how an ADD past the permit re-checks the Lease (NodeLease.recheck).
+func (g *gate) setRecheck(f func(context.Context)) { g.mu.Lock(); g.recheck = f; g.mu.Unlock() }
+
+// PermitExpired decides whether an ADD must re-check the node's Lease first: the agent holds it
+// as far as it knows, but its permit ran out (it was paused past its Lease, or cannot renew).
+func PermitExpired(leaseHeld bool, permit, now time.Time) bool {
+	return leaseHeld && !permit.IsZero() && now.After(permit)
+}
+
+// refuseAddNow is refuseAdd after re-checking the Lease when the permit ran out (PermitExpired).
+func (g *gate) refuseAddNow(ctx context.Context) *cniproto.Response {
+	g.mu.Lock()
+	now := time.Now
+	if g.now != nil {
+		now = g.now
+	}
+	expired := g.enforce && PermitExpired(g.leaseHeld, g.permit, now())
+	recheck := g.recheck
+	g.mu.Unlock()
+	if expired && recheck != nil {
+		rctx, cancel := context.WithTimeout(ctx, recheckEvery)
+		recheck(rctx)
+		cancel()
+	}
+	return g.refuseAdd()
 }
 
 func (g *gate) setSynced() { g.mu.Lock(); g.synced, g.apiErr = true, ""; g.mu.Unlock() }

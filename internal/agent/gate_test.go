@@ -1,8 +1,10 @@
 package agent
 
 import (
+	"context"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestListRefusedOnlyWhileWaiting(t *testing.T) {
@@ -10,14 +12,14 @@ func TestListRefusedOnlyWhileWaiting(t *testing.T) {
 	if g.refuseList() == nil {
 		t.Fatal("LIST served while the agent waits for the API server with an empty journal")
 	}
-	g.setLease(false, "other")
+	g.setLease(false, "other", time.Time{})
 	if r := g.refuseList(); r != nil {
 		t.Fatalf("LIST refused while another agent holds the Lease: %+v", r.Error)
 	}
 	if r := g.refuseAdd(); r == nil || !strings.Contains(r.Error.Msg, "other") {
 		t.Fatalf("ADD while another agent holds the Lease: %+v", r)
 	}
-	g.setLease(true, "")
+	g.setLease(true, "", time.Now().Add(time.Minute))
 	g.setSynced()
 	if g.refuseList() != nil || g.refuseAdd() != nil {
 		t.Fatal("refused after taking the Lease and reconciling")
@@ -49,5 +51,47 @@ func TestAddRefusal(t *testing.T) {
 		if r != nil && (r.Error.Code != 11 || !strings.Contains(r.Error.Msg, tc.msg)) {
 			t.Errorf("%s: %+v, want code 11 and %q", tc.name, r.Error, tc.msg)
 		}
+	}
+}
+
+func TestPermitExpired(t *testing.T) {
+	now := time.Date(2026, 11, 25, 8, 0, 0, 0, time.UTC)
+	for _, tc := range []struct {
+		name   string
+		held   bool
+		permit time.Time
+		want   bool
+	}{
+		{"held, renewed recently", true, now.Add(30 * time.Second), false},
+		{"held, permit ends now", true, now, false},
+		{"held, paused past its Lease", true, now.Add(-time.Second), true},
+		{"held, never renewed (serving from the journal before the API server answered)", true, time.Time{}, false},
+		{"not held: refused anyway", false, now.Add(-time.Minute), false},
+	} {
+		if got := PermitExpired(tc.held, tc.permit, now); got != tc.want {
+			t.Errorf("%s: PermitExpired = %v, want %v", tc.name, got, tc.want)
+		}
+	}
+}
+
+// An agent paused past its Lease (permit expired) re-checks it before serving an ADD, and refuses
+// when another agent took it meanwhile; within its permit it asks nothing.
+func TestAddPastThePermitRechecksTheLease(t *testing.T) {
+	now := time.Date(2026, 11, 25, 8, 0, 0, 0, time.UTC)
+	g := &gate{node: "n1", leaseNS: "ns", enforce: true, now: func() time.Time { return now }}
+	g.setLease(true, "", now.Add(time.Minute))
+	g.setSynced()
+	rechecks := 0
+	g.setRecheck(func(context.Context) {
+		rechecks++
+		g.setLease(false, "twin-agent", time.Time{}) // what the Lease shows now
+	})
+	if r := g.refuseAddNow(context.Background()); r != nil || rechecks != 0 {
+		t.Fatalf("within the permit: refusal %+v after %d re-checks", r, rechecks)
+	}
+	now = now.Add(2 * time.Minute) // paused past its Lease
+	r := g.refuseAddNow(context.Background())
+	if rechecks != 1 || r == nil || !strings.Contains(r.Error.Msg, "twin-agent") {
+		t.Fatalf("past the permit: refusal %+v after %d re-checks; want one re-check and a refusal naming twin-agent", r, rechecks)
 	}
 }

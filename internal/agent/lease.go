@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/go-logr/logr"
@@ -20,11 +21,17 @@ import (
 	"github.com/ipwarden/ipwarden/internal/agent/nodelease"
 )
 
-// Lease timing: a holder renews every leaseRetry; another agent takes a Lease not renewed for
-// leaseDuration.
+// Lease timing defaults (docs/design.md, "One agent per node"): a holder renews every
+// DefaultLeaseRenew; another agent takes a Lease not renewed for DefaultLeaseDuration. The renewal
+// is the agent's only periodic write: at 15 s it is 0.067 writes/s per node (the kubelet's own
+// node Lease: 0.1/s). A holder whose last renewal began more than a duration ago re-checks the
+// Lease before it serves another ADD (Permit), so one paused past its Lease never serves before it
+// has seen whether another agent took it.
 const (
-	leaseDuration = 15 * time.Second
-	leaseRetry    = 2 * time.Second
+	DefaultLeaseDuration = 60 * time.Second
+	DefaultLeaseRenew    = 15 * time.Second
+	// recheckEvery bounds the re-checks an ADD asks for while the API server cannot be reached.
+	recheckEvery = 2 * time.Second
 )
 
 // NodeLease keeps the node's coordination.k8s.io Lease ipwarden-agent-<node> (package nodelease)
@@ -38,16 +45,41 @@ type NodeLease struct {
 	log       logr.Logger
 	obs       nodelease.Observer
 
-	held    bool
-	holder  string
-	known   bool
-	heldCh  chan struct{} // closed the first time the Lease is held
-	lastLog time.Time
+	duration, renew time.Duration
+
+	mu          sync.Mutex // serializes rounds: the loop's and the re-checks ADDs ask for
+	lastAttempt time.Time
+	held        bool
+	holder      string
+	known       bool
+	heldCh      chan struct{} // closed the first time the Lease is held
+	lastLog     time.Time
 }
 
-// NewNodeLease returns the Lease keeper of node for identity.
-func NewNodeLease(api client.Client, namespace, node, identity string, svc *Service, log logr.Logger) *NodeLease {
-	return &NodeLease{api: client.WithFieldOwner(api, string(fieldOwner)), namespace: namespace, node: node, identity: identity, svc: svc, log: log, heldCh: make(chan struct{})}
+// NewNodeLease returns the Lease keeper of node for identity, with Leases lasting duration and
+// renewed every renew (0: the defaults).
+func NewNodeLease(api client.Client, namespace, node, identity string, duration, renew time.Duration, svc *Service, log logr.Logger) *NodeLease {
+	if duration <= 0 {
+		duration = DefaultLeaseDuration
+	}
+	if renew <= 0 {
+		renew = DefaultLeaseRenew
+	}
+	l := &NodeLease{api: client.WithFieldOwner(api, string(fieldOwner)), namespace: namespace, node: node, identity: identity,
+		duration: duration, renew: renew, svc: svc, log: log, heldCh: make(chan struct{})}
+	svc.gate.setRecheck(l.recheck)
+	return l
+}
+
+// recheck runs a round now, unless one began less than recheckEvery ago (the API server is away
+// and every ADD would ask again).
+func (l *NodeLease) recheck(ctx context.Context) {
+	l.mu.Lock()
+	recent := time.Since(l.lastAttempt) < recheckEvery
+	l.mu.Unlock()
+	if !recent {
+		l.round(ctx)
+	}
 }
 
 // Held is closed once the agent has held the Lease.
@@ -55,7 +87,7 @@ func (l *NodeLease) Held() <-chan struct{} { return l.heldCh }
 
 // Run keeps the Lease until ctx ends, then gives it up so a successor takes it at once.
 func (l *NodeLease) Run(ctx context.Context) {
-	t := time.NewTicker(leaseRetry)
+	t := time.NewTicker(l.renew)
 	defer t.Stop()
 	for {
 		l.round(ctx)
@@ -69,7 +101,11 @@ func (l *NodeLease) Run(ctx context.Context) {
 }
 
 func (l *NodeLease) round(ctx context.Context) {
-	rctx, cancel := context.WithTimeout(ctx, leaseRetry*2)
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	start := time.Now()
+	l.lastAttempt = start
+	rctx, cancel := context.WithTimeout(ctx, min(l.renew, 10*time.Second))
 	defer cancel()
 	held, holder, err := l.once(rctx)
 	if err != nil {
@@ -84,7 +120,8 @@ func (l *NodeLease) round(ctx context.Context) {
 	}
 	changed := !l.known || held != l.held || holder != l.holder
 	l.known, l.held, l.holder = true, held, holder
-	l.svc.gate.setLease(held, holder)
+	// The permit runs from the round's start: no other agent can take the Lease before then.
+	l.svc.gate.setLease(held, holder, start.Add(l.duration))
 	if held {
 		select {
 		case <-l.heldCh:
@@ -120,8 +157,8 @@ func (l *NodeLease) once(ctx context.Context) (bool, string, error) {
 		}
 	}
 	now := time.Now()
-	a := nodelease.Decide(rec, l.identity, l.obs.Observe(rec, now), now, leaseDuration)
-	id, secs, mt := l.identity, int32(leaseDuration/time.Second), metav1.NewMicroTime(now)
+	a := nodelease.Decide(rec, l.identity, l.obs.Observe(rec, now), now, l.duration)
+	id, secs, mt := l.identity, int32(l.duration/time.Second), metav1.NewMicroTime(now)
 	switch a.Kind {
 	case nodelease.Wait:
 		return false, a.Holder, nil
@@ -145,6 +182,8 @@ func (l *NodeLease) once(ctx context.Context) (bool, string, error) {
 
 // release gives the Lease up (no holder) if the agent holds it.
 func (l *NodeLease) release() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
 	if !l.held {
 		return
 	}

@@ -587,7 +587,7 @@ func (s *Service) addRequest(ctx context.Context, req cniproto.Request) (*cnipro
 	if bad := s.notReady(req); bad != nil {
 		return bad, nil
 	}
-	if r := s.gate.refuseAdd(); r != nil {
+	if r := s.gate.refuseAddNow(ctx); r != nil {
 		return r, nil
 	}
 	resp, created := s.add(ctx, req)

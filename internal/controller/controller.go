@@ -63,7 +63,8 @@ type Options struct {
 	// deleted node's addresses return to their pools only once its agent has stopped renewing
 	// (agentalive.go) ["": not checked, a deleted node's addresses return at once].
 	AgentLeaseNamespace string
-	// AgentLeaseDuration is the agents' Lease duration when a Lease does not say [15s].
+	// AgentLeaseDuration is the agents' Lease duration when a Lease does not say [60s, the
+	// agents' default --lease-duration].
 	AgentLeaseDuration time.Duration
 }
 
@@ -75,7 +76,7 @@ func (o *Options) setDefaults() {
 		o.MinSyncInterval = 100 * time.Millisecond
 	}
 	if o.AgentLeaseDuration <= 0 {
-		o.AgentLeaseDuration = 15 * time.Second
+		o.AgentLeaseDuration = 60 * time.Second
 	}
 	if o.ResyncPeriod <= 0 {
 		o.ResyncPeriod = time.Minute

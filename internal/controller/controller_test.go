@@ -190,11 +190,12 @@ func TestOptionsDefaults(t *testing.T) {
 	if zero.Workers != 4 || zero.MinSyncInterval != 100*time.Millisecond || zero.ResyncPeriod != time.Minute ||
 		zero.BackoffBase != 250*time.Millisecond || zero.BackoffMax != 2*time.Minute || zero.PoolStatusInterval != time.Second ||
 		zero.AuditPeriod != 10*time.Minute || zero.Exhaustion != DefaultExhaustionMarks || zero.Now == nil || zero.Fence == nil ||
-		zero.ClaimSettle != time.Minute {
+		zero.ClaimSettle != time.Minute || zero.AgentLeaseDuration != time.Minute {
 		t.Fatalf("defaults: %+v", zero)
 	}
 	set := Options{Workers: 1, MinSyncInterval: time.Millisecond, ResyncPeriod: time.Hour, BackoffBase: time.Second,
-		BackoffMax: time.Hour, PoolStatusInterval: time.Minute, AuditPeriod: time.Hour, ClaimSettle: 3 * time.Second, PerNodeMetrics: true}
+		BackoffMax: time.Hour, PoolStatusInterval: time.Minute, AuditPeriod: time.Hour, ClaimSettle: 3 * time.Second, PerNodeMetrics: true,
+		AgentLeaseNamespace: "ns", AgentLeaseDuration: 20 * time.Second}
 	want := set
 	set.setDefaults()
 	set.Now, set.Fence, set.Exhaustion = nil, nil, ExhaustionMarks{}

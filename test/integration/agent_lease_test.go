@@ -209,7 +209,8 @@ func TestAgentStartsWithoutAPIServer(t *testing.T) {
 func TestAgentStopsServingWhenItLosesTheLease(t *testing.T) {
 	const node = "lease-lost"
 	gcSetup(t, node, "10.144.0.0/24")
-	ag := startAgent(t, node, "")
+	// A holder sees another holder at its next renewal: renew every 2s here (default 15s).
+	ag := startAgent(t, node, "", "--lease-renew-interval=2s", "--lease-duration=6s")
 	ag.waitServing(t)
 	conf := pluginConf("1.1.0", ag.socket)
 	mustAdd(t, conf, "before")
@@ -277,5 +278,39 @@ func TestAgentSecondAgentLeavesTheSocketAlone(t *testing.T) {
 	case <-second.done:
 		t.Fatal("the second agent exited")
 	default:
+	}
+}
+
+// An agent paused (SIGSTOP) past its Lease while a second agent for the node takes it over never
+// serves an ADD after it resumes: its permit ran out, so it re-checks the Lease first and refuses,
+// naming the new holder. (Short Lease timings here; the defaults are 60s and 15s.)
+func TestAgentPausedPastItsLeaseRechecksBeforeServing(t *testing.T) {
+	const node = "lease-paused"
+	gcSetup(t, node, "10.145.0.0/24")
+	timing := []string{"--lease-duration=3s", "--lease-renew-interval=1s"}
+	first := startAgent(t, node, "", timing...)
+	first.waitServing(t)
+	firstConf := pluginConf("1.1.0", first.socket)
+	second := startAgent(t, node, "", timing...)
+	secondConf := pluginConf("1.1.0", second.socket)
+	eventually(t, 30*time.Second, "the second agent to wait for the first's Lease", func() error {
+		if !second.logContains("another agent holds the node's Lease") {
+			return fmt.Errorf("not logged yet")
+		}
+		return nil
+	})
+
+	first.proc.Pause()
+	second.waitServing(t)
+	p := createBoundPod(t, "lease-paused-pod", node)
+	ip := addFor(t, secondConf, "second", p)
+	first.proc.Resume()
+	q := createBoundPod(t, "lease-paused-late", node)
+	r, e := cni(t, "ADD", firstConf, "first-after", podArgs(q.Namespace, q.Name, string(q.UID)))
+	if e == nil {
+		t.Fatalf("the resumed agent served an ADD (%v) after another agent took its Lease (which handed out %s)", r.IPs, ip)
+	}
+	if e.Code != 11 || !strings.Contains(e.Msg, second.identity(t)) {
+		t.Fatalf("ADD through the resumed agent: %+v; want code 11 naming %s", e, second.identity(t))
 	}
 }
