@@ -93,7 +93,7 @@ pod, or on the node's NodeIPAllocation when the pod object is gone from the agen
 			"when the agent cannot check that path (see --netns-dirs) they are freed this long after the pod is gone, and a namespace that still exists this long after is reported (event IPAddressSandboxOutlivesPod) and kept")
 	fs.StringSliceVar(&f.cfg.NetnsDirs, "netns-dirs", agent.DefaultNetnsDirs,
 		"directories in which the agent sees pods' network namespaces (mount the host's read-only, with HostToContainer propagation)")
-	fs.StringVar(&f.cfg.LeaseNamespace, "lease-namespace", orDefault(os.Getenv("POD_NAMESPACE"), "default"),
+	fs.StringVar(&f.cfg.LeaseNamespace, "lease-namespace", namespaceDefault(),
 		"namespace of the node's Lease ipwarden-agent-<node> (one agent per node; default $POD_NAMESPACE, else default)")
 	fs.StringVar(&f.cfg.ControllerLease, "controller-lease", "ipwarden-controller",
 		"name of the controller's leader election Lease in --lease-namespace: the agent acknowledges each new leader (spec.acknowledgedLeader) after writing its claims from a fresh read, and the controller fills no node until every node has (\"\" disables)")
@@ -260,6 +260,15 @@ func printList(w io.Writer, resp *cniproto.Response) error {
 	}
 	return tw.Flush()
 }
+
+// DefaultNamespace is where ipwarden's Leases live unless a flag or $POD_NAMESPACE says
+// otherwise: the namespace deploy/ installs into and the fence policy's binding names. The
+// controller's Lease, the agents' Leases and the controller's view of the agents' Leases share
+// it, so the two binaries run with their defaults agree.
+const DefaultNamespace = "ipwarden-system"
+
+// namespaceDefault is $POD_NAMESPACE, else DefaultNamespace.
+func namespaceDefault() string { return orDefault(os.Getenv("POD_NAMESPACE"), DefaultNamespace) }
 
 func orDefault(s, def string) string {
 	if s == "" {

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	goflag "flag"
 	"fmt"
 	"net/http"
@@ -8,7 +9,9 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/go-logr/logr"
 	"github.com/spf13/cobra"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/uuid"
 	"k8s.io/client-go/kubernetes"
@@ -16,8 +19,10 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/client-go/tools/leaderelection/resourcelock"
+	"k8s.io/client-go/tools/record"
 	"k8s.io/klog/v2"
 	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 	ctrlmetrics "sigs.k8s.io/controller-runtime/pkg/metrics"
@@ -42,6 +47,7 @@ type controllerFlags struct {
 	renewDeadline    time.Duration
 	retryPeriod      time.Duration
 	skipLocalFence   bool
+	requireFence     bool
 	opts             controller.Options
 	zap              zap.Options
 }
@@ -65,7 +71,8 @@ to their pools, and reports pool usage in IPPool status. Run two replicas; one l
 	fs.StringVar(&f.probeAddr, "health-probe-bind-address", ":10371", `address of /healthz and /readyz ("0" disables)`)
 	fs.StringVar(&f.healthFile, "health-file", "", "file rewritten every 5s with \"alive\" or \"ready\", for the exec probe `ipwarden probe` (hostNetwork replicas sharing a node cannot share a probe port)")
 	fs.BoolVar(&f.leaderElect, "leader-elect", true, "elect one active replica with a Lease")
-	fs.StringVar(&f.leaderElectionNS, "leader-election-namespace", "", "namespace of the Lease (default: $POD_NAMESPACE, else kube-system)")
+	fs.StringVar(&f.leaderElectionNS, "leader-election-namespace", namespaceDefault(), "namespace of the Lease (the fence policy's binding must name it)")
+	fs.BoolVar(&f.requireFence, "require-fence-policy", true, "with --leader-elect, refuse to lead (log, event, ipwarden_controller_fence_policy_ok 0) until the fence policy ipwarden-controller-fence exists and its binding names this controller's Lease")
 	fs.StringVar(&f.leaderElectionID, "leader-election-id", "ipwarden-controller", "name of the Lease")
 	fs.DurationVar(&f.leaseDuration, "leader-election-lease-duration", 15*time.Second, "how long a standby waits before taking over a Lease that was not renewed")
 	fs.DurationVar(&f.renewDeadline, "leader-election-renew-deadline", 10*time.Second, "how long the leader keeps trying to renew before it steps down")
@@ -73,7 +80,7 @@ to their pools, and reports pool usage in IPPool status. Run two replicas; one l
 	fs.DurationVar(&f.opts.ClaimSettle, "claim-settle", 60*time.Second, "after it starts leading, the controller serves only claims (addresses nodes' pods use that their status lost) and take-backs until every node's agent has acknowledged it (spec.acknowledgedLeader), at most this long; without leader election, exactly this long")
 	fs.BoolVar(&f.skipLocalFence, "unsafe-skip-local-lease-check", false, "testing only: do not check the lease's expiry before each write, leaving only the API server's fence policy")
 	_ = fs.MarkHidden("unsafe-skip-local-lease-check")
-	fs.StringVar(&f.opts.AgentLeaseNamespace, "agent-lease-namespace", orDefault(os.Getenv("POD_NAMESPACE"), "default"),
+	fs.StringVar(&f.opts.AgentLeaseNamespace, "agent-lease-namespace", namespaceDefault(),
 		`namespace of the agents' Leases ipwarden-agent-<node> (the agents' --lease-namespace): a deleted Node's addresses return to their pools only once its agent has stopped renewing its Lease, since a Node object can be deleted and re-created while its pods run ("" returns them at once)`)
 	fs.BoolVar(&f.opts.PerNodeMetrics, "per-node-metrics", false, "also export the node x pool gauges ipwarden_controller_node_{held,requested,deficit}_addresses (each agent exports its node's figures: ipwarden_agent_pool_held_addresses, _requested_addresses)")
 	fs.IntVar(&f.opts.Workers, "workers", 4, "node syncs run in parallel")
@@ -144,10 +151,7 @@ func runController(f *controllerFlags) error {
 	}
 	ns := f.leaderElectionNS
 	if ns == "" {
-		ns = os.Getenv("POD_NAMESPACE")
-	}
-	if ns == "" {
-		ns = "kube-system"
+		ns = namespaceDefault()
 	}
 	// The leader election lock reports every renewal to the fence, which stamps each status
 	// write with the holder and epoch the fence policy checks (docs/design.md, "Fencing").
@@ -226,7 +230,44 @@ func runController(f *controllerFlags) error {
 	}); err != nil {
 		return err
 	}
+	if f.leaderElect && f.requireFence {
+		if err := waitFencePolicy(ctx, log, mgr.GetAPIReader(), mgr.GetEventRecorderFor("ipwarden-controller"), metrics, ns, f.leaderElectionID); err != nil {
+			return err
+		}
+	}
 	return mgr.Start(ctx)
+}
+
+// waitFencePolicy refuses to lead until the fence policy fences the Lease ns/name
+// (controller.CheckFencePolicy): it says why (log, a Warning event on the Lease,
+// ipwarden_controller_fence_policy_ok 0) and checks again every 10s.
+func waitFencePolicy(ctx context.Context, log logr.Logger, r client.Reader, events record.EventRecorder, m *controller.Metrics, ns, name string) error {
+	lease := &corev1.ObjectReference{APIVersion: "coordination.k8s.io/v1", Kind: "Lease", Namespace: ns, Name: name}
+	said := ""
+	for {
+		view, err := controller.ReadFencePolicy(ctx, r)
+		if err == nil {
+			err = controller.CheckFencePolicy(view, ns, name)
+			if err == nil {
+				m.FencePolicyOK.Set(1)
+				if said != "" {
+					log.Info("the fence policy fences this controller's Lease now: campaigning", "lease", ns+"/"+name)
+				}
+				return nil
+			}
+		}
+		m.FencePolicyOK.Set(0)
+		if msg := err.Error(); msg != said {
+			log.Error(err, "refusing to lead: the API server would not fence this controller's writes", "lease", ns+"/"+name)
+			events.Eventf(lease, corev1.EventTypeWarning, "FencePolicyMissing", "ipwarden controller refuses to lead: %s", msg)
+			said = msg
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("stopped while refusing to lead: %w", err)
+		case <-time.After(10 * time.Second):
+		}
+	}
 }
 
 // leaderIdentity is this process's Lease holder identity: the pod (or host) name and a random

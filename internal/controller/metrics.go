@@ -34,7 +34,10 @@ type Metrics struct {
 	GCCollected    prometheus.Counter
 	GCFailed       prometheus.Counter
 
-	FencedWrites   *prometheus.CounterVec
+	FencedWrites *prometheus.CounterVec
+	// FencePolicyOK is 1 when the fence policy fences this controller's Lease, 0 while the
+	// controller refuses to lead because it does not (CheckFencePolicy).
+	FencePolicyOK  prometheus.Gauge
 	Epoch          prometheus.Gauge
 	ClaimsGranted  *prometheus.CounterVec
 	ClaimConflicts prometheus.Gauge
@@ -74,7 +77,9 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		GCCollected:    prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "gc_collected_total", Help: "Allocations held by no node that the audit returned to their pool."}),
 		GCFailed:       prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "gc_failed_total", Help: "Audits that could not run (listing failed)."}),
 
-		FencedWrites:   prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "fenced_writes_total", Help: "Writes refused because this controller no longer holds its Lease, by who refused (local: its own lease check; apiserver: the fence policy)."}, []string{"by"}),
+		FencedWrites: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "fenced_writes_total", Help: "Writes refused because this controller no longer holds its Lease, by who refused (local: its own lease check; apiserver: the fence policy)."}, []string{"by"}),
+		FencePolicyOK: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "fence_policy_ok",
+			Help: "1 when the fence policy (ValidatingAdmissionPolicy ipwarden-controller-fence) fences this controller's Lease; 0 while it refuses to lead because the policy is missing or reads another Lease."}),
 		Epoch:          prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "leader_epoch", Help: "The leader election epoch (Lease leaderTransitions) this controller writes with; 0 until it leads."}),
 		ClaimsGranted:  prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "claims_granted_total", Help: "Claimed addresses (used by a node's pods, missing from its status) granted back to the node."}, pool),
 		ClaimConflicts: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "claim_conflict_addresses", Help: "Addresses a node's pods use while another node holds them (must be 0; see ipwarden check)."}),
@@ -85,7 +90,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		reg.MustRegister(m.PoolCapacity, m.PoolAllocated, m.PoolFree, m.PoolCooling, m.PoolExhausted, m.PoolConflicts,
 			m.NodeHeld, m.NodeRequested, m.NodeDeficit, m.NodesInDeficit, m.NodesAtCapacity, m.Nodes,
 			m.Allocations, m.Releases, m.APIWrites, m.SyncDuration, m.SyncErrors, m.QueueDepth, m.AddressesTwice, m.NodesReleased, m.GCCandidates, m.GCCollected, m.GCFailed,
-			m.FencedWrites, m.Epoch, m.ClaimsGranted, m.ClaimConflicts, m.Unacked)
+			m.FencedWrites, m.FencePolicyOK, m.Epoch, m.ClaimsGranted, m.ClaimConflicts, m.Unacked)
 	}
 	return m
 }

@@ -19,6 +19,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
+	"github.com/ipwarden/ipwarden/internal/controlplane"
 )
 
 // stop sends SIGTERM, as the kubelet does, and waits for the agent to exit.
@@ -219,7 +220,7 @@ func TestAgentStopsServingWhenItLosesTheLease(t *testing.T) {
 		t.Helper()
 		if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
 			l := &coordinationv1.Lease{}
-			if err := k8s.Get(context.Background(), client.ObjectKey{Namespace: "default", Name: "ipwarden-agent-" + node}, l); err != nil {
+			if err := k8s.Get(context.Background(), client.ObjectKey{Namespace: controlplane.ControllerNamespace, Name: "ipwarden-agent-" + node}, l); err != nil {
 				return err
 			}
 			if holder == "" {
