@@ -119,6 +119,9 @@ $(BIN)/kubectl: $(TOOLS_DIR)/go.mod $(TOOLS_DIR)/go.sum
 
 # The local demonstration: a real control plane, controller and agents; pods through the real
 # CNI plugin (in network namespaces on a bridge when run as root).
-demo: tools $(BIN)/kubectl
+# It builds only what it runs: etcd and kube-apiserver, and kubectl (not the real-node suite's
+# kubelet, kube-controller-manager and kube-scheduler, nor controller-gen, which `make tools` adds).
+demo: $(BIN)/kubectl
+	$(GO) run ./hack/controlplane ensure >/dev/null
 	$(GO) run ./hack/demo $(DEMO_FLAGS)
 .PHONY: demo

@@ -168,6 +168,11 @@ func call(socket string, req cniproto.Request, timeout time.Duration, unreachabl
 				fmt.Sprintf("ipwarden-cni: the ipwarden agent is not reachable at %s", socket),
 				fmt.Sprintf("%v; check that the ipwarden agent runs on this node and listens on %s (CNI config key \"socket\")", u.Err, socket))
 		}
+		var silent *cniproto.SilentError
+		if errors.As(err, &silent) {
+			return nil, types.NewError(types.ErrTryAgainLater, "ipwarden-cni: "+silent.Error(),
+				"an ADD the agent had not answered is rolled back when it resumes; the runtime will retry")
+		}
 		// The connection's deadline comes from ctx, so a read can fail with an i/o timeout a
 		// moment before ctx reports its own: both mean the agent did not answer in time.
 		if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, os.ErrDeadlineExceeded) || ctx.Err() != nil {

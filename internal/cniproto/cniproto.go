@@ -14,6 +14,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"sync"
 	"time"
 )
 
@@ -207,6 +208,108 @@ func (e *UnreachableError) Error() string {
 
 func (e *UnreachableError) Unwrap() error { return e.Err }
 
+// The agent shows it is alive while it handles a request: it writes one space as soon as it has
+// read the request and one every Heartbeat until it writes the response (JSON allows whitespace
+// before a value, so the response decodes as before). A client that hears nothing for Silence
+// gives up with a *SilentError, long before a runtime's own timeout would kill the plugin: a
+// paused or wedged agent gets a CNI error that names it, while an ADD that legitimately waits for
+// addresses (--address-wait) keeps its connection. The plugin and the agent ship together (one
+// image); a plugin newer than its agent would give up on an ADD the old agent made wait longer
+// than Silence.
+const (
+	Heartbeat = 2 * time.Second
+	Silence   = 10 * time.Second
+)
+
+// heartbeatEvery and silenceLimit are Heartbeat and Silence (shortened by tests).
+var heartbeatEvery, silenceLimit = Heartbeat, Silence
+
+// SilentError says the agent accepted a request but sent nothing for Silence.
+type SilentError struct {
+	Socket string
+	Op     Op
+	For    time.Duration
+	// Acked: the agent had read the request (its first heartbeat came) before it fell silent.
+	Acked bool
+}
+
+func (e *SilentError) Error() string {
+	what := "accepted the connection but never read the " + string(e.Op) + " request"
+	if e.Acked {
+		what = "read the " + string(e.Op) + " request, then stopped answering"
+	}
+	return fmt.Sprintf("the ipwarden agent at %s %s: nothing for %s (is it paused, stopped or overloaded? see the ipwarden-agent pod on this node)", e.Socket, what, e.For)
+}
+
+// silenceReader reads from conn with a deadline Silence (or the context's, if sooner) past each
+// read, and remembers whether anything arrived.
+type silenceReader struct {
+	conn    net.Conn
+	limit   time.Duration
+	ctxDL   time.Time
+	got     bool
+	timeout bool // the last read ended at the silence deadline, not the context's
+}
+
+func (r *silenceReader) Read(p []byte) (int, error) {
+	dl := time.Now().Add(r.limit)
+	silence := true
+	if !r.ctxDL.IsZero() && r.ctxDL.Before(dl) {
+		dl, silence = r.ctxDL, false
+	}
+	_ = r.conn.SetReadDeadline(dl)
+	n, err := r.conn.Read(p)
+	if n > 0 {
+		r.got = true
+	}
+	r.timeout = silence && errors.Is(err, os.ErrDeadlineExceeded)
+	return n, err
+}
+
+// WriteHeartbeats writes the first heartbeat to w at once and one every Heartbeat until the
+// returned stop is called; stop waits for a write in progress, so the caller's response is never
+// interleaved. Write errors end the heartbeats (the caller's own write reports them).
+func WriteHeartbeats(w io.Writer) (stop func()) {
+	var mu sync.Mutex
+	done := make(chan struct{})
+	beat := func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		select {
+		case <-done:
+			return false
+		default:
+		}
+		_, err := w.Write([]byte{' '})
+		return err == nil
+	}
+	if !beat() {
+		return func() {}
+	}
+	go func() {
+		t := time.NewTicker(heartbeatEvery)
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-t.C:
+				if !beat() {
+					return
+				}
+			}
+		}
+	}()
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			mu.Lock()
+			close(done)
+			mu.Unlock()
+		})
+	}
+}
+
 // Call sends req to the agent at socket and returns its response. A response carrying a CNI
 // error is returned as the response, not as err; err is an *UnreachableError when the socket
 // cannot be reached, or another error when the exchange breaks off.
@@ -230,7 +333,14 @@ func Call(ctx context.Context, socket string, req Request) (*Response, error) {
 		_ = uc.CloseWrite()
 	}
 	var resp Response
-	if err := json.NewDecoder(io.LimitReader(conn, MaxResponse)).Decode(&resp); err != nil {
+	sr := &silenceReader{conn: conn, limit: silenceLimit}
+	if dl, ok := ctx.Deadline(); ok {
+		sr.ctxDL = dl
+	}
+	if err := json.NewDecoder(io.LimitReader(sr, MaxResponse)).Decode(&resp); err != nil {
+		if sr.timeout && ctx.Err() == nil {
+			return nil, &SilentError{Socket: socket, Op: req.Op, For: silenceLimit, Acked: sr.got}
+		}
 		if ctx.Err() != nil {
 			err = ctx.Err()
 		}

@@ -70,3 +70,49 @@ func TestAddPathWithoutTheAPIServer(t *testing.T) {
 		return nil
 	})
 }
+
+// A paused agent (SIGSTOP: the kernel still accepts connections for it) gives the runtime a CNI
+// error that names it well before the runtimes' timeouts (the plugin's own ADD timeout is 90s):
+// the plugin hears no heartbeat for cniproto.Silence. Resumed, the agent serves again, and the
+// ADD it had read while paused is rolled back (the plugin went away), so it holds nothing.
+func TestPausedAgentGivesTheRuntimeAnError(t *testing.T) {
+	const node = "paused-agent"
+	gcSetup(t, node, "10.131.0.0/24")
+	ag := startAgent(t, node, "")
+	ag.waitServing(t)
+	conf := pluginConf("1.1.0", ag.socket)
+	p := createBoundPod(t, "paused-agent-pod", node)
+
+	ag.proc.Pause()
+	resumed := false
+	defer func() {
+		if !resumed {
+			ag.proc.Resume()
+		}
+	}()
+	_, e := cni(t, "ADD", conf, "while-paused", podArgs(p.Namespace, p.Name, string(p.UID)))
+	if e == nil || e.Code != 11 || !strings.Contains(e.Msg, ag.socket) || !strings.Contains(e.Msg, "paused") {
+		t.Fatalf("ADD to a paused agent: %+v; want CNI error 11 naming the agent's socket", e)
+	}
+	ag.proc.Resume()
+	resumed = true
+	r, e := cni(t, "ADD", conf, "after", podArgs(p.Namespace, p.Name, string(p.UID)))
+	if e != nil {
+		t.Fatalf("ADD after the agent resumed: %v", e)
+	}
+	eventually(t, 20*time.Second, "the ADD read while paused to be rolled back", func() error {
+		resp, err := ag.list(t)
+		if err != nil {
+			return err
+		}
+		for _, a := range resp.Attachments {
+			if a.ContainerID == "while-paused" {
+				return fmt.Errorf("attachment while-paused still there")
+			}
+		}
+		if len(resp.Attachments) != 1 || resp.Attachments[0].IPs[0].Address != r.IPs[0].Address {
+			return fmt.Errorf("attachments %+v", resp.Attachments)
+		}
+		return nil
+	})
+}
