@@ -108,6 +108,14 @@ bench: tools
 	$(GO) run ./hack/bench all $(BENCH_FLAGS)
 .PHONY: bench
 
+# Many nodes on one API server: N nodes served by the real agent code in one process, the real
+# controller leader-elected and fenced (BENCHMARKS.md, "Thousands of nodes"). SCALE_NODES=1000.
+SCALE_NODES ?= 1000
+bench-scale:
+	$(GO) run ./hack/controlplane ensure >/dev/null
+	$(GO) run ./hack/bench scale -scale-nodes $(SCALE_NODES) $(BENCH_FLAGS)
+.PHONY: bench-scale
+
 # Pod startup on the real-node suite's kubelet and containerd, ipwarden vs host-local (root).
 bench-node: tools
 	IPWARDEN_NODE_BENCH=1 $(GO) test -count=1 -v -run TestPodStartupBench -timeout 50m ./test/node

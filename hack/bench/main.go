@@ -2,7 +2,7 @@
 // the reference measured in the same run where one exists, and prints each figure next to its
 // goal. `make bench` runs it all.
 //
-//	go run ./hack/bench [all|cni|burst|churn|equal|controller] [flags]
+//	go run ./hack/bench [all|cni|burst|churn|equal|controller|scale] [flags]
 package main
 
 import (
@@ -101,6 +101,11 @@ func run(args []string) error {
 	pairs := fs.Int("pairs", 1000, "cni bench: sequential ADD+DEL pairs per plugin for the latency quantiles")
 	window := fs.Duration("window", 5*time.Second, "cni bench: duration of each throughput measurement")
 	pods := fs.Int("pods", 110, "burst bench: pods started at once")
+	var scale scaleOptions
+	fs.IntVar(&scale.nodes, "scale-nodes", 1000, "scale bench: nodes, each served by the real agent code in this process")
+	fs.IntVar(&scale.pods, "scale-pods", 30, "scale bench: pods bound to every node at once in the burst")
+	fs.DurationVar(&scale.rest, "scale-rest", time.Minute, "scale bench: the quiet window over which writes at rest are counted")
+	fs.IntVar(&scale.workers, "scale-workers", 64, "scale bench: ADDs the runtime stand-in sends at once")
 	var churn churnOptions
 	fs.IntVar(&churn.nodes, "churn-nodes", 3, "churn bench: real agents (nodes) on the pool")
 	fs.IntVar(&churn.pods, "churn-pods", 30, "churn bench: pods bound to each node")
@@ -126,9 +131,18 @@ func run(args []string) error {
 		return err
 	}
 	sections := []struct {
-		name string
-		run  func() ([]figure, error)
+		name  string
+		run   func() ([]figure, error)
+		alone bool // not part of "all" (make bench-scale)
 	}{
+		{"scale", func() ([]figure, error) {
+			env, err := newEnv(ctx, root, bins, false)
+			if err != nil {
+				return nil, err
+			}
+			defer env.close()
+			return scaleBench(ctx, env, scale)
+		}, true},
 		{"cni", func() ([]figure, error) {
 			env, err := newEnv(ctx, root, bins, true)
 			if err != nil {
@@ -136,7 +150,7 @@ func run(args []string) error {
 			}
 			defer env.close()
 			return cniBench(ctx, env, *pairs, *window)
-		}},
+		}, false},
 		{"burst", func() ([]figure, error) {
 			env, err := newEnv(ctx, root, bins, true)
 			if err != nil {
@@ -144,7 +158,7 @@ func run(args []string) error {
 			}
 			defer env.close()
 			return burstBench(ctx, env, *pods)
-		}},
+		}, false},
 		{"churn", func() ([]figure, error) {
 			env, err := newEnv(ctx, root, bins, true)
 			if err != nil {
@@ -152,7 +166,7 @@ func run(args []string) error {
 			}
 			defer env.close()
 			return churnBench(ctx, env, churn)
-		}},
+		}, false},
 		{"equal", func() ([]figure, error) {
 			env, err := newEnv(ctx, root, bins, true)
 			if err != nil {
@@ -160,7 +174,7 @@ func run(args []string) error {
 			}
 			defer env.close()
 			return equalBench(ctx, env, *equalLimit)
-		}},
+		}, false},
 		{"controller", func() ([]figure, error) {
 			env, err := newEnv(ctx, root, bins, false)
 			if err != nil {
@@ -170,12 +184,12 @@ func run(args []string) error {
 			b := &controllerBench{nodes: *nodes, perNode: *perNode, parallel: *parallel, cidr: "10.64.0.0/12",
 				bin: bins.Ipwarden, cp: env.cp, c: env.c, log: func(f string, a ...any) { fmt.Printf("  "+f+"\n", a...) }}
 			return b.run(ctx)
-		}},
+		}, false},
 	}
 	var all []figure
 	ran := false
 	for _, s := range sections {
-		if what != "all" && what != s.name {
+		if (what != "all" || s.alone) && what != s.name {
 			continue
 		}
 		ran = true
@@ -189,7 +203,7 @@ func run(args []string) error {
 		all = append(all, figs...)
 	}
 	if !ran {
-		return fmt.Errorf("unknown bench %q: use all, cni, burst, churn, equal or controller", what)
+		return fmt.Errorf("unknown bench %q: use all, cni, burst, churn, equal, controller or scale", what)
 	}
 	fmt.Printf("\nipwarden bench: %d CPUs, %s/%s, %s, everything on loopback of this machine\n", runtime.NumCPU(), runtime.GOOS, runtime.GOARCH, time.Now().UTC().Format("2006-01-02"))
 	tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
