@@ -24,6 +24,12 @@ type AuditResult struct {
 	Leaked addr.Set
 }
 
+// ConfirmTwice is what two audits, the second on a later list, both found held twice: held by two
+// nodes at rest. A list is not one moment of the controller's record: a status listed just before
+// a take-back and a grant landed shows an address the record has already moved to another node,
+// which one audit alone would report as held twice (an alarm an operator would act on).
+func ConfirmTwice(first, second addr.Set) addr.Set { return first.Intersect(second) }
+
 // Nodes lists the nodes an audit found out of step, to sync them.
 func (r AuditResult) Nodes() []string {
 	seen := map[string]bool{}
@@ -99,7 +105,7 @@ func (s *State) Audit(allocs []ipwardenv1.NodeIPAllocation) AuditResult {
 	for name, pools := range listed {
 		n := s.node(name)
 		for pool, set := range pools {
-			extra := set.Subtract(n.held[pool]).Subtract(n.pending[pool])
+			extra := set.Subtract(n.held[pool]).Subtract(n.pending[pool]).Subtract(n.inflight[pool])
 			if extra.IsEmpty() {
 				continue
 			}
@@ -126,6 +132,9 @@ func (s *State) Audit(allocs []ipwardenv1.NodeIPAllocation) AuditResult {
 			owned[pool] = append(owned[pool], h.Ranges()...)
 		}
 		for pool, h := range n.pending {
+			owned[pool] = append(owned[pool], h.Ranges()...)
+		}
+		for pool, h := range n.inflight {
 			owned[pool] = append(owned[pool], h.Ranges()...)
 		}
 	}

@@ -49,3 +49,56 @@ func TestAudit(t *testing.T) {
 		t.Errorf("leaked address not returned to the pool")
 	}
 }
+
+// The audit runs while fills are in flight (docs/design.md, "The write protocol"): a fill's new
+// addresses are reserved at its plan and the node's status write lands before its commit. An
+// audit between the two must neither return them to the pool as leaked (another node could then
+// be given them) nor call them held twice; and a status listed before a take-back and a grant
+// landed shows an address the record has already moved, which only a second, later list can
+// tell from a real double hold (ConfirmTwice).
+func TestAuditWhileFillsAreInFlight(t *testing.T) {
+	s := NewState(DefaultExhaustionMarks)
+	pools := []ipwardenv1.IPPool{testPool("p", "10.0.0.0/24", 0)}
+	s.Rebuild(pools, []ipwardenv1.NodeIPAllocation{allocWith("a", "p", "10.0.0.16/30")}, t0)
+	s.SetNodeLabels("a", nil)
+	s.SetNodeLabels("b", nil)
+
+	// b's first fill is planned (its addresses reserved), its status write not landed yet.
+	f := s.PlanFill("b", spec("p", 4), t0)
+	added := f.Pools["p"].Added
+	if count(added) != 4 {
+		t.Fatalf("b's fill adds %v", added)
+	}
+	before := []ipwardenv1.NodeIPAllocation{allocWith("a", "p", "10.0.0.16/30"), allocWith("b", "p")}
+	r := s.Audit(before)
+	if !r.Leaked.IsEmpty() || !r.Twice.IsEmpty() {
+		t.Fatalf("audit before b's write landed: leaked %v, twice %v; want neither", r.Leaked, r.Twice)
+	}
+	// The write landed; the commit has not run yet.
+	landed := []ipwardenv1.NodeIPAllocation{allocWith("a", "p", "10.0.0.16/30"), allocWith("b", "p", added.Strings()...)}
+	r = s.Audit(landed)
+	if r.Candidates() != 0 {
+		t.Fatalf("audit between b's write and its commit found %+v", r)
+	}
+	s.Commit(f, t0)
+	if r = s.Audit(landed); r.Candidates() != 0 {
+		t.Fatalf("audit after the commit found %+v", r)
+	}
+	// a gave 10.0.0.16/30 back and b was given it (the record, after both commits); a list
+	// taken before both writes landed still shows it in a's status and not in b's.
+	s = NewState(DefaultExhaustionMarks)
+	s.Rebuild(pools, []ipwardenv1.NodeIPAllocation{allocWith("a", "p"), allocWith("b", "p", "10.0.0.16/30", "10.0.0.32/30")}, t0)
+	stale := s.Audit([]ipwardenv1.NodeIPAllocation{allocWith("a", "p", "10.0.0.16/30"), allocWith("b", "p", "10.0.0.32/30")})
+	if stale.Twice.IsEmpty() {
+		t.Fatal("the stale list shows no address held twice: the test would prove nothing")
+	}
+	fresh := s.Audit([]ipwardenv1.NodeIPAllocation{allocWith("a", "p"), allocWith("b", "p", "10.0.0.16/30", "10.0.0.32/30")})
+	if got := ConfirmTwice(stale.Twice, fresh.Twice); !got.IsEmpty() {
+		t.Fatalf("ConfirmTwice = %v: a transient of the list raised the alarm", got)
+	}
+	// A real double hold shows in both lists and is confirmed.
+	real := []ipwardenv1.NodeIPAllocation{allocWith("a", "p", "10.0.0.17"), allocWith("b", "p", "10.0.0.16/30", "10.0.0.32/30")}
+	if got := ConfirmTwice(s.Audit(real).Twice, s.Audit(real).Twice); !got.Equal(set(t, "10.0.0.17")) {
+		t.Fatalf("ConfirmTwice of a real double hold = %v", got)
+	}
+}

@@ -540,14 +540,34 @@ func (c *Controller) runAudit(ctx context.Context) {
 
 // audit is the slow backstop: it lists every NodeIPAllocation from the API server and compares
 // the statuses with the record (State.Audit), then syncs the nodes found out of step.
+// auditConfirmDelay is how long after an audit that found addresses held twice the second
+// audit lists again (ConfirmTwice): longer than a fill's writes take to land.
+const auditConfirmDelay = 5 * time.Second
+
 func (c *Controller) audit(ctx context.Context) error {
-	var allocs ipwardenv1.NodeIPAllocationList
-	if err := c.reader.List(ctx, &allocs); err != nil {
-		return fmt.Errorf("list NodeIPAllocations: %w", err)
+	r, err := c.auditOnce(ctx)
+	if err != nil {
+		return err
 	}
-	c.mu.Lock()
-	r := c.state.Audit(allocs.Items)
-	c.mu.Unlock()
+	if !r.Twice.IsEmpty() {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(auditConfirmDelay):
+		}
+		again, err := c.auditOnce(ctx)
+		if err != nil {
+			return err
+		}
+		r.Twice = ConfirmTwice(r.Twice, again.Twice)
+		r.Leaked = r.Leaked.Union(again.Leaked)
+		for n, set := range again.Adopted {
+			r.Adopted[n] = r.Adopted[n].Union(set)
+		}
+		for n, set := range again.Unpublished {
+			r.Unpublished[n] = r.Unpublished[n].Union(set)
+		}
+	}
 	c.metrics.GCCandidates.Add(float64(r.Candidates()))
 	c.metrics.GCCollected.Add(float64(count(r.Leaked)))
 	twice := count(r.Twice)
@@ -566,6 +586,17 @@ func (c *Controller) audit(ctx context.Context) error {
 	}
 	c.wakePools()
 	return nil
+}
+
+// auditOnce lists every NodeIPAllocation from the API server and audits the record against it.
+func (c *Controller) auditOnce(ctx context.Context) (AuditResult, error) {
+	var allocs ipwardenv1.NodeIPAllocationList
+	if err := c.reader.List(ctx, &allocs); err != nil {
+		return AuditResult{}, fmt.Errorf("list NodeIPAllocations: %w", err)
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.state.Audit(allocs.Items), nil
 }
 
 func (c *Controller) worker(ctx context.Context) {

@@ -63,6 +63,9 @@ type coolRecord struct {
 type nodeState struct {
 	held    map[string]addr.Set // the record: equals the node's status after each write
 	pending map[string]addr.Set // reserved for a write whose outcome is unknown
+	// inflight: reserved by a fill planned but not yet committed or aborted (its status write
+	// is under way). The audit counts them as the node's, never as leaked.
+	inflight map[string]addr.Set
 	claims  map[string]addr.Set // pool -> addresses its pods use that it asked back (spec)
 	wanted  map[string]addr.Set // pool -> addresses its pods ask for by name (spec)
 	labels  labels.Set
@@ -149,7 +152,7 @@ func (s *State) pool(name string) *poolState {
 func (s *State) node(name string) *nodeState {
 	n, ok := s.nodes[name]
 	if !ok {
-		n = &nodeState{held: map[string]addr.Set{}, pending: map[string]addr.Set{}, claims: map[string]addr.Set{}, wanted: map[string]addr.Set{}, requested: map[string]int{}}
+		n = &nodeState{held: map[string]addr.Set{}, pending: map[string]addr.Set{}, inflight: map[string]addr.Set{}, claims: map[string]addr.Set{}, wanted: map[string]addr.Set{}, requested: map[string]int{}}
 		s.nodes[name] = n
 	}
 	return n
@@ -456,7 +459,23 @@ func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now 
 	}
 	sort.Strings(f.Starved)
 	f.Need = NeedOf(plans)
+	for pool, pf := range f.Pools {
+		if !pf.Added.IsEmpty() {
+			n.inflight[pool] = n.inflight[pool].Union(pf.Added)
+		}
+	}
 	return f
+}
+
+// land ends a fill's in-flight reservation (Commit, Abort).
+func (n *nodeState) land(f *Fill) {
+	for pool, pf := range f.Pools {
+		if rest := n.inflight[pool].Subtract(pf.Added); rest.IsEmpty() {
+			delete(n.inflight, pool)
+		} else {
+			n.inflight[pool] = rest
+		}
+	}
 }
 
 func notServingReason(p *poolState, pool string) string {
@@ -530,6 +549,7 @@ func (s *State) NeedOfNode(name string, spec ipwardenv1.NodeIPAllocationSpec) Ne
 // released addresses start cooling.
 func (s *State) Commit(f *Fill, now time.Time) {
 	n := s.node(f.Node)
+	n.land(f)
 	for pool, pf := range f.Pools {
 		p := s.pool(pool)
 		if !pf.Removed.IsEmpty() {
@@ -593,6 +613,7 @@ func (s *State) RefillMissed(f *Fill, spec ipwardenv1.NodeIPAllocationSpec, now 
 // outcome is unknown and they stay reserved for the node until ResolvePending.
 func (s *State) Abort(f *Fill, definite bool) {
 	n := s.node(f.Node)
+	n.land(f)
 	for pool, pf := range f.Pools {
 		if pf.Added.IsEmpty() {
 			continue
