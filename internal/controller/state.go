@@ -66,9 +66,9 @@ type nodeState struct {
 	// inflight: reserved by a fill planned but not yet committed or aborted (its status write
 	// is under way). The audit counts them as the node's, never as leaked.
 	inflight map[string]addr.Set
-	claims  map[string]addr.Set // pool -> addresses its pods use that it asked back (spec)
-	wanted  map[string]addr.Set // pool -> addresses its pods ask for by name (spec)
-	labels  labels.Set
+	claims   map[string]addr.Set // pool -> addresses its pods use that it asked back (spec)
+	wanted   map[string]addr.Set // pool -> addresses its pods ask for by name (spec)
+	labels   labels.Set
 	// requested is spec.pools[].requested per pool, as last planned (for Regrowth).
 	requested map[string]int
 }
