@@ -184,6 +184,9 @@ func Run(ctx context.Context, cfg Config) error {
 	for _, p := range st.Restore(snap) {
 		log.Error(nil, "journal restore found a problem", "problem", p)
 	}
+	if n := st.ClampFuture(time.Now()); n > 0 {
+		log.Info("the journal holds times later than this node's clock (it was stepped back since): they count from now", "times", n)
+	}
 	if snap.IsEmpty() {
 		log.Info("the journal is empty (new node, or the journal was lost): attachments will be rebuilt from the pods' status.podIPs", "journal", j.Path())
 	} else {

@@ -32,3 +32,23 @@ func TestDecideAgentAlive(t *testing.T) {
 		})
 	}
 }
+
+// A cooling record read by a controller whose clock was stepped back since it was written (or
+// another replica's clock runs behind) never keeps addresses cooling longer than one cooldown.
+func TestClampCooling(t *testing.T) {
+	now := time.Date(2026, 11, 25, 8, 0, 0, 0, time.UTC)
+	cd := 30 * time.Second
+	for _, tc := range []struct {
+		name        string
+		until, want time.Time
+	}{
+		{"within the cooldown", now.Add(10 * time.Second), now.Add(10 * time.Second)},
+		{"exactly one cooldown", now.Add(cd), now.Add(cd)},
+		{"written an hour ahead (clock stepped back)", now.Add(time.Hour), now.Add(cd)},
+		{"already over", now.Add(-time.Minute), now.Add(-time.Minute)},
+	} {
+		if got := ClampCooling(tc.until, now, cd); !got.Equal(tc.want) {
+			t.Errorf("%s: ClampCooling = %s, want %s", tc.name, got, tc.want)
+		}
+	}
+}

@@ -126,11 +126,12 @@ func (s *State) Rebuild(pools []ipwardenv1.IPPool, allocs []ipwardenv1.NodeIPAll
 			if set.IsEmpty() {
 				continue
 			}
-			freed := b.Until.Time.Add(-p.cfg.Cooldown)
+			until := ClampCooling(b.Until.Time, now, p.cfg.Cooldown)
+			freed := until.Add(-p.cfg.Cooldown)
 			if p.alloc.Reserve(set) == nil {
 				_ = p.alloc.Free(set, freed)
 			}
-			p.cooling = append(p.cooling, coolRecord{addrs: set, until: b.Until.Time})
+			p.cooling = append(p.cooling, coolRecord{addrs: set, until: until})
 		}
 		p.exhausted = pools[i].Status.Exhausted
 		p.dirty = true
@@ -625,6 +626,17 @@ func (s *State) Abort(f *Fill, definite bool) {
 			n.pending[pool] = n.pending[pool].Union(pf.Added)
 		}
 	}
+}
+
+// ClampCooling is when a cooling record written until `until` ends, read at now by a controller
+// whose clock may have been stepped back since it was written (an NTP correction, or another
+// replica's clock): never later than now plus the pool's cooldown. Otherwise a step back would keep
+// the addresses out of use for as long as the step.
+func ClampCooling(until, now time.Time, cooldown time.Duration) time.Time {
+	if latest := now.Add(cooldown); until.After(latest) {
+		return latest
+	}
+	return until
 }
 
 // RecordCooling notes, before a node's status drops them, that addresses will cool in a pool

@@ -159,6 +159,42 @@ func (s *State) pool(name string) *poolState {
 	return p
 }
 
+// ClampFuture treats journaled times later than now as now: the node's clock was stepped back
+// (an NTP correction) since they were written. Within one process durations run on the monotonic
+// clock and a step changes nothing; the journal's times are wall times. Without the clamp an
+// address freed "in the future" would stay cooling, and a release mark wait its delay, for as long
+// as the step, keeping addresses out of use. It reports how many times it moved. Call it after
+// Restore, with the time the agent starts.
+func (s *State) ClampFuture(now time.Time) int {
+	moved := 0
+	for _, p := range s.pools {
+		for a, t := range p.cooling {
+			if t.After(now) {
+				p.cooling[a] = now
+				moved++
+			}
+		}
+		for i := range p.coolq {
+			if p.coolq[i].FreedAt.After(now) {
+				p.coolq[i].FreedAt = now
+			}
+		}
+		for a, t := range p.releasing {
+			if t.After(now) {
+				p.releasing[a] = now
+				moved++
+			}
+		}
+	}
+	for _, a := range s.atts {
+		if a.Created.After(now) {
+			a.Created = now
+			moved++
+		}
+	}
+	return moved
+}
+
 // Restore loads a journal snapshot into an empty state. Records that contradict each other (an
 // address in two attachments, or in use and cooling) are kept in the safest reading (in use
 // wins, nothing is handed out twice) and reported as problems.
