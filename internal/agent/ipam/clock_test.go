@@ -37,7 +37,7 @@ func TestJournalTimesAfterAClockStep(t *testing.T) {
 			h.now = now.Add(30 * time.Second)
 			var got []string
 			for i := range 13 {
-				got = append(got, h.mustAdd("x" + string(rune('a'+i)))...)
+				got = append(got, h.mustAdd("x"+string(rune('a'+i)))...)
 			}
 			if !slices.Contains(got, "10.0.0.3") {
 				t.Fatalf("after a step of %s, 10.0.0.3 was not handed out one cooldown after the restart: %v", tc.step, got)
