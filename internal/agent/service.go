@@ -530,8 +530,14 @@ func (s *Service) Rebuild(pods []ipam.Pod) (int, error) {
 // event, so it logs them only at debug level).
 func (s *Service) rebuild(pods []ipam.Pod, v int) (int, error) {
 	s.mu.Lock()
-	ch, problems := s.st.RebuildSeeing(pods, s.now(), func(netns string) bool {
-		return lookSandbox(netns, s.netnsDirs) == gc.SandboxExists
+	ch, problems := s.st.RebuildSeeing(pods, s.now(), func(netns string) ipam.Sandbox {
+		switch lookSandbox(netns, s.netnsDirs) {
+		case gc.SandboxExists:
+			return ipam.SandboxExists
+		case gc.SandboxGone:
+			return ipam.SandboxGone
+		}
+		return ipam.SandboxUnknown
 	})
 	s.mu.Unlock()
 	for _, p := range problems {

@@ -157,7 +157,10 @@ func TestAgentRecoversDamagedJournal(t *testing.T) {
 func TestAgentHoldsAddressOfUnreportedPod(t *testing.T) {
 	const node = "hold-unreported"
 	edgeSetup(t, node, "10.141.0.0/24")
-	ag := startAgent(t, node, "")
+	// Its state directory is lost below: the new one is a new holder, which waits for the old
+	// Lease to expire (short timings here; the default is 60s).
+	short := []string{"--lease-duration=6s", "--lease-renew-interval=2s"}
+	ag := startAgent(t, node, "", short...)
 	ag.waitServing(t)
 	conf := pluginConf("1.1.0", ag.socket)
 	web := createBoundPod(t, "hold-web", node)
@@ -169,7 +172,7 @@ func TestAgentHoldsAddressOfUnreportedPod(t *testing.T) {
 	if err := os.RemoveAll(ag.stateDir); err != nil {
 		t.Fatal(err)
 	}
-	ag.start(t, "--rebuild-hold=10m")
+	ag.start(t, append(short, "--rebuild-hold=10m")...)
 	ag.waitServing(t)
 	resp, err := ag.list(t)
 	if err != nil {

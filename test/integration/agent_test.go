@@ -439,7 +439,9 @@ func TestAgentRebuildsLostJournalFromPods(t *testing.T) {
 		Scaling: ipwardenv1.Scaling{BatchSize: 4, BufferPercent: 50, MaxPerNode: 64}, ReuseCooldown: cooldown(time.Hour)})
 	agentNode(t, "agent-rebuild", "rebuild")
 	startController(t)
-	ag := startAgent(t, "agent-rebuild", "")
+	// Its state directory is lost below: the new one is a new holder, which waits for the old
+	// Lease to expire (short timings here; the default is 60s).
+	ag := startAgent(t, "agent-rebuild", "", "--lease-duration=6s", "--lease-renew-interval=2s")
 	ag.waitServing(t)
 	conf := pluginConf("1.1.0", ag.socket, "agent-rebuild")
 
@@ -466,7 +468,7 @@ func TestAgentRebuildsLostJournalFromPods(t *testing.T) {
 	if err := os.RemoveAll(ag.stateDir); err != nil {
 		t.Fatal(err)
 	}
-	ag.start(t)
+	ag.start(t, "--lease-duration=6s", "--lease-renew-interval=2s")
 	ag.waitServing(t)
 	resp, err := ag.list(t)
 	if err != nil {

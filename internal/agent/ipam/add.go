@@ -412,10 +412,23 @@ func (s *State) Rebuild(pods []Pod, now time.Time) (Change, []string) {
 	return s.RebuildSeeing(pods, now, nil)
 }
 
-// RebuildSeeing is Rebuild for an agent that can look at sandboxes: sandboxExists(netns) says
-// whether the network namespace an attachment recorded at ADD provably still exists. Such an
-// attachment's sandbox may still use its address, so it never loses it to another pod's report.
-func (s *State) RebuildSeeing(pods []Pod, now time.Time, sandboxExists func(netns string) bool) (Change, []string) {
+// Sandbox is what the agent can tell of an attachment's sandbox from the network namespace path
+// it recorded at ADD (the leak collector's reading, package gc).
+type Sandbox int
+
+// Sandbox readings.
+const (
+	// SandboxUnknown: no path recorded, or one the agent cannot look at.
+	SandboxUnknown Sandbox = iota
+	// SandboxGone: the path provably no longer exists.
+	SandboxGone
+	// SandboxExists: the path exists: the sandbox may still use the address.
+	SandboxExists
+)
+
+// RebuildSeeing is Rebuild for an agent that can look at sandboxes: sandbox(netns) says what it
+// can tell of the network namespace an attachment recorded at ADD (nil: nothing).
+func (s *State) RebuildSeeing(pods []Pod, now time.Time, sandbox func(netns string) Sandbox) (Change, []string) {
 	s.observe(now)
 	var ch Change
 	var problems []string
@@ -450,8 +463,11 @@ func (s *State) RebuildSeeing(pods []Pod, now time.Time, sandboxExists func(netn
 					continue
 				}
 				ownerPod, ownerBound := bound[a.Pod.UID]
-				exists := sandboxExists != nil && a.Netns != "" && sandboxExists(a.Netns)
-				if !ReportWins(ip, ownerPod, ownerBound, exists) {
+				sb := SandboxUnknown
+				if sandbox != nil && a.Netns != "" {
+					sb = sandbox(a.Netns)
+				}
+				if !ReportWins(ip, ownerPod, ownerBound, sb) {
 					problems = append(problems, fmt.Sprintf("pod %s shows address %s, which the journal records for %s of pod %s",
 						pod.Ref, ip, owner, a.Pod))
 					continue
@@ -498,14 +514,20 @@ func (s *State) RebuildSeeing(pods []Pod, now time.Time, sandboxExists func(netn
 
 // ReportWins decides whether a running pod that reports address ip in its status.podIPs takes
 // it from the journal's attachment of another pod, owner (ownerBound: that pod is bound to the
-// node; sandboxExists: the attachment's network namespace provably still exists). The report
-// wins when the owner is gone, finished, or reports addresses without ip: its sandbox with ip was
-// stopped (the journal recorded the pod before that). An owner whose sandbox still exists (a
-// force-deleted pod the runtime has not stopped yet), or that may run and reports ip too or
-// nothing yet, keeps it: that is a conflict for an operator.
-func ReportWins(ip netip.Addr, owner Pod, ownerBound, sandboxExists bool) bool {
-	if sandboxExists {
+// node; sb: what the agent can tell of that attachment's sandbox). The report wins only when the
+// owner's sandbox is provably done with the address: its network namespace is gone and its pod is
+// gone, finished, or reports addresses without ip (the journal recorded it before that); or its
+// pod finished (the kubelet stopped its sandbox) where the namespace cannot be looked at. A
+// sandbox that still exists keeps the address (a force-deleted pod the runtime has not stopped
+// yet); so does a pod the agent's list lacks while its sandbox cannot be looked at (the list may
+// lag a new pod), and one that may run and reports ip too, or nothing yet: a conflict for an
+// operator.
+func ReportWins(ip netip.Addr, owner Pod, ownerBound bool, sb Sandbox) bool {
+	switch sb {
+	case SandboxExists:
 		return false
+	case SandboxUnknown:
+		return ownerBound && owner.Finished
 	}
 	if !ownerBound || !owner.MayRun() {
 		return true

@@ -12,22 +12,25 @@ func TestReportWins(t *testing.T) {
 		name       string
 		owner      Pod
 		ownerBound bool
-		exists     bool
+		sb         Sandbox
 		want       bool
 	}{
-		{"owner gone from the API", Pod{}, false, false, true},
-		{"owner gone, its sandbox still exists (force delete)", Pod{}, false, true, false},
-		{"owner finished", Pod{IPs: []netip.Addr{x}, Finished: true}, true, false, true},
-		{"owner reports another address", Pod{IPs: []netip.Addr{y}}, true, false, true},
-		{"owner reports another address, old sandbox still there", Pod{IPs: []netip.Addr{y}}, true, true, false},
-		{"owner reports the address too", Pod{IPs: []netip.Addr{x}}, true, false, false},
-		{"owner reports it among others", Pod{IPs: []netip.Addr{y, x}}, true, false, false},
-		{"owner reports nothing yet", Pod{}, true, false, false},
-		{"owner deleting, still reporting it", Pod{IPs: []netip.Addr{x}, Deleting: true}, true, false, false},
+		{"owner gone, its sandbox gone", Pod{}, false, SandboxGone, true},
+		{"owner gone, its sandbox still exists (force delete)", Pod{}, false, SandboxExists, false},
+		{"owner gone, sandbox cannot be looked at (the list may lag a new pod)", Pod{}, false, SandboxUnknown, false},
+		{"owner finished, sandbox gone", Pod{IPs: []netip.Addr{x}, Finished: true}, true, SandboxGone, true},
+		{"owner finished, sandbox cannot be looked at", Pod{IPs: []netip.Addr{x}, Finished: true}, true, SandboxUnknown, true},
+		{"owner reports another address, old sandbox gone", Pod{IPs: []netip.Addr{y}}, true, SandboxGone, true},
+		{"owner reports another address, old sandbox still there", Pod{IPs: []netip.Addr{y}}, true, SandboxExists, false},
+		{"owner reports another address, sandbox cannot be looked at", Pod{IPs: []netip.Addr{y}}, true, SandboxUnknown, false},
+		{"owner reports the address too", Pod{IPs: []netip.Addr{x}}, true, SandboxGone, false},
+		{"owner reports it among others", Pod{IPs: []netip.Addr{y, x}}, true, SandboxGone, false},
+		{"owner reports nothing yet", Pod{}, true, SandboxGone, false},
+		{"owner deleting, still reporting it", Pod{IPs: []netip.Addr{x}, Deleting: true}, true, SandboxGone, false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			if got := ReportWins(x, tt.owner, tt.ownerBound, tt.exists); got != tt.want {
+			if got := ReportWins(x, tt.owner, tt.ownerBound, tt.sb); got != tt.want {
 				t.Fatalf("ReportWins = %v, want %v", got, tt.want)
 			}
 		})
@@ -40,9 +43,12 @@ func TestReportWins(t *testing.T) {
 func TestRebuildAfterTheJournalRewound(t *testing.T) {
 	h := newHarness(t, poolV4)
 	h.hold("v4", "10.0.0.0/28")
-	if got := h.mustAdd("old")[0]; got != "10.0.0.2" {
-		t.Fatalf("first ADD got %s", got)
+	a, ch0, err := h.s.Add(AddRequest{Key: key("old"), Network: "net", Netns: "/run/netns/cni-old", Pod: PodRef{"ns", "old", "uid-old"}}, h.now)
+	if err != nil || a.Addresses[0].Addr != ip("10.0.0.2") {
+		t.Fatalf("first ADD got %+v, %v", a, err)
 	}
+	h.commit(ch0)
+	h.s.ConfirmAdd(key("old"))
 	h.mustAdd("kept") // 10.0.0.3, its pod still runs and reports it
 	h.mustAdd("cool") // 10.0.0.4, freed before the snapshot
 	h.del("cool")
@@ -55,7 +61,8 @@ func TestRebuildAfterTheJournalRewound(t *testing.T) {
 		// Shows the kept pod's address too: the kept pod still reports it, so it stays.
 		{Ref: PodRef{"ns", "squat", "uid-squat"}, IPs: []netip.Addr{ip("10.0.0.3")}},
 	}
-	ch, problems := h.s.Rebuild(pods, h.now)
+	gone := func(string) Sandbox { return SandboxGone } // the ended pods' namespaces are gone
+	ch, problems := h.s.RebuildSeeing(pods, h.now, gone)
 	h.commit(ch)
 	if len(ch.DeleteAttachments) != 1 || ch.DeleteAttachments[0] != key("old") {
 		t.Fatalf("the ended pod's attachment was not dropped: %+v", ch)
@@ -100,13 +107,18 @@ func TestRebuildNeverTakesFromALiveSandbox(t *testing.T) {
 	h.commit(ch)
 	h.s.ConfirmAdd(key("forced"))
 	pods := []Pod{{Ref: PodRef{"ns", "stale", "uid-stale"}, IPs: []netip.Addr{ip("10.0.0.2")}}}
-	exists := func(netns string) bool { return netns == "/run/netns/cni-forced" }
+	exists := func(netns string) Sandbox {
+		if netns == "/run/netns/cni-forced" {
+			return SandboxExists
+		}
+		return SandboxGone
+	}
 	ch, problems := h.s.RebuildSeeing(pods, h.now, exists)
 	if !ch.IsEmpty() || len(problems) != 1 || !strings.Contains(problems[0], "pod ns/stale shows address 10.0.0.2") {
 		t.Fatalf("RebuildSeeing = %+v, %v", ch, problems)
 	}
 	// Once the sandbox is gone, the report wins.
-	ch, _ = h.s.RebuildSeeing(pods, h.now, func(string) bool { return false })
+	ch, _ = h.s.RebuildSeeing(pods, h.now, func(string) Sandbox { return SandboxGone })
 	if len(ch.DeleteAttachments) != 1 || len(ch.PutAttachments) != 1 || ch.PutAttachments[0].Pod.UID != "uid-stale" {
 		t.Fatalf("RebuildSeeing after the sandbox went = %+v", ch)
 	}

@@ -10,12 +10,15 @@
 // expired early.
 //
 // The identity is stable per journal (the agent keeps it in its state directory, which the
-// journal's file lock gives to one process at a time): an agent restarted on the same journal
-// takes its own Lease back at once instead of waiting for it to expire.
+// journal's file lock gives to one process at a time): an agent restarted on the same journal,
+// also in a new pod of another name, takes its own Lease back at once instead of waiting for it to
+// expire. An agent with a new state directory (the old one lost) waits for the old holder's Lease
+// to expire: it cannot tell a predecessor from a second agent.
 package nodelease
 
 import (
 	"fmt"
+	"strings"
 	"time"
 )
 
@@ -65,12 +68,24 @@ func Decide(rec *Record, me string, seen, now time.Time, d time.Duration) Action
 		return Action{Kind: Create}
 	case rec.Holder == me:
 		return Action{Kind: Renew}
+	case SameJournal(rec.Holder, me):
+		// The agent before this one on the same state directory (a replaced DaemonSet pod:
+		// another pod name, the same journal): it is gone, since the journal's file lock gives
+		// the directory to one process at a time.
+		return Action{Kind: Take}
 	case rec.Holder == "":
 		return Action{Kind: Take}
 	case !now.Before(seen.Add(d)):
 		return Action{Kind: Take}
 	}
 	return Action{Kind: Wait, Holder: rec.Holder, ExpiresAt: seen.Add(d)}
+}
+
+// SameJournal says whether two holder identities (pod or host name, "-", the ID kept in the
+// agent's state directory) name the same state directory.
+func SameJournal(a, b string) bool {
+	i, j := strings.LastIndexByte(a, '-'), strings.LastIndexByte(b, '-')
+	return i >= 0 && j >= 0 && i+1 < len(a) && a[i+1:] == b[j+1:]
 }
 
 // Observer remembers when the agent first saw each version of the record (the local clock).

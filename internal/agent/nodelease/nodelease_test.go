@@ -67,3 +67,30 @@ func TestHeldByOtherNamesTheHolder(t *testing.T) {
 		}
 	}
 }
+
+// A new DaemonSet pod on the same state directory (another pod name, the same journal ID) takes
+// the Lease its predecessor held at once; an agent with another state directory waits.
+func TestSameJournal(t *testing.T) {
+	for _, tc := range []struct {
+		a, b string
+		want bool
+	}{
+		{"ipwarden-agent-x7k2p-3f9a1c2b4d5e", "ipwarden-agent-q8r4t-3f9a1c2b4d5e", true},
+		{"ipwarden-agent-x7k2p-3f9a1c2b4d5e", "ipwarden-agent-x7k2p-0000aaaabbbb", false},
+		{"node-1-3f9a1c2b4d5e", "node-1-3f9a1c2b4d5e", true},
+		{"nohyphen", "nohyphen", false},
+		{"trailing-", "other-", false},
+	} {
+		if got := SameJournal(tc.a, tc.b); got != tc.want {
+			t.Errorf("SameJournal(%q, %q) = %v, want %v", tc.a, tc.b, got, tc.want)
+		}
+	}
+	const d = 15 * time.Second
+	held := &Record{Holder: "ipwarden-agent-old-3f9a1c2b4d5e", Version: "9"}
+	if a := Decide(held, "ipwarden-agent-new-3f9a1c2b4d5e", t0, t0, d); a.Kind != Take {
+		t.Errorf("a new pod on the same journal: %v, want take", a.Kind)
+	}
+	if a := Decide(held, "ipwarden-agent-new-0123456789ab", t0, t0, d); a.Kind != Wait {
+		t.Errorf("another journal: %v, want wait", a.Kind)
+	}
+}
