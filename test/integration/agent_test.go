@@ -341,6 +341,9 @@ func TestAgentRestartAndAPIServerOutage(t *testing.T) {
 		Scaling: ipwardenv1.Scaling{BatchSize: 8, BufferPercent: 100, MaxPerNode: 64}, ReuseCooldown: cooldown(time.Hour)})
 	agentNode(t, "agent-restart", "restart")
 	startController(t)
+	// A pod bound before the restart: the restarted agent's watch lists it, so its ADD needs
+	// no API call during the outage below.
+	offline := createBoundPod(t, "pod-offline1", "agent-restart")
 	ag := startAgent(t, "agent-restart", "")
 	ag.waitServing(t)
 	conf := pluginConf("1.1.0", ag.socket)
@@ -384,10 +387,16 @@ func TestAgentRestartAndAPIServerOutage(t *testing.T) {
 			_ = controlPlane.RestartAPIServer(ctx)
 		}
 	})
-	r := mustAdd(t, conf, "offline1")
+	// API server down: a pod the agent's watch knows is served; one it cannot have seen is
+	// refused (CNI error 11), never given pools as if it had no annotations.
+	ip := addFor(t, conf, "offline1", offline)
 	mustDel(t, conf, "x0")
-	if again := mustAdd(t, conf, "offline1"); again.IPs[0].Address != r.IPs[0].Address {
+	if again := addFor(t, conf, "offline1", offline); again != ip {
 		t.Fatal("repeated ADD during the outage changed the address")
+	}
+	if _, e := cni(t, "ADD", conf, "unseen", podArgs("default", "pod-unseen", "uid-unseen")); e == nil || e.Code != 11 ||
+		!strings.Contains(e.Msg, "cannot read pod default/pod-unseen's annotations") {
+		t.Fatalf("ADD of a pod the agent cannot have seen, API server down: %+v", e)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()

@@ -26,7 +26,7 @@ func TestNodeDeletedAndRecreatedKeepsItsAddresses(t *testing.T) {
 		CIDRs:         []ipwardenv1.CIDR{"10.128.0.0/26"},
 		Scaling:       ipwardenv1.Scaling{BatchSize: 4, BufferPercent: 0, MaxPerNode: 64},
 		ReuseCooldown: cooldown(0),
-	}, "--gc-grace=1h")
+	}, "--gc-grace=1h", "--lease-duration=6s", "--lease-renew-interval=2s") // the Lease expires 6s after the agent stops (60s by default)
 	ctrl, a, b, confA, confB := n.ctrl, n.a, n.b, n.confA, n.confB
 	for i := range 6 {
 		p := createBoundPod(t, fmt.Sprintf("recreate-a-%d", i), "recreate-a")

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/url"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -48,8 +49,9 @@ func apiProxy(t *testing.T) (*localcluster.Proxy, string) {
 // One agent cut off from the API server while the rest of the cluster churns. Node a gives
 // addresses back and is cut off right after its spec says so: the controller takes them back
 // and hands them to node b's pods (cooldown 0) while node a cannot see it. Node a keeps serving
-// DEL and ADD from its journal meanwhile, and never hands out what it gave back. Then it comes
-// back and reconciles. At every step no address is on pods of both nodes, and at the end
+// DEL, and ADD for the pods its watch knows, from its journal meanwhile, and never hands out
+// what it gave back; a pod bound meanwhile is refused until it can be read. Then it comes back
+// and reconciles. At every step no address is on pods of both nodes, and at the end
 // `ipwarden check` (with both agents) is clean and node a publishes its request again.
 func TestAgentCutOffWhileTheClusterChurns(t *testing.T) {
 	ctx := context.Background()
@@ -88,7 +90,16 @@ func TestAgentCutOffWhileTheClusterChurns(t *testing.T) {
 	for i := range 12 {
 		addA(fmt.Sprintf("a%d", i))
 	}
-	// Eight pods end: node a holds 4 more than it needs and gives them back (release delay 0).
+	// Two pods bound to node a that start while it is cut off: its watch knows them (the
+	// request counts them: 12 in use + 2 = 14 -> 16).
+	late := []*corev1.Pod{createBoundPod(t, "cutoff-cut0", "cutoff-a"), createBoundPod(t, "cutoff-cut1", "cutoff-a")}
+	eventually(t, 30*time.Second, "node a's request to count the two bound pods", func() error {
+		if n, _ := requested(t, "cutoff-a", "cutoff"); n != 16 {
+			return fmt.Errorf("requested %d", n)
+		}
+		return nil
+	})
+	// Eight pods end: node a holds more than it needs and gives the spare back (release delay 0).
 	for i := range 8 {
 		cid := fmt.Sprintf("a%d", i)
 		if _, e := cni(t, "DEL", confA, cid, podArgs("default", "cutoff-"+cid, "")); e != nil {
@@ -131,16 +142,18 @@ func TestAgentCutOffWhileTheClusterChurns(t *testing.T) {
 			t.Fatalf("DEL on node a while cut off: %v", e)
 		}
 	}
-	for i := range 2 {
-		got := addrOf(t, addA(fmt.Sprintf("cut%d", i)))
+	for i, p := range late {
+		got := addrOf(t, addFor(t, confA, fmt.Sprintf("cut%d", i), p))
 		if released.Contains(got) {
 			t.Fatalf("node a handed out %s, which it gave back, while cut off", got)
 		}
 	}
-	// Its free addresses are used up; it cannot grow while cut off, and says so.
+	// A pod bound while it is cut off cannot have been seen: its ADD is refused (CNI error 11,
+	// the runtime retries), never given pools as if it had no annotations.
 	p := createBoundPod(t, "cutoff-cut2", "cutoff-a")
-	if _, e := cni(t, "ADD", confA, "cut2", podArgs("default", p.Name, string(p.UID))); e == nil || e.Code != 11 {
-		t.Fatalf("ADD beyond node a's holding while cut off: %+v", e)
+	if _, e := cni(t, "ADD", confA, "cut2", podArgs("default", p.Name, string(p.UID))); e == nil || e.Code != 11 ||
+		!strings.Contains(e.Msg, "cannot read pod default/cutoff-cut2's annotations") {
+		t.Fatalf("ADD of a pod bound while node a is cut off: %+v", e)
 	}
 	disjoint("node a served while cut off")
 
