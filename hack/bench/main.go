@@ -13,6 +13,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"syscall"
 	"text/tabwriter"
 	"time"
@@ -106,6 +107,7 @@ func run(args []string) error {
 	fs.IntVar(&scale.pods, "scale-pods", 30, "scale bench: pods bound to every node at once in the burst")
 	fs.DurationVar(&scale.rest, "scale-rest", time.Minute, "scale bench: the quiet window over which writes at rest are counted")
 	fs.IntVar(&scale.workers, "scale-workers", 64, "scale bench: ADDs the runtime stand-in sends at once")
+	scenarios := fs.String("scale-scenarios", "restart,failover,apiserver", "scale bench: what follows the burst, in order: restart (every agent, 10% at a time), failover (the leading controller killed), apiserver (kube-apiserver restarted); \"\" for none")
 	var churn churnOptions
 	fs.IntVar(&churn.nodes, "churn-nodes", 3, "churn bench: real agents (nodes) on the pool")
 	fs.IntVar(&churn.pods, "churn-pods", 30, "churn bench: pods bound to each node")
@@ -119,6 +121,7 @@ func run(args []string) error {
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
+	scale.scenarios = strings.Split(*scenarios, ",")
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	root, err := controlplane.RepoRoot()

@@ -25,7 +25,6 @@ import (
 	"github.com/ipwarden/ipwarden/internal/agent"
 	"github.com/ipwarden/ipwarden/internal/cniproto"
 	"github.com/ipwarden/ipwarden/internal/controlplane"
-	"github.com/ipwarden/ipwarden/internal/localcluster"
 )
 
 // scaleOptions are the scale bench's knobs (make bench-scale).
@@ -34,6 +33,9 @@ type scaleOptions struct {
 	pods    int           // burst: pods per node
 	rest    time.Duration // the quiet window writes at rest are counted over
 	workers int           // the runtime stand-in's concurrent ADDs
+	// scenarios run after the burst, in order: restart (every agent, 10 % at a time), failover
+	// (the leading controller killed), apiserver (kube-apiserver restarted).
+	scenarios []string
 }
 
 // scaleBench runs N nodes, each served by the real agent code (agent.Run: the service, journal,
@@ -64,15 +66,20 @@ func scaleBench(ctx context.Context, env *benchEnv, o scaleOptions) ([]figure, e
 	log("%d Node objects in %s", o.nodes, time.Since(t0).Round(time.Millisecond))
 
 	// The controller: leader-elected and fenced, as deployed.
-	ctrlMetrics := freeAddr()
-	ctrl, err := localcluster.Start("controller", env.bins.Ipwarden, filepath.Join(env.cp.Dir, "controller.log"),
-		"controller", "--kubeconfig", env.cp.Kubeconfig, "--leader-elect=true",
-		"--leader-election-namespace="+controlplane.ControllerNamespace, "--leader-election-id="+controlplane.ControllerLease,
-		"--metrics-bind-address", ctrlMetrics, "--health-probe-bind-address=0")
+	ctrl, _, err := startScaleController(env, "controller")
 	if err != nil {
 		return nil, err
 	}
-	defer ctrl.Stop()
+	var sc *scaleRun
+	defer func() {
+		ctrl.Stop()
+		if sc != nil {
+			sc.ctrl.Stop()
+			if sc.standby != nil {
+				sc.standby.Stop()
+			}
+		}
+	}()
 
 	// The agents, in this process.
 	dir, err := os.MkdirTemp("", "ipw-scale-")
@@ -83,9 +90,8 @@ func scaleBench(ctx context.Context, env *benchEnv, o scaleOptions) ([]figure, e
 	scheme := k8sruntime.NewScheme()
 	_ = clientgoscheme.AddToScheme(scheme)
 	_ = ipwardenv1.AddToScheme(scheme)
-	agentsCtx, stopAgents := context.WithCancel(ctx)
-	var agents sync.WaitGroup
-	defer func() { stopAgents(); agents.Wait() }()
+	agents := &scaleAgents{parent: ctx}
+	defer agents.stopAll()
 	sockets := make([]string, o.nodes)
 	t0 = time.Now()
 	for i := range o.nodes {
@@ -97,8 +103,9 @@ func scaleBench(ctx context.Context, env *benchEnv, o scaleOptions) ([]figure, e
 		if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
 			return nil, err
 		}
-		agents.Go(func() { _ = agent.Run(agentsCtx, cfg) })
+		agents.add(cfg)
 	}
+	agents.sockets = sockets
 	if err := waitAllServe(ctx, sockets, 10*time.Minute); err != nil {
 		return nil, err
 	}
@@ -133,37 +140,19 @@ func scaleBench(ctx context.Context, env *benchEnv, o scaleOptions) ([]figure, e
 		return nil, err
 	}
 	t0 = time.Now()
-	type podRef struct {
-		node      int
-		name, uid string
+	sc = &scaleRun{env: env, o: o, agents: agents, ctrl: ctrl, log: log}
+	all := make([]int, o.nodes)
+	for i := range all {
+		all[i] = i
 	}
-	pods := make([]podRef, o.nodes*o.pods)
-	if err := forEach(ctx, len(pods), 64, func(i int) error {
-		n := i % o.nodes
-		p, err := createPod(ctx, c, scaleNode(n), fmt.Sprintf("scale-%d-%d", n, i/o.nodes))
-		pods[i] = podRef{node: n, name: p.name, uid: p.uid}
-		return err
-	}); err != nil {
+	pods, err := sc.createPods(ctx, all, o.pods, "scale")
+	if err != nil {
 		return nil, fmt.Errorf("create pods: %w", err)
 	}
+	sc.burst = pods
 	log("%d pods bound in %s", len(pods), time.Since(t0).Round(time.Second))
-	lat := make([]time.Duration, len(pods))
-	var failed atomic.Int64
 	t0 = time.Now()
-	_ = forEach(ctx, len(pods), o.workers, func(i int) error {
-		p := pods[i]
-		req := cniproto.Request{Op: cniproto.OpAdd, ContainerID: "sandbox-" + p.name, IfName: "eth0", Netns: "/proc/self/ns/net",
-			Network: "bench", Pod: cniproto.Pod{Namespace: "default", Name: p.name, UID: p.uid}}
-		start := time.Now()
-		actx, cancel := context.WithTimeout(ctx, 90*time.Second)
-		resp, err := cniproto.Call(actx, sockets[p.node], req)
-		cancel()
-		lat[i] = time.Since(start)
-		if err != nil || resp.Error != nil {
-			failed.Add(1)
-		}
-		return nil
-	})
+	lat, failed := sc.addAll(ctx, pods)
 	burstTime := time.Since(t0)
 	if err := settle(ctx, env.cp.Config, 5*time.Second, 3*time.Minute); err != nil {
 		return nil, err
@@ -184,13 +173,32 @@ func scaleBench(ctx context.Context, env *benchEnv, o scaleOptions) ([]figure, e
 		{name: fmt.Sprintf("scale %d nodes: API writes at rest per node (over %s)", o.nodes, o.rest),
 			value: fmt.Sprintf("%.3f/s (%s)", writes.total()/o.rest.Seconds()/n, writes.perSecond(o.rest, n)), goal: "<= 0.1/s", ok: writes.total()/o.rest.Seconds()/n <= 0.1},
 		{name: fmt.Sprintf("scale %d nodes: watches per node by resource", o.nodes), value: watches.perNode(n), goal: "<= 1 per kind", ok: watches.maxPerNode(n) <= 1.05},
-		{name: fmt.Sprintf("scale %d nodes: burst of %d pods per node, ADDs that failed", o.nodes, o.pods), value: fmt.Sprintf("%d of %d in %s", failed.Load(), len(pods), burstTime.Round(time.Second)), goal: "0", ok: failed.Load() == 0},
+		{name: fmt.Sprintf("scale %d nodes: burst of %d pods per node, ADDs that failed", o.nodes, o.pods), value: fmt.Sprintf("%d of %d in %s", failed, len(pods), burstTime.Round(time.Second)), goal: "0", ok: failed == 0},
 		{name: fmt.Sprintf("scale %d nodes: burst ADD p50 / p99 (agent's own time incl. IP wait; no plugin exec)", o.nodes), value: fmt.Sprintf("%s / %s", q(0.5), q(0.99)), goal: "p99 <= 1s", ok: q(0.99) <= time.Second},
 		{name: fmt.Sprintf("scale %d nodes: burst API writes per node, agents' spec / controller's status (per pod)", o.nodes),
 			value: fmt.Sprintf("%.2f / %.2f (%.3f per pod; %s)", burstWrites.of("PATCH", "nodeipallocations")/n, burstWrites.of("PUT", "nodeipallocations/status")/n,
 				burstWrites.total()/float64(len(pods)), burstWrites.summary()),
 			goal: "controller <= 2 per node", ok: burstWrites.of("PUT", "nodeipallocations/status")/n <= 2},
 		{name: fmt.Sprintf("scale %d nodes: controller CPU at rest, RSS after the burst", o.nodes), value: fmt.Sprintf("%.1f%% of a core, %d MiB", 100*restCPU/o.rest.Seconds(), rss>>20), goal: "RSS < 300 MiB", ok: rss < 300<<20},
+	}
+	for _, name := range o.scenarios {
+		var more []figure
+		var err error
+		switch name {
+		case "restart":
+			more, err = sc.rollingRestart(ctx)
+		case "failover":
+			more, err = sc.failover(ctx)
+		case "apiserver":
+			more, err = sc.apiserverRestart(ctx)
+		case "":
+		default:
+			err = fmt.Errorf("unknown scale scenario %q: use restart, failover, apiserver", name)
+		}
+		if err != nil {
+			return figs, fmt.Errorf("scenario %s: %w", name, err)
+		}
+		figs = append(figs, more...)
 	}
 	return figs, nil
 }
@@ -257,7 +265,7 @@ func waitAllServe(ctx context.Context, sockets []string, limit time.Duration) er
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
-		case <-time.After(time.Second):
+		case <-time.After(250 * time.Millisecond):
 		}
 	}
 	return nil

@@ -54,6 +54,11 @@ type NodeLease struct {
 	known       bool
 	heldCh      chan struct{} // closed the first time the Lease is held
 	lastLog     time.Time
+	// written is the Lease as this agent's last write left it (nil when unknown). A renewal
+	// writes over it without reading first: the write carries its resourceVersion, so it
+	// lands only if no one else wrote the Lease since, and a conflict sends the round back to
+	// reading and deciding (one PUT and no GET per renewal at rest).
+	written *coordinationv1.Lease
 }
 
 // NewNodeLease returns the Lease keeper of node for identity, with Leases lasting duration and
@@ -143,6 +148,23 @@ func (l *NodeLease) round(ctx context.Context) {
 // it, and the other holder if not.
 func (l *NodeLease) once(ctx context.Context) (bool, string, error) {
 	key := client.ObjectKey{Namespace: l.namespace, Name: nodelease.Name(l.node)}
+	id, secs := l.identity, int32(l.duration/time.Second)
+	if w := l.written; w != nil {
+		// Renew over the agent's own last write. Any other write since (another agent took
+		// it, an operator edited or deleted it) makes this one fail, and the round reads.
+		l.written = nil
+		lease := w.DeepCopy()
+		mt := metav1.NewMicroTime(time.Now())
+		lease.Spec.HolderIdentity, lease.Spec.LeaseDurationSeconds, lease.Spec.RenewTime = &id, &secs, &mt
+		err := l.api.Update(ctx, lease)
+		switch {
+		case err == nil:
+			l.wrote(lease)
+			return true, "", nil
+		case !apierrors.IsConflict(err) && !apierrors.IsNotFound(err):
+			return false, "", fmt.Errorf("renew Lease %s: %w", key, err)
+		}
+	}
 	var lease coordinationv1.Lease
 	var rec *nodelease.Record
 	err := l.api.Get(ctx, key, &lease)
@@ -158,7 +180,7 @@ func (l *NodeLease) once(ctx context.Context) (bool, string, error) {
 	}
 	now := time.Now()
 	a := nodelease.Decide(rec, l.identity, l.obs.Observe(rec, now), now, l.duration)
-	id, secs, mt := l.identity, int32(l.duration/time.Second), metav1.NewMicroTime(now)
+	mt := metav1.NewMicroTime(now)
 	switch a.Kind {
 	case nodelease.Wait:
 		return false, a.Holder, nil
@@ -169,6 +191,7 @@ func (l *NodeLease) once(ctx context.Context) (bool, string, error) {
 		if err := l.api.Create(ctx, &lease); err != nil {
 			return false, "", fmt.Errorf("create Lease %s: %w", key, err)
 		}
+		l.wrote(&lease)
 		return true, "", nil
 	case nodelease.Take:
 		lease.Spec.HolderIdentity, lease.Spec.AcquireTime = &id, &mt
@@ -177,13 +200,22 @@ func (l *NodeLease) once(ctx context.Context) (bool, string, error) {
 	if err := l.api.Update(ctx, &lease); err != nil { // optimistic: carries the resourceVersion read
 		return false, "", fmt.Errorf("%s Lease %s: %w", a.Kind, key, err)
 	}
+	l.wrote(&lease)
 	return true, "", nil
+}
+
+// wrote keeps the Lease as the agent's write left it (the API server's answer, with its new
+// resourceVersion) for the next renewal, and tells the observer of the version it wrote.
+func (l *NodeLease) wrote(lease *coordinationv1.Lease) {
+	l.written = lease
+	l.obs.Observe(&nodelease.Record{Holder: l.identity, Version: lease.ResourceVersion}, time.Now())
 }
 
 // release gives the Lease up (no holder) if the agent holds it.
 func (l *NodeLease) release() {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	l.written = nil
 	if !l.held {
 		return
 	}
