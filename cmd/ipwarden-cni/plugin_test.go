@@ -335,6 +335,7 @@ func FuzzParseConfig(f *testing.F) {
 	f.Add([]byte(`{"cniVersion":"1.1.0","name":"n","ipam":{"type":"ipwarden","pools":["a"],"socket":"/run/x.sock"}}`))
 	f.Add([]byte(`{"name":"n","pools":[1,2]}`))
 	f.Add([]byte(`{"name":"n","ipam":[]}`))
+	f.Add([]byte(`{"cniVersion":"1.1.0","name":"n","ipam":{"type":"ipwarden","previous":{"type":"host-local","ranges":[[{"subnet":"10.85.0.0/16"}]]}}}`))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		c, err := parseConfig(data)
 		if err != nil {
@@ -346,6 +347,9 @@ func FuzzParseConfig(f *testing.F) {
 		}
 		if c.Socket == "" {
 			t.Fatal("accepted a configuration without a socket")
+		}
+		if (c.Previous == nil) != (c.PreviousType == "") || c.PreviousType == "ipwarden" {
+			t.Fatalf("accepted previous %s of type %q", c.Previous, c.PreviousType)
 		}
 	})
 }
