@@ -9,6 +9,12 @@
 // Both keys are optional: without "pools" the agent hands out one address from every pool that
 // selects the node; "socket" defaults to /run/ipwarden/agent.sock.
 //
+// On a node taken over from another IPAM plugin while its pods run, the optional "previous" object
+// is that plugin's "ipam" object, e.g. {"type": "host-local", "ranges": [...], "dataDir": "..."}.
+// ADD never uses it; DEL is delegated to it after the agent's, CHECK when the agent has no
+// attachment for the container, GC after the agent's (skipped when the plugin has no GC). The
+// delegate runs from CNI_PATH with the network configuration whose "ipam" is "previous".
+//
 // It must stay light: it imports no client-go or k8s.io/api package, whose init cost would land
 // on every pod start. TestPluginImportsNoKubernetesClient enforces this.
 package main

@@ -33,6 +33,17 @@ func TestParseConfig(t *testing.T) {
 		{"pools twice", `{"name":"n","pools":["a","a"]}`, nil, "", `names pool "a" twice`},
 		{"socket relative", `{"name":"n","ipam":{"type":"ipwarden","socket":"agent.sock"}}`, nil, "", `"ipam.socket"`},
 		{"socket not a string", `{"name":"n","socket":5}`, nil, "", `"socket"`},
+		{"previous in ipam", `{"cniVersion":"1.1.0","name":"n","type":"bridge","ipam":{"type":"ipwarden","previous":{"type":"host-local","ranges":[[{"subnet":"10.85.0.0/16"}]]}}}`, nil, cniproto.DefaultSocket, ""},
+		{"previous at the top level", `{"cniVersion":"1.1.0","name":"n","type":"ipwarden","previous":{"type":"whereabouts"}}`, nil, cniproto.DefaultSocket, ""},
+		{"previous null", `{"name":"n","ipam":{"type":"ipwarden","previous":null}}`, nil, cniproto.DefaultSocket, ""},
+		{"previous a string", `{"name":"n","ipam":{"type":"ipwarden","previous":"host-local"}}`, nil, "", `"ipam.previous"`},
+		{"previous a list", `{"name":"n","previous":[{"type":"host-local"}]}`, nil, "", `"previous"`},
+		{"previous without type", `{"name":"n","ipam":{"type":"ipwarden","previous":{"ranges":[]}}}`, nil, "", `"ipam.previous.type"`},
+		{"previous type empty", `{"name":"n","ipam":{"type":"ipwarden","previous":{"type":""}}}`, nil, "", `"ipam.previous.type"`},
+		{"previous type not a string", `{"name":"n","previous":{"type":7}}`, nil, "", `"previous.type"`},
+		{"previous is ipwarden", `{"name":"n","ipam":{"type":"ipwarden","previous":{"type":"ipwarden"}}}`, nil, "", `"ipam.previous.type"`},
+		{"previous a path", `{"name":"n","previous":{"type":"../../usr/bin/true"}}`, nil, "", `"previous.type"`},
+		{"previous too large", `{"name":"n","ipam":{"type":"ipwarden","previous":{"type":"host-local","x":"` + strings.Repeat("a", maxPrevious) + `"}}}`, nil, "", `"ipam.previous"`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c, err := parseConfig([]byte(tc.conf))
@@ -64,6 +75,9 @@ func TestMain(m *testing.M) {
 	code := m.Run()
 	if pluginBin != "" {
 		os.RemoveAll(filepath.Dir(pluginBin))
+	}
+	if cniPathDir != "" {
+		os.RemoveAll(cniPathDir)
 	}
 	os.Exit(code)
 }
@@ -122,21 +136,29 @@ func fakeAgent(t *testing.T, resp cniproto.Response) (string, *[]cniproto.Reques
 
 func run(t *testing.T, cmd, conf string, env ...string) (stdout string, cniErr *types.Error) {
 	t.Helper()
-	c := exec.Command(plugin(t))
+	stdout, _, cniErr = runBin(t, plugin(t), cmd, conf, env...)
+	return stdout, cniErr
+}
+
+// runBin runs the CNI plugin bin for cmd with conf on stdin; env overrides the defaults (the
+// last value of a variable wins).
+func runBin(t *testing.T, bin, cmd, conf string, env ...string) (stdout, stderr string, cniErr *types.Error) {
+	t.Helper()
+	c := exec.Command(bin)
 	c.Env = append([]string{"CNI_COMMAND=" + cmd, "CNI_CONTAINERID=abc123", "CNI_NETNS=/var/run/netns/x", "CNI_NETNS_OVERRIDE=1",
 		"CNI_IFNAME=eth0", "CNI_PATH=/opt/cni/bin", "CNI_ARGS=K8S_POD_NAMESPACE=ns;K8S_POD_NAME=web;K8S_POD_UID=u1"}, env...)
 	c.Stdin = strings.NewReader(conf)
-	var out bytes.Buffer
-	c.Stdout = &out
+	var out, errOut bytes.Buffer
+	c.Stdout, c.Stderr = &out, &errOut
 	err := c.Run()
 	if err != nil {
 		var e types.Error
 		if jerr := json.Unmarshal(out.Bytes(), &e); jerr != nil {
-			t.Fatalf("plugin failed without a CNI error: %v: %s", err, out.String())
+			t.Fatalf("%s failed without a CNI error: %v: %s %s", filepath.Base(bin), err, out.String(), errOut.String())
 		}
-		return "", &e
+		return "", errOut.String(), &e
 	}
-	return out.String(), nil
+	return out.String(), errOut.String(), nil
 }
 
 func TestAddResultForEveryVersion(t *testing.T) {
@@ -270,10 +292,11 @@ func TestAllowNonKubernetes(t *testing.T) {
 
 // The plugin's own time limits sit below containerd's (the kubelet's 2m runtime request timeout
 // for ADD, 1m deferred cleanup for DEL) and CRI-O's (5m ADD, 1m DEL), so the runtime gets a CNI
-// error, not a killed plugin.
+// error, not a killed plugin. A DEL delegated to the previous IPAM runs after the agent's, so the
+// two limits together stay below 1m.
 func TestTimeoutsBelowRuntimes(t *testing.T) {
-	if addTimeout >= 2*time.Minute || otherTimeout >= time.Minute {
-		t.Fatalf("ADD %s, other verbs %s", addTimeout, otherTimeout)
+	if addTimeout >= 2*time.Minute || otherTimeout+previousTimeout >= time.Minute {
+		t.Fatalf("ADD %s, other verbs %s, previous IPAM %s", addTimeout, otherTimeout, previousTimeout)
 	}
 }
 
@@ -312,6 +335,7 @@ func FuzzParseConfig(f *testing.F) {
 	f.Add([]byte(`{"cniVersion":"1.1.0","name":"n","ipam":{"type":"ipwarden","pools":["a"],"socket":"/run/x.sock"}}`))
 	f.Add([]byte(`{"name":"n","pools":[1,2]}`))
 	f.Add([]byte(`{"name":"n","ipam":[]}`))
+	f.Add([]byte(`{"cniVersion":"1.1.0","name":"n","ipam":{"type":"ipwarden","previous":{"type":"host-local","ranges":[[{"subnet":"10.85.0.0/16"}]]}}}`))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		c, err := parseConfig(data)
 		if err != nil {
@@ -323,6 +347,9 @@ func FuzzParseConfig(f *testing.F) {
 		}
 		if c.Socket == "" {
 			t.Fatal("accepted a configuration without a socket")
+		}
+		if (c.Previous == nil) != (c.PreviousType == "") || c.PreviousType == "ipwarden" {
+			t.Fatalf("accepted previous %s of type %q", c.Previous, c.PreviousType)
 		}
 	})
 }

@@ -11,6 +11,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/containernetworking/cni/pkg/invoke"
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
@@ -29,11 +30,17 @@ import (
 //     startTimeout, stopCtx).
 //
 // So ADD gets 90s (the agent's --address-wait, default 10s, fits well inside) and the other verbs
-// 30s. When the plugin gives up, it closes its connection and the agent rolls the ADD back.
+// 30s. When the plugin gives up, it closes its connection and the agent rolls the ADD back. A
+// verb delegated to the previous IPAM (DEL, CHECK, GC; see "previous") runs after the agent's
+// answer and gets previousTimeout more, so the two together stay below the runtimes' 1m for DEL.
 const (
-	addTimeout   = 90 * time.Second
-	otherTimeout = 30 * time.Second
+	addTimeout      = 90 * time.Second
+	otherTimeout    = 30 * time.Second
+	previousTimeout = 20 * time.Second
 )
+
+// maxPrevious bounds the "previous" object: an IPAM configuration is a few hundred bytes.
+const maxPrevious = 64 << 10
 
 // config is the part of the network configuration the plugin reads.
 type config struct {
@@ -47,6 +54,12 @@ type config struct {
 	AllowNonKubernetes bool
 	// HasValidAttachments: the GC request carries a valid-attachments list (possibly empty).
 	HasValidAttachments bool
+	// Previous is the "previous" object: the IPAM configuration of the plugin that allocated
+	// the addresses of pods started before the node moved to ipwarden (nil when not set).
+	// DEL, CHECK (of an attachment the agent does not know) and GC are delegated to it.
+	Previous json.RawMessage
+	// PreviousType is Previous's "type": the plugin's name on CNI_PATH.
+	PreviousType string
 }
 
 // badConfig is a CNI "invalid network configuration" error naming the field.
@@ -71,6 +84,7 @@ func parseConfig(stdin []byte) (*config, error) {
 		ValidLegacy json.RawMessage            `json:"cni.dev/attachments"` // libcni before v1.2.3 sent this key
 		AllowNonK8s json.RawMessage            `json:"allowNonKubernetes"`
 		Network     json.RawMessage            `json:"network"`
+		Previous    json.RawMessage            `json:"previous"`
 	}
 	if err := json.Unmarshal(stdin, &raw); err != nil {
 		return nil, badConfig("ipam", "must be an object: %v", err)
@@ -116,6 +130,15 @@ func parseConfig(stdin []byte) (*config, error) {
 			return nil, badConfig(allowField, "must be true or false, not %s", allow)
 		}
 	}
+	previous, previousField := raw.Previous, "previous"
+	if p, ok := raw.IPAM["previous"]; ok {
+		previous, previousField = p, "ipam.previous"
+	}
+	if len(previous) > 0 && string(previous) != "null" {
+		if err := c.parsePrevious(previous, previousField); err != nil {
+			return nil, err
+		}
+	}
 	present := func(m json.RawMessage) bool { return len(m) > 0 && string(m) != "null" }
 	c.HasValidAttachments = present(raw.Valid) || present(raw.ValidLegacy)
 	if len(c.ValidAttachments) == 0 && present(raw.ValidLegacy) && !present(raw.Valid) {
@@ -133,6 +156,30 @@ func parseConfig(stdin []byte) (*config, error) {
 		}
 	}
 	return c, nil
+}
+
+// parsePrevious checks the "previous" object: a JSON object of at most maxPrevious bytes whose
+// "type" names a plugin other than ipwarden itself.
+func (c *config) parsePrevious(previous json.RawMessage, field string) error {
+	if len(previous) > maxPrevious {
+		return badConfig(field, "is %d bytes, at most %d: it is the previous IPAM's \"ipam\" object", len(previous), maxPrevious)
+	}
+	var obj map[string]json.RawMessage
+	if err := json.Unmarshal(previous, &obj); err != nil || obj == nil {
+		return badConfig(field, `must be the previous IPAM's "ipam" object such as {"type": "host-local", ...}, not %s`, cniproto.Truncate(string(previous), 100))
+	}
+	var typ string
+	if t, ok := obj["type"]; !ok || json.Unmarshal(t, &typ) != nil || typ == "" {
+		return badConfig(field+".type", `must name the previous IPAM plugin such as "host-local"`)
+	}
+	if typ == "ipwarden" || typ == "ipwarden-cni" {
+		return badConfig(field+".type", "names ipwarden itself: it must name the IPAM plugin the node used before ipwarden")
+	}
+	if strings.ContainsAny(typ, `/\`) || typ == "." || typ == ".." {
+		return badConfig(field+".type", "%q is not the name of a plugin on CNI_PATH", typ)
+	}
+	c.Previous, c.PreviousType = previous, typ
+	return nil
 }
 
 // podFromArgs reads K8S_POD_NAMESPACE, K8S_POD_NAME and K8S_POD_UID from CNI_ARGS.
@@ -247,13 +294,20 @@ func toResult(resp *cniproto.Response) (*current.Result, error) {
 	return result, nil
 }
 
+// cmdDel frees the attachment in the agent, then, with "previous" set, has the previous IPAM free
+// whatever it holds for the container: DEL is idempotent and host-local or Whereabouts forget a
+// container they never saw without complaint, so it is delegated whether or not the agent knew
+// the container. Both run even when one fails; the runtime retries a failed DEL.
 func cmdDel(args *skel.CmdArgs) error {
 	c, err := parseConfig(args.StdinData)
 	if err != nil {
 		return err
 	}
-	_, err = call(c.Socket, request(cniproto.OpDel, args, c), otherTimeout, types.ErrTryAgainLater)
-	return err
+	_, agentErr := call(c.Socket, request(cniproto.OpDel, args, c), otherTimeout, types.ErrTryAgainLater)
+	if c.Previous == nil {
+		return agentErr
+	}
+	return bothErr("DEL", c, agentErr, delegate("DEL", args, c))
 }
 
 func cmdCheck(args *skel.CmdArgs) error {
@@ -275,7 +329,17 @@ func cmdCheck(args *skel.CmdArgs) error {
 		}
 	}
 	_, err = call(c.Socket, req, otherTimeout, types.ErrTryAgainLater)
-	return err
+	var te *types.Error
+	if c.Previous == nil || !errors.As(err, &te) || te.Code != cniproto.CodeUnknownContainer {
+		return err
+	}
+	// The agent answers code 3 only when it holds no attachment for the container and interface:
+	// a pod started before the node moved to ipwarden, whose addresses the previous IPAM holds.
+	if perr := delegate("CHECK", args, c); perr != nil {
+		return types.NewError(perr.Code, fmt.Sprintf("ipwarden-cni: CHECK: the ipwarden agent has no attachment for container %s interface %s, and %s",
+			cniproto.Truncate(args.ContainerID, 64), args.IfName, perr.Msg), perr.Details)
+	}
+	return nil
 }
 
 func cmdGC(args *skel.CmdArgs) error {
@@ -287,8 +351,96 @@ func cmdGC(args *skel.CmdArgs) error {
 	for _, a := range c.ValidAttachments {
 		req.ValidAttachments = append(req.ValidAttachments, cniproto.AttachmentID{ContainerID: a.ContainerID, IfName: a.IfName})
 	}
-	_, err = call(c.Socket, req, otherTimeout, types.ErrTryAgainLater)
-	return err
+	_, agentErr := call(c.Socket, req, otherTimeout, types.ErrTryAgainLater)
+	if c.Previous == nil {
+		return agentErr
+	}
+	if !c.HasValidAttachments {
+		// Without the list every attachment would look stale to the previous IPAM too.
+		fmt.Fprintf(os.Stderr, "ipwarden-cni: GC without cni.dev/valid-attachments: not delegated to the previous IPAM %q\n", c.PreviousType)
+		return agentErr
+	}
+	perr := delegate("GC", args, c)
+	if perr != nil && gcUnsupported(perr) {
+		fmt.Fprintf(os.Stderr, "ipwarden-cni: the previous IPAM %q does not support GC (%s): skipped it\n", c.PreviousType, perr.Msg)
+		perr = nil
+	}
+	return bothErr("GC", c, agentErr, perr)
+}
+
+// gcUnsupported tells a delegated GC's error that says the plugin has no GC: skel of CNI library
+// v1.2 and later answers a version error (code 1, "plugin version does not allow GC") for a
+// plugin whose supported versions stop before 1.1.0; an older skel knows no GC command at all
+// (code 4, "unknown CNI_COMMAND: GC").
+func gcUnsupported(e *types.Error) bool {
+	return e.Code == types.ErrIncompatibleCNIVersion ||
+		(e.Code == types.ErrInvalidEnvironmentVariables && strings.Contains(e.Msg, "unknown CNI_COMMAND"))
+}
+
+// previousConf is the previous IPAM's network configuration: the plugin's own, with its "ipam"
+// object replaced by the "previous" object (so host-local, say, reads its ranges and dataDir).
+// Everything else (name, cniVersion, prevResult, cni.dev/valid-attachments) passes unchanged.
+func previousConf(stdin []byte, previous json.RawMessage) ([]byte, error) {
+	var m map[string]json.RawMessage
+	if err := json.Unmarshal(stdin, &m); err != nil {
+		return nil, err
+	}
+	m["ipam"] = previous
+	return json.Marshal(m)
+}
+
+// delegate runs verb of the previous IPAM, found on CNI_PATH, with the same CNI_* environment.
+// Its error's message names the previous IPAM and its type.
+func delegate(verb string, args *skel.CmdArgs, c *config) *types.Error {
+	conf, err := previousConf(args.StdinData, c.Previous)
+	if err != nil {
+		return types.NewError(types.ErrDecodingFailure, fmt.Sprintf("ipwarden-cni: cannot build the network configuration of the previous IPAM %q: %v", c.PreviousType, err), "")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), previousTimeout)
+	defer cancel()
+	switch verb {
+	case "DEL":
+		err = invoke.DelegateDel(ctx, c.PreviousType, conf, nil)
+	case "CHECK":
+		err = invoke.DelegateCheck(ctx, c.PreviousType, conf, nil)
+	case "GC":
+		err = invoke.DelegateGC(ctx, c.PreviousType, conf, nil)
+	default:
+		err = fmt.Errorf("verb %s is not delegated", verb)
+	}
+	if err == nil {
+		return nil
+	}
+	code, msg, details := uint(types.ErrInternal), err.Error(), ""
+	var te *types.Error
+	if errors.As(err, &te) {
+		msg, details = te.Msg, te.Details
+		if te.Code != 0 {
+			code = te.Code
+		}
+	}
+	if ctx.Err() != nil {
+		msg = fmt.Sprintf("did not finish within %s: %s", previousTimeout, msg)
+	}
+	return types.NewError(code, fmt.Sprintf("%s by the previous IPAM %q failed: %s", verb, c.PreviousType, msg), details)
+}
+
+// bothErr combines the agent's error and the previous IPAM's of a verb run by both; each message
+// says which failed. The agent's code wins (code 11 for an unreachable agent keeps its meaning).
+func bothErr(verb string, c *config, agentErr error, perr *types.Error) error {
+	if agentErr == nil && perr == nil {
+		return nil
+	}
+	if agentErr == nil {
+		return types.NewError(perr.Code, fmt.Sprintf("ipwarden-cni: the ipwarden agent's %s succeeded, but %s", verb, perr.Msg), perr.Details)
+	}
+	te := &types.Error{Code: types.ErrInternal, Msg: agentErr.Error()}
+	errors.As(agentErr, &te)
+	tail := fmt.Sprintf("%s by the previous IPAM %q succeeded", verb, c.PreviousType)
+	if perr != nil {
+		tail = "and " + perr.Msg
+	}
+	return types.NewError(te.Code, fmt.Sprintf("%s by the ipwarden agent failed: %s (%s)", verb, te.Msg, tail), te.Details)
 }
 
 func cmdStatus(args *skel.CmdArgs) error {

@@ -308,6 +308,39 @@ func TestServiceCheck(t *testing.T) {
 	}
 }
 
+// ipwarden-cni delegates a CHECK to the previous IPAM ("previous") when, and only when, the agent
+// answers code 3: so code 3 means "no attachment for this container and interface", and every
+// other CHECK failure answers another code.
+func TestServiceCheckCodeUnknownOnlyForMissingAttachment(t *testing.T) {
+	h := newSvc(t, time.Second, testV4)
+	h.hold(map[string]string{"v4": "10.1.0.5-10.1.0.9"})
+	h.do(addReq("c1"))
+	for _, tc := range []struct {
+		name    string
+		req     cniproto.Request
+		unknown bool
+	}{
+		{"unknown container", cniproto.Request{ContainerID: "old-pod", IfName: "eth0"}, true},
+		{"known container, other interface", cniproto.Request{ContainerID: "c1", IfName: "net1"}, true},
+		{"known attachment", cniproto.Request{ContainerID: "c1", IfName: "eth0"}, false},
+		{"wrong prevResult address", cniproto.Request{ContainerID: "c1", IfName: "eth0", PrevAddresses: []string{"10.1.0.6/16"}}, false},
+		{"bad prevResult address", cniproto.Request{ContainerID: "c1", IfName: "eth0", PrevAddresses: []string{"nope"}}, false},
+		{"no container ID", cniproto.Request{IfName: "eth0"}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			tc.req.Op = cniproto.OpCheck
+			err := h.do(tc.req).Error
+			if got := err != nil && err.Code == cniproto.CodeUnknownContainer; got != tc.unknown {
+				t.Fatalf("CHECK answered %v: code 3 is %v, want %v", err, got, tc.unknown)
+			}
+		})
+	}
+	h.svc.SetReady(false)
+	if err := h.do(cniproto.Request{Op: cniproto.OpCheck, ContainerID: "old-pod", IfName: "eth0"}).Error; err == nil || err.Code != cniproto.CodeTryAgainLater {
+		t.Fatalf("CHECK of an agent that is not ready: %v, want code 11 (not 3: the plugin must not ask the previous IPAM)", err)
+	}
+}
+
 func TestServiceGC(t *testing.T) {
 	now := time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)
 	var mu sync.Mutex

@@ -55,7 +55,10 @@ const (
 	OpList   Op = "LIST"
 )
 
-// CNI error codes the agent answers with (see the CNI specification).
+// CNI error codes the agent answers with (see the CNI specification). CodeUnknownContainer is
+// the answer to a CHECK of an attachment the agent does not hold, and to nothing else:
+// ipwarden-cni then asks the previous IPAM of its configuration ("previous"), which may hold the
+// container's addresses from before the node moved to ipwarden.
 const (
 	CodeIncompatibleVersion uint = 1
 	CodeUnknownContainer    uint = 3
