@@ -18,7 +18,10 @@ type Metrics struct {
 	Conflict  *prometheus.GaugeVec
 	// Unattributed: held addresses kept out of use by the hold after a rebuild.
 	Unattributed *prometheus.GaugeVec
-	Outside      *prometheus.GaugeVec
+	// Adopted: addresses used by pods whose attachment was recorded from their status.podIPs
+	// (taken over from the previous IPAM, or a lost journal).
+	Adopted *prometheus.GaugeVec
+	Outside *prometheus.GaugeVec
 
 	Attachments  prometheus.Gauge
 	OpDuration   *prometheus.HistogramVec
@@ -90,6 +93,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		Releasing: gauge("pool_releasing_addresses", "Addresses of the pool the node is giving back."),
 		Requested: gauge("pool_requested_addresses", "Addresses the node requests from the pool (scaling target)."),
 		Conflict:  gauge("pool_conflict_addresses", "Addresses in use that the node no longer holds (kept for the running pod)."),
+		Adopted: gauge("pool_adopted_addresses",
+			"Addresses of the pool used by pods whose attachment was recorded from their status.podIPs rather than by an ADD: pods that ran before the node moved to ipwarden (taken over from the previous IPAM), or whose journal was lost. 0 on every node: the takeover is complete."),
 		Unattributed: gauge("pool_unattributed_addresses",
 			"Held addresses no attachment accounts for after the journal was rebuilt from the pods; kept out of use until every pod on the node has reported its addresses or the hold (--rebuild-hold) ends."),
 
@@ -163,7 +168,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		Help: "1 while the node shows the condition ipwarden.io/AddressesExhausted: pods wait and it can get no more addresses (at maxPerNode, or its pool exhausted)."})
 	if reg != nil {
 		reg.MustRegister(m.AddressesExhausted)
-		reg.MustRegister(m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict, m.Outside,
+		reg.MustRegister(m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict, m.Outside, m.Adopted,
 			m.Attachments, m.OpDuration, m.IPWait, m.JournalWrite, m.Errors, m.SpecWrites, m.Conflicts, m.RecordRewinds, m.RecordRecreated, m.LeaderAcks,
 			m.GCCandidates, m.GCCollected, m.GCKept, m.GCFailed, m.GCDryRun, m.GCDeleteToFree, m.GCFullChecks, m.GCQueueDepth,
 			m.Unattributed, m.JournalRecovered, m.HoldActive, m.Conns, m.Busy, m.BadRequests, m.AbandonedAdds, m.PodUnknown,
@@ -186,11 +191,12 @@ func (m *Metrics) setPools(stats []ipam.PoolStats, attachments int) {
 		m.Requested.WithLabelValues(s.Pool).Set(float64(s.Requested))
 		m.Conflict.WithLabelValues(s.Pool).Set(float64(s.Conflicts))
 		m.Unattributed.WithLabelValues(s.Pool).Set(float64(s.Unattributed))
+		m.Adopted.WithLabelValues(s.Pool).Set(float64(s.Adopted))
 		m.Outside.WithLabelValues(s.Pool).Set(float64(s.OutsidePool))
 	}
 	for p := range m.pools {
 		if !seen[p] {
-			for _, g := range []*prometheus.GaugeVec{m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict, m.Unattributed, m.Outside} {
+			for _, g := range []*prometheus.GaugeVec{m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict, m.Unattributed, m.Adopted, m.Outside} {
 				g.DeleteLabelValues(p)
 			}
 		}

@@ -369,19 +369,25 @@ func (s *Service) reportConflictsLocked() {
 	s.conflicts = now
 }
 
-// SetPods hands the service the pods bound to the node. During the unattributed hold, the
-// addresses pods report are recorded (as at start-up) before the hold is evaluated.
+// SetPods hands the service the pods bound to the node. The addresses running pods report that no
+// attachment accounts for are recorded, as at start-up (Rebuild), on every call: a pod that got its
+// address from the previous IPAM (the node's CNI configuration was switched to ipwarden while it
+// ran, or the pod started before the switch reached the node) is adopted as soon as it reports
+// one, so its address is claimed and never handed to another pod (docs/operations.md, "Moving from
+// another IPAM"). During the unattributed hold the hold is evaluated after.
 func (s *Service) SetPods(pods []ipam.Pod) {
 	s.mu.Lock()
 	s.st.SetPods(pods)
 	on, _ := s.st.Hold()
 	s.mu.Unlock()
-	if on {
-		if _, err := s.rebuild(pods, 1); err != nil {
+	if _, err := s.rebuild(pods, 1); err != nil {
+		if on {
 			s.log.Error(err, "cannot journal attachments rebuilt during the unattributed hold; the hold stays on")
 		} else {
-			s.evaluateHold()
+			s.log.Error(err, "cannot journal the attachments of pods whose addresses no attachment accounts for; the next pod event retries")
 		}
+	} else if on {
+		s.evaluateHold()
 	}
 	s.kick()
 }
@@ -547,8 +553,11 @@ func (s *Service) rebuild(pods []ipam.Pod, v int) (int, error) {
 		return 0, fmt.Errorf("journal rebuilt attachments: %w", err)
 	}
 	for _, a := range ch.PutAttachments {
-		s.log.Info("rebuilt an attachment from the pod's status.podIPs", "pod", a.Pod.String(), "podUID", a.Pod.UID,
-			"addresses", fmtAddresses(a.Addresses))
+		if !a.Key.IsRebuilt() {
+			continue // an attachment of another pod that lost an address the pod's report won
+		}
+		s.log.Info("recorded an attachment from the pod's status.podIPs (a pod the journal did not know: taken over from the previous IPAM, or a lost journal)",
+			"pod", a.Pod.String(), "podUID", a.Pod.UID, "addresses", fmtAddresses(a.Addresses))
 	}
 	return len(ch.PutAttachments), nil
 }

@@ -494,3 +494,56 @@ func TestSocketPermissionsAndRoundTrip(t *testing.T) {
 		}
 	}
 }
+
+// A pod the node's previous IPAM gave an address (it reports it in status.podIPs, and the journal
+// has no attachment for it) is adopted on the first pod event that shows it, not only at start-up:
+// its address is journaled, counted as adopted, claimed from the controller when the node does
+// not hold it, and never handed to another pod. A later ADD for the same pod (its sandbox
+// re-created) keeps the address.
+func TestServiceAdoptsPodsOfThePreviousIPAMAsTheyAppear(t *testing.T) {
+	h := newSvc(t, 50*time.Millisecond, testV4)
+	h.hold(map[string]string{"v4": "10.1.0.10-10.1.0.11"})
+	old := ipam.Pod{Ref: ipam.PodRef{Namespace: "ns", Name: "old", UID: "uid-old"}, IPs: []netip.Addr{netip.MustParseAddr("10.1.0.10")}}
+	outside := ipam.Pod{Ref: ipam.PodRef{Namespace: "ns", Name: "elsewhere", UID: "uid-elsewhere"}, IPs: []netip.Addr{netip.MustParseAddr("10.1.7.7")}}
+	unpooled := ipam.Pod{Ref: ipam.PodRef{Namespace: "ns", Name: "unpooled", UID: "uid-unpooled"}, IPs: []netip.Addr{netip.MustParseAddr("192.168.9.9")}}
+	hostNet := ipam.Pod{Ref: ipam.PodRef{Namespace: "ns", Name: "host", UID: "uid-host"}, IPs: []netip.Addr{netip.MustParseAddr("10.1.0.11")}, HostNetwork: true}
+	h.svc.SetPods([]ipam.Pod{old, outside, unpooled, hostNet})
+
+	snap := h.j.snapshot()
+	if len(snap.Attachments) != 2 {
+		t.Fatalf("journal after the pod event: %+v, want the two pods whose addresses lie in the pool adopted", snap.Attachments)
+	}
+	for _, a := range snap.Attachments {
+		if !a.Rebuilt || (a.Pod.UID != "uid-old" && a.Pod.UID != "uid-elsewhere") {
+			t.Fatalf("journaled %+v", a)
+		}
+	}
+	h.svc.mu.Lock()
+	st := h.svc.st.Stats(time.Now())
+	h.svc.mu.Unlock()
+	if len(st) != 1 || st[0].Adopted != 2 || st[0].InUse != 2 {
+		t.Fatalf("stats %+v, want 2 adopted in use", st)
+	}
+	// 10.1.7.7 is in use on this node but not held by it: it is claimed.
+	if err := h.mon.Round(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if reqs := h.pub.last(); len(reqs) != 1 || !reqs[0].Claimed.Contains(netip.MustParseAddr("10.1.7.7")) {
+		t.Fatalf("published %+v, want 10.1.7.7 claimed", reqs)
+	}
+
+	// The node holds 10.1.0.10 (the old pod's) and 10.1.0.11 (free: the host-network pod's
+	// status is not an address the pod network uses). A new pod gets .11, the next one waits.
+	if r := h.do(addReq("new1")); r.Error != nil || r.IPs[0].Address != "10.1.0.11/16" {
+		t.Fatalf("ADD of a new pod: %+v", r)
+	}
+	if r := h.do(addReq("new2")); r.Error == nil {
+		t.Fatalf("ADD of a second new pod got %+v: the old pod's address was handed out", r.IPs)
+	}
+	// The old pod's sandbox is re-created (now through ipwarden): it keeps its address.
+	req := addReq("old-sandbox-2")
+	req.Pod = cniproto.Pod{Namespace: "ns", Name: "old", UID: "uid-old"}
+	if r := h.do(req); r.Error != nil || r.IPs[0].Address != "10.1.0.10/16" {
+		t.Fatalf("ADD of the old pod's new sandbox: %+v", r)
+	}
+}

@@ -278,6 +278,10 @@ type PoolStats struct {
 	// covers (a shrunk pool, a new exclusion): never handed out, they drain as they are freed.
 	OutsidePool int
 	Exhausted   bool
+	// Adopted counts addresses of attachments recorded from pods' status.podIPs (RebuiltKey)
+	// rather than by an ADD: pods that were running when the node came to ipwarden (taken over
+	// from the previous IPAM) or whose journal was lost. They leave as their pods end.
+	Adopted int
 	// Unattributed counts held addresses kept out of use by the hold after a rebuild.
 	Unattributed int
 }
@@ -300,6 +304,11 @@ func (s *State) Stats(now time.Time) []PoolStats {
 			Unattributed: count(p.unattributed),
 		}
 		st.OutsidePool = count(p.outside())
+		for _, k := range p.inUse {
+			if k.IsRebuilt() {
+				st.Adopted++
+			}
+		}
 		if p.heldKnown {
 			st.Free = count(p.fresh)
 			st.Conflicts = count(p.inUseSet().Subtract(p.held))
