@@ -79,6 +79,29 @@ type NodeIPAllocationSpec struct {
 	// +kubebuilder:validation:MaxLength=253
 	// +optional
 	AcknowledgedLeader string `json:"acknowledgedLeader,omitempty"`
+	// ObservedPools lists every IPPool (by UID and generation) the agent knew when it computed
+	// the claims above: the addresses its running pods report inside those pools, whoever gave
+	// them out (a previous IPAM included), are in use on this node and claimed. A controller
+	// fills no node from the free part of a new or grown pool until every node has observed
+	// that pool's generation (or its --pool-settle bound passes), so no address a running pod
+	// uses is handed to another pod.
+	// +kubebuilder:validation:MaxItems=256
+	// +listType=map
+	// +listMapKey=pool
+	// +optional
+	ObservedPools []ObservedPool `json:"observedPools,omitempty"`
+}
+
+// ObservedPool is one IPPool as a node's agent last knew it.
+type ObservedPool struct {
+	// Pool is the IPPool's name.
+	// +kubebuilder:validation:MaxLength=253
+	Pool string `json:"pool"`
+	// UID is the IPPool's metadata.uid (a pool deleted and created again is another pool).
+	// +kubebuilder:validation:MaxLength=64
+	UID string `json:"uid"`
+	// Generation is the IPPool's metadata.generation.
+	Generation int64 `json:"generation"`
 }
 
 // NodePoolStatus is what a node holds from one pool.

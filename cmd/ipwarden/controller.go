@@ -78,6 +78,7 @@ to their pools, and reports pool usage in IPPool status. Run two replicas; one l
 	fs.DurationVar(&f.renewDeadline, "leader-election-renew-deadline", 10*time.Second, "how long the leader keeps trying to renew before it steps down")
 	fs.DurationVar(&f.retryPeriod, "leader-election-retry-period", 2*time.Second, "interval of Lease acquire and renew attempts")
 	fs.DurationVar(&f.opts.ClaimSettle, "claim-settle", 60*time.Second, "after it starts leading, the controller serves only claims (addresses nodes' pods use that their status lost) and take-backs until every node's agent has acknowledged it (spec.acknowledgedLeader), at most this long; without leader election, exactly this long")
+	fs.DurationVar(&f.opts.PoolSettle, "pool-settle", 60*time.Second, "a pool created, or given more addresses, while the controller leads hands out none of its free addresses until every node's agent has reported the addresses its running pods use in it (spec.observedPools: pods of the IPAM the node ran before, say), at most this long; the Warning event PoolSettleTimedOut names the nodes that did not; negative: not at all")
 	fs.BoolVar(&f.skipLocalFence, "unsafe-skip-local-lease-check", false, "testing only: do not check the lease's expiry before each write, leaving only the API server's fence policy")
 	_ = fs.MarkHidden("unsafe-skip-local-lease-check")
 	fs.StringVar(&f.opts.AgentLeaseNamespace, "agent-lease-namespace", namespaceDefault(),

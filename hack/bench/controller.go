@@ -189,7 +189,7 @@ type benchProc struct {
 
 func (b *controllerBench) startController(ctx context.Context, extra ...string) (*benchProc, error) {
 	logPath := filepath.Join(b.cp.Dir, fmt.Sprintf("controller-%d.log", time.Now().UnixNano()))
-	args := append([]string{"controller", "--kubeconfig", b.cp.Kubeconfig, "--leader-elect=false", "--claim-settle=100ms",
+	args := append([]string{"controller", "--kubeconfig", b.cp.Kubeconfig, "--leader-elect=false", "--claim-settle=100ms", "--pool-settle=-1s",
 		"--metrics-bind-address=0", "--health-probe-bind-address=0"}, extra...)
 	started := time.Now()
 	p, err := localcluster.Start("controller", b.bin, logPath, args...)

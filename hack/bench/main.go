@@ -66,7 +66,7 @@ func newEnv(ctx context.Context, root string, bins localcluster.Binaries, withCo
 	if withController {
 		env.ctrlMetrics = freeAddr()
 		env.controller, err = localcluster.Start("controller", bins.Ipwarden, filepath.Join(cp.Dir, "controller.log"),
-			"controller", "--kubeconfig", cp.Kubeconfig, "--leader-elect=false", "--claim-settle=100ms",
+			"controller", "--kubeconfig", cp.Kubeconfig, "--leader-elect=false", "--claim-settle=100ms", "--pool-settle=-1s",
 			"--metrics-bind-address", env.ctrlMetrics, "--health-probe-bind-address=0")
 		if err != nil {
 			cp.Stop()

@@ -73,6 +73,7 @@ type Kube struct {
 // so a lagging cache does not make it write the same spec again.
 type writtenSpec struct {
 	pools         []ipwardenv1.NodePoolRequest
+	observed      []ipwardenv1.ObservedPool
 	baseRV, newRV string
 }
 
@@ -268,6 +269,7 @@ func (k *Kube) Push(ctx context.Context) ([]ipam.Pod, error) {
 			continue
 		}
 		pc := ipam.PoolOf(p.Name, spec, p.Status.Exhausted)
+		pc.UID, pc.Generation = string(p.UID), p.Generation
 		for _, e := range p.Status.Sticky {
 			a, err := netip.ParseAddr(string(e.Address))
 			if err != nil {
@@ -476,18 +478,26 @@ func (k *Kube) PublishSpec(ctx context.Context, reqs []ipam.PoolRequest) (bool, 
 	if leader := k.Leader(ctx); leader != "" && nipa.Spec.AcknowledgedLeader != leader {
 		return k.acknowledge(ctx, leader)
 	}
+	// The pools whose running pods' addresses the node has recorded, read before the request: a
+	// pool it lists for the first time is written with claims computed after it (ObservedPools).
+	observed := observedPools(k.svc.ObservedPools())
+	if !observedEqual(nipa.Spec.ObservedPools, observed) {
+		reqs = k.svc.Spec()
+		desired = specPools(reqs)
+	}
 	k.mu.Lock()
 	lw := k.lastWritten
 	k.mu.Unlock()
-	if nipa.ResourceVersion == lw.baseRV && poolsEqual(lw.pools, desired) {
+	if nipa.ResourceVersion == lw.baseRV && poolsEqual(lw.pools, desired) && observedEqual(lw.observed, observed) {
 		return false, nil // the cache has not seen our last write yet
 	}
 	for attempt := 0; ; attempt++ {
-		if !ipam.SpecWorthWriting(requestsOf(nipa.Spec.Pools), reqs) {
+		if observedEqual(nipa.Spec.ObservedPools, observed) && !ipam.SpecWorthWriting(requestsOf(nipa.Spec.Pools), reqs) {
 			return false, nil
 		}
 		base := nipa.DeepCopy()
 		nipa.Spec.Pools = desired
+		nipa.Spec.ObservedPools = observed
 		err := k.api.Patch(ctx, &nipa, client.MergeFrom(base), fieldOwner)
 		if err == nil && k.svc.Rewound(string(nipa.UID), nipa.Generation-1) {
 			// The patch (no resourceVersion precondition) landed on an object older than this
@@ -509,7 +519,7 @@ func (k *Kube) PublishSpec(ctx context.Context, reqs []ipam.PoolRequest) (bool, 
 		if err == nil {
 			k.svc.NoteSpecWritten(string(nipa.UID), nipa.Generation)
 			k.mu.Lock()
-			k.lastWritten = writtenSpec{pools: desired, baseRV: base.ResourceVersion, newRV: nipa.ResourceVersion}
+			k.lastWritten = writtenSpec{pools: desired, observed: observed, baseRV: base.ResourceVersion, newRV: nipa.ResourceVersion}
 			k.mu.Unlock()
 			return true, nil
 		}
@@ -546,15 +556,17 @@ func (k *Kube) acknowledge(ctx context.Context, leader string) (bool, error) {
 		if err := k.setRecord(&nipa, true); err != nil {
 			return false, err
 		}
+		observed := observedPools(k.svc.ObservedPools())
 		reqs := k.svc.Spec()
 		base := nipa.DeepCopy()
 		nipa.Spec.Pools = specPools(reqs)
+		nipa.Spec.ObservedPools = observed
 		nipa.Spec.AcknowledgedLeader = leader
 		err = k.api.Patch(ctx, &nipa, client.MergeFromWithOptions(base, client.MergeFromWithOptimisticLock{}), fieldOwner)
 		if err == nil {
 			k.svc.NoteSpecWritten(string(nipa.UID), nipa.Generation)
 			k.mu.Lock()
-			k.lastWritten = writtenSpec{pools: nipa.Spec.Pools, baseRV: base.ResourceVersion, newRV: nipa.ResourceVersion}
+			k.lastWritten = writtenSpec{pools: nipa.Spec.Pools, observed: observed, baseRV: base.ResourceVersion, newRV: nipa.ResourceVersion}
 			k.mu.Unlock()
 			k.svc.metrics.LeaderAcks.Inc()
 			claimed := 0
@@ -632,6 +644,22 @@ func specPools(reqs []ipam.PoolRequest) []ipwardenv1.NodePoolRequest {
 		out = append(out, pr)
 	}
 	return out
+}
+
+// observedPools is the spec's form of the pools the node has recorded its pods' addresses with.
+func observedPools(obs []ipam.ObservedPool) []ipwardenv1.ObservedPool {
+	out := make([]ipwardenv1.ObservedPool, 0, min(len(obs), maxObservedPools))
+	for _, o := range obs[:min(len(obs), maxObservedPools)] {
+		out = append(out, ipwardenv1.ObservedPool{Pool: o.Pool, UID: o.UID, Generation: o.Generation})
+	}
+	return out
+}
+
+// maxObservedPools is spec.observedPools' MaxItems.
+const maxObservedPools = 256
+
+func observedEqual(a, b []ipwardenv1.ObservedPool) bool {
+	return slices.Equal(a, b) || (len(a) == 0 && len(b) == 0)
 }
 
 func poolsEqual(a, b []ipwardenv1.NodePoolRequest) bool {

@@ -224,6 +224,14 @@ func (s *Service) demand(pool string) int {
 	return s.st.Demand(pool)
 }
 
+// ObservedPools is ipam.State.Observed: the pools whose running pods' addresses the node has
+// recorded; read it before Spec so the claims written with it account for them.
+func (s *Service) ObservedPools() []ipam.ObservedPool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.st.Observed()
+}
+
 // Spec is the node's request as the state computes it now (requested, releasing, claimed).
 func (s *Service) Spec() []ipam.PoolRequest {
 	s.mu.Lock()

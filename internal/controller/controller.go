@@ -66,6 +66,10 @@ type Options struct {
 	// AgentLeaseDuration is the agents' Lease duration when a Lease does not say [60s, the
 	// agents' default --lease-duration].
 	AgentLeaseDuration time.Duration
+	// PoolSettle bounds how long a pool that appears or gains addresses while the controller
+	// leads keeps its free addresses from every node, waiting for each node's agent to report
+	// what its running pods use in it (spec.observedPools; poolsettle.go) [60s; <0: not at all].
+	PoolSettle time.Duration
 }
 
 func (o *Options) setDefaults() {
@@ -107,6 +111,11 @@ func (o *Options) setDefaults() {
 	} else if o.ClaimSettle == 0 {
 		o.ClaimSettle = 60 * time.Second
 	}
+	if o.PoolSettle < 0 {
+		o.PoolSettle = 0
+	} else if o.PoolSettle == 0 {
+		o.PoolSettle = 60 * time.Second
+	}
 }
 
 // Controller is the IO shell around State: it watches Nodes (metadata only), IPPools and
@@ -134,6 +143,8 @@ type Controller struct {
 	// or ClaimSettle passed; ledAt is when it started leading.
 	awaitAcks atomic.Bool
 	ledAt     time.Time
+	// poolsSettling is set while a pool waits for the nodes to observe it (poolsettle.go).
+	poolsSettling atomic.Bool
 	// agentSeen: for each deleted node whose agent Lease still looked held, when the
 	// controller first saw the Lease's current version (guarded by mu).
 	agentSeen map[string]*nodelease.Observer
@@ -372,6 +383,9 @@ func (c *Controller) nodeEvent(obj any) {
 	if c.awaitAcks.Load() {
 		c.checkAcks(context.Background())
 	}
+	if c.poolsSettling.Load() {
+		c.checkPoolSettles(context.Background())
+	}
 }
 
 func (c *Controller) allocEvent(obj any) {
@@ -380,6 +394,9 @@ func (c *Controller) allocEvent(obj any) {
 	}
 	if c.awaitAcks.Load() {
 		c.checkAcks(context.Background())
+	}
+	if c.poolsSettling.Load() {
+		c.checkPoolSettles(context.Background())
 	}
 }
 
@@ -406,14 +423,24 @@ func (c *Controller) checkAcks(ctx context.Context) {
 // unacknowledged lists the nodes whose agent has not acknowledged this leader (Unacknowledged
 // over the cache).
 func (c *Controller) unacknowledged(ctx context.Context) ([]string, error) {
+	allocs, selected, err := c.nodeReports(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return Unacknowledged(allocs, selected, c.fence.Holder()), nil
+}
+
+// nodeReports lists the NodeIPAllocations from the cache, and every Node with whether a serving
+// pool selects it.
+func (c *Controller) nodeReports(ctx context.Context) ([]ipwardenv1.NodeIPAllocation, map[string]bool, error) {
 	var allocs ipwardenv1.NodeIPAllocationList
 	if err := c.cache.List(ctx, &allocs); err != nil {
-		return nil, fmt.Errorf("list NodeIPAllocations: %w", err)
+		return nil, nil, fmt.Errorf("list NodeIPAllocations: %w", err)
 	}
 	nodes := &metav1.PartialObjectMetadataList{}
 	nodes.SetGroupVersionKind(corev1.SchemeGroupVersion.WithKind("NodeList"))
 	if err := c.cache.List(ctx, nodes); err != nil {
-		return nil, fmt.Errorf("list nodes: %w", err)
+		return nil, nil, fmt.Errorf("list nodes: %w", err)
 	}
 	selected := make(map[string]bool, len(nodes.Items))
 	c.mu.Lock()
@@ -421,7 +448,55 @@ func (c *Controller) unacknowledged(ctx context.Context) ([]string, error) {
 		selected[n.Name] = c.state.Selected(n.Labels)
 	}
 	c.mu.Unlock()
-	return Unacknowledged(allocs.Items, selected, c.fence.Holder()), nil
+	return allocs.Items, selected, nil
+}
+
+// checkPoolSettles ends the wait of each pool every node has observed (PoolUnobserved), and of
+// each whose --pool-settle bound has passed (with a Warning event naming the nodes that did not
+// report); then every node is synced again, so fills from those pools resume.
+func (c *Controller) checkPoolSettles(ctx context.Context) {
+	c.mu.Lock()
+	settles := c.state.PoolsSettling()
+	c.mu.Unlock()
+	if len(settles) == 0 {
+		c.poolsSettling.Store(false)
+		return
+	}
+	allocs, selected, err := c.nodeReports(ctx)
+	if err != nil {
+		c.log.Error(err, "cannot check which nodes observed the new pools; the next event retries")
+		return
+	}
+	now := c.opts.Now()
+	ended := false
+	for _, st := range settles {
+		missing := PoolUnobserved(allocs, selected, st.Pool, st.UID, st.Generation)
+		c.metrics.PoolUnobserved.WithLabelValues(st.Pool).Set(float64(len(missing)))
+		switch {
+		case len(missing) == 0:
+			c.log.Info("every node reported the addresses its pods use in the pool; filling from its free addresses",
+				"pool", st.Pool, "generation", st.Generation)
+		case !now.Before(st.Until):
+			c.log.Error(nil, "nodes did not report the addresses their pods use in the new or grown pool within --pool-settle; filling from its free addresses anyway. "+
+				"Their agents may be down or too old: an address one of their pods got from another IPAM can go to another node (docs/operations.md, \"Moving from another IPAM\")",
+				"pool", st.Pool, "poolSettle", c.opts.PoolSettle.String(), "nodes", len(missing), "first", firstN(missing, 10))
+			pool := &ipwardenv1.IPPool{}
+			if err := c.cache.Get(ctx, client.ObjectKey{Name: st.Pool}, pool); err == nil {
+				c.events.Eventf(pool, corev1.EventTypeWarning, "PoolSettleTimedOut",
+					"%d nodes did not report what their pods use in this pool's new addresses within %s (first: %v); filling from them anyway",
+					len(missing), c.opts.PoolSettle, firstN(missing, 10))
+			}
+		default:
+			continue
+		}
+		c.mu.Lock()
+		c.state.EndPoolSettle(st.Pool)
+		c.mu.Unlock()
+		ended = true
+	}
+	if ended {
+		c.enqueueAll(ctx)
+	}
 }
 
 func (c *Controller) poolEvent(obj any, deleted bool) {
@@ -430,13 +505,31 @@ func (c *Controller) poolEvent(obj any, deleted bool) {
 		return
 	}
 	c.mu.Lock()
-	var affected bool
+	var affected, settle bool
+	var until time.Time
 	if deleted {
 		affected = c.state.DeletePool(m.GetName())
+		c.state.EndPoolSettle(m.GetName())
 	} else if p, ok := obj.(*ipwardenv1.IPPool); ok {
+		settle = c.opts.PoolSettle > 0 && c.state.PoolGrows(p)
 		affected = c.state.SetPool(p)
+		if settle {
+			until = c.opts.Now().Add(c.opts.PoolSettle)
+			c.state.StartPoolSettle(p.Name, string(p.UID), p.Generation, until)
+		}
 	}
 	c.mu.Unlock()
+	if settle {
+		c.poolsSettling.Store(true)
+		c.log.Info("pool is new or gained addresses: its free addresses wait until every node has reported what its running pods use in it",
+			"pool", m.GetName(), "generation", m.GetGeneration(), "poolSettle", c.opts.PoolSettle.String())
+		if p, ok := obj.(*ipwardenv1.IPPool); ok {
+			c.events.Eventf(p, corev1.EventTypeNormal, "PoolSettling",
+				"waiting up to %s for every node to report the addresses its running pods use in this pool before handing out its free addresses", c.opts.PoolSettle)
+		}
+		c.checkPoolSettles(context.Background())
+		time.AfterFunc(until.Sub(c.opts.Now())+100*time.Millisecond, func() { c.checkPoolSettles(context.Background()) })
+	}
 	c.wakePools()
 	if affected {
 		c.enqueueAll(context.Background())

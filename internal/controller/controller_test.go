@@ -183,28 +183,29 @@ func gauge(t *testing.T, g prometheus.Gauge) float64 {
 	return m.GetGauge().GetValue()
 }
 
-// Zero options take the documented defaults; set ones are kept; a negative claim settle is none.
+// Zero options take the documented defaults; set ones are kept; a negative claim or pool settle
+// is none.
 func TestOptionsDefaults(t *testing.T) {
 	var zero Options
 	zero.setDefaults()
 	if zero.Workers != 4 || zero.MinSyncInterval != 100*time.Millisecond || zero.ResyncPeriod != time.Minute ||
 		zero.BackoffBase != 250*time.Millisecond || zero.BackoffMax != 2*time.Minute || zero.PoolStatusInterval != time.Second ||
 		zero.AuditPeriod != 10*time.Minute || zero.Exhaustion != DefaultExhaustionMarks || zero.Now == nil || zero.Fence == nil ||
-		zero.ClaimSettle != time.Minute || zero.AgentLeaseDuration != time.Minute {
+		zero.ClaimSettle != time.Minute || zero.AgentLeaseDuration != time.Minute || zero.PoolSettle != time.Minute {
 		t.Fatalf("defaults: %+v", zero)
 	}
 	set := Options{Workers: 1, MinSyncInterval: time.Millisecond, ResyncPeriod: time.Hour, BackoffBase: time.Second,
 		BackoffMax: time.Hour, PoolStatusInterval: time.Minute, AuditPeriod: time.Hour, ClaimSettle: 3 * time.Second, PerNodeMetrics: true,
-		AgentLeaseNamespace: "ns", AgentLeaseDuration: 20 * time.Second}
+		AgentLeaseNamespace: "ns", AgentLeaseDuration: 20 * time.Second, PoolSettle: 5 * time.Second}
 	want := set
 	set.setDefaults()
 	set.Now, set.Fence, set.Exhaustion = nil, nil, ExhaustionMarks{}
 	if fmt.Sprintf("%+v", set) != fmt.Sprintf("%+v", want) {
 		t.Fatalf("set options changed: %+v, want %+v", set, want)
 	}
-	none := Options{ClaimSettle: -time.Second}
+	none := Options{ClaimSettle: -time.Second, PoolSettle: -time.Second}
 	none.setDefaults()
-	if none.ClaimSettle != 0 {
-		t.Fatalf("a negative claim settle became %s, want none", none.ClaimSettle)
+	if none.ClaimSettle != 0 || none.PoolSettle != 0 {
+		t.Fatalf("a negative claim settle became %s, pool settle %s, want none", none.ClaimSettle, none.PoolSettle)
 	}
 }

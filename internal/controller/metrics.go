@@ -42,6 +42,9 @@ type Metrics struct {
 	ClaimsGranted  *prometheus.CounterVec
 	ClaimConflicts prometheus.Gauge
 	Unacked        prometheus.Gauge
+	// PoolUnobserved: per pool waiting for the nodes (poolsettle.go), the nodes that have not
+	// reported what their pods use in its new addresses.
+	PoolUnobserved *prometheus.GaugeVec
 }
 
 // NewMetrics creates the metrics and registers them with reg (nil: not registered).
@@ -83,6 +86,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		Epoch:          prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "leader_epoch", Help: "The leader election epoch (Lease leaderTransitions) this controller writes with; 0 until it leads."}),
 		ClaimsGranted:  prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "claims_granted_total", Help: "Claimed addresses (used by a node's pods, missing from its status) granted back to the node."}, pool),
 		ClaimConflicts: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "claim_conflict_addresses", Help: "Addresses a node's pods use while another node holds them (must be 0; see ipwarden check)."}),
+		PoolUnobserved: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Name: "pool_unobserved_nodes",
+			Help: "Nodes that have not yet reported the addresses their running pods use in a new or grown pool (spec.observedPools); the pool's free addresses wait for them, at most --pool-settle."}, []string{"pool"}),
 		Unacked: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "unacknowledged_nodes",
 			Help: "Nodes whose agent has not yet acknowledged this leader (spec.acknowledgedLeader); no node is filled from the free pool until it is 0 or --claim-settle has passed."}),
 	}
@@ -90,7 +95,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		reg.MustRegister(m.PoolCapacity, m.PoolAllocated, m.PoolFree, m.PoolCooling, m.PoolExhausted, m.PoolConflicts,
 			m.NodeHeld, m.NodeRequested, m.NodeDeficit, m.NodesInDeficit, m.NodesAtCapacity, m.Nodes,
 			m.Allocations, m.Releases, m.APIWrites, m.SyncDuration, m.SyncErrors, m.QueueDepth, m.AddressesTwice, m.NodesReleased, m.GCCandidates, m.GCCollected, m.GCFailed,
-			m.FencedWrites, m.FencePolicyOK, m.Epoch, m.ClaimsGranted, m.ClaimConflicts, m.Unacked)
+			m.FencedWrites, m.FencePolicyOK, m.Epoch, m.ClaimsGranted, m.ClaimConflicts, m.Unacked, m.PoolUnobserved)
 	}
 	return m
 }

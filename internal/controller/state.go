@@ -51,6 +51,7 @@ type poolState struct {
 	claims    map[string]addr.Set            // node -> addresses it claims (spec.pools[].claimed), only nodes with claims
 	wanted    map[string]addr.Set            // node -> addresses its pods ask for by name (spec.pools[].wanted)
 	sticky    map[sticky.Identity]netip.Addr // status.sticky: reserved for StatefulSet pod identities (sticky.go)
+	settle    *poolSettle                    // new addresses waiting for the nodes to observe them (poolsettle.go)
 }
 
 func (p *poolState) serving() bool { return !p.deleted && p.parseErr == nil && p.overlaps == "" }
@@ -418,6 +419,10 @@ func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now 
 		pf.WantedElsewhere = p.wantedByOthers(name).Intersect(pf.Held)
 		if plan.Add > 0 && settling {
 			pf.Reason = "the controller is settling after it started leading: claims are served before fills"
+			plan.Add = 0
+		}
+		if plan.Add > 0 && p.settlingAt(now) {
+			pf.Reason = fmt.Sprintf("pool %s is new or grew: its free addresses wait until every node has reported the addresses its running pods use in it (--pool-settle)", pool)
 			plan.Add = 0
 		}
 		if plan.Add > 0 {

@@ -76,7 +76,7 @@ func TestCNIAddDelWithin3xOfHostLocal(t *testing.T) {
 		t.Fatal(err)
 	}
 	ctrl, err := localcluster.Start("controller", bins.Ipwarden, filepath.Join(cp.Dir, "controller.log"),
-		"controller", "--kubeconfig", cp.Kubeconfig, "--leader-elect=false", "--claim-settle=100ms",
+		"controller", "--kubeconfig", cp.Kubeconfig, "--leader-elect=false", "--claim-settle=100ms", "--pool-settle=-1s",
 		"--metrics-bind-address=0", "--health-probe-bind-address=0")
 	if err != nil {
 		t.Fatal(err)

@@ -53,7 +53,7 @@ func startProcess(t *testing.T, name string, args ...string) *localcluster.Proce
 }
 
 func startController(t *testing.T) *localcluster.Process {
-	return startProcess(t, "controller", "controller", "--kubeconfig", controlPlane.Kubeconfig, "--leader-elect=false", "--claim-settle=100ms",
+	return startProcess(t, "controller", "controller", "--kubeconfig", controlPlane.Kubeconfig, "--leader-elect=false", "--claim-settle=100ms", "--pool-settle=-1s",
 		"--metrics-bind-address=0", "--health-probe-bind-address=0", "--min-sync-interval=20ms", "--pool-status-interval=200ms")
 }
 

@@ -99,7 +99,10 @@ func startController(t *testing.T, args ...string) *controllerProcess {
 	t.Helper()
 	base := []string{"controller", "--kubeconfig", kubeconfigPath, "--leader-elect=false",
 		"--metrics-bind-address=0", "--health-probe-bind-address=0",
-		"--min-sync-interval=20ms", "--pool-status-interval=200ms", "--backoff-base=50ms", "--backoff-max=2s", "--claim-settle=100ms"}
+		"--min-sync-interval=20ms", "--pool-status-interval=200ms", "--backoff-base=50ms", "--backoff-max=2s", "--claim-settle=100ms",
+		// Tests here write nodes' specs by hand or run Nodes without agents: no agent reports new pools
+		// (spec.observedPools); the takeover tests turn the wait on.
+		"--pool-settle=-1s"}
 	p := startProcess(t, "controller", filepath.Join(t.TempDir(), "controller.log"), append(base, args...)...)
 	return &controllerProcess{Process: p, cmd: p.Cmd(), log: p.Log, done: p.Done()}
 }

@@ -509,8 +509,19 @@ func (s *State) RebuildSeeing(pods []Pod, now time.Time, sandbox func(netns stri
 		}
 		ch.PutAttachments = append(ch.PutAttachments, *a.clone())
 	}
+	s.observed = s.observed[:0]
+	for _, name := range s.poolNames() {
+		cfg := s.pools[name].cfg
+		s.observed = append(s.observed, ObservedPool{Pool: name, UID: cfg.UID, Generation: cfg.Generation})
+	}
 	return ch, problems
 }
+
+// Observed lists the pools the last Rebuild looked at the pods' addresses with (sorted by name):
+// every address a running pod reported inside them is in use on the node, and claimed unless the
+// node holds it. A node acknowledges a new or grown pool only through this list, so the
+// controller hands out none of its addresses before it knows which ones the node's pods use.
+func (s *State) Observed() []ObservedPool { return slices.Clone(s.observed) }
 
 // ReportWins decides whether a running pod that reports address ip in its status.podIPs takes
 // it from the journal's attachment of another pod, owner (ownerBound: that pod is bound to the

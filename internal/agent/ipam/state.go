@@ -17,6 +17,8 @@ import (
 type State struct {
 	node   string
 	pools  map[string]*poolState
+	// observed: the pools the last Rebuild recorded the pods' addresses with (Observed).
+	observed []ObservedPool
 	served []string // pools that select the node, the default of an ADD, IPv4 first then by name
 	atts   map[Key]*Attachment
 	byPod  map[string]map[Key]struct{} // pod UID -> attachments

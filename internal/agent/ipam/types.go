@@ -112,6 +112,17 @@ type Pool struct {
 	// Served records that the pool selected the node when the agent last heard from the API
 	// server, so an agent restarted while the API server is away serves ADD from the same pools.
 	Served bool `json:"served,omitempty"`
+	// UID and Generation identify the IPPool object this view was read from (ObservedPools).
+	UID        string `json:"uid,omitempty"`
+	Generation int64  `json:"generation,omitempty"`
+}
+
+// ObservedPool is a pool (by UID and generation) whose addresses the node's running pods report
+// were recorded by the last Rebuild: the claims the node publishes account for them.
+type ObservedPool struct {
+	Pool       string
+	UID        string
+	Generation int64
 }
 
 // PoolOf is the agent's view of a pool whose spec ippool.Parse read; exhausted mirrors the
