@@ -15,13 +15,13 @@ import (
 
 // State is the node's allocation state. The zero value is not usable; see New.
 type State struct {
-	node   string
-	pools  map[string]*poolState
+	node  string
+	pools map[string]*poolState
 	// observed: the pools the last Rebuild recorded the pods' addresses with (Observed).
 	observed []ObservedPool
-	served []string // pools that select the node, the default of an ADD, IPv4 first then by name
-	atts   map[Key]*Attachment
-	byPod  map[string]map[Key]struct{} // pod UID -> attachments
+	served   []string // pools that select the node, the default of an ADD, IPv4 first then by name
+	atts     map[Key]*Attachment
+	byPod    map[string]map[Key]struct{} // pod UID -> attachments
 	// pending holds ADDs reserved in memory whose journal write has not finished, with what
 	// AbortAdd needs to undo them.
 	pending map[Key]*undo
