@@ -213,9 +213,9 @@ func newAgentListCommand() *cobra.Command {
 func printList(w io.Writer, resp *cniproto.Response) error {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintf(tw, "NODE %s\n\n", resp.Node)
-	fmt.Fprintln(tw, "POOL\tSERVED\tHELD\tIN USE\tFREE\tCOOLING\tRELEASING\tREQUESTED\tCONFLICTS\tUNATTRIBUTED\tEXHAUSTED")
+	fmt.Fprintln(tw, "POOL\tSERVED\tHELD\tIN USE\tADOPTED\tFREE\tCOOLING\tRELEASING\tREQUESTED\tCONFLICTS\tUNATTRIBUTED\tEXHAUSTED")
 	for _, p := range resp.Pools {
-		fmt.Fprintf(tw, "%s\t%v\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%v\n", p.Pool, p.Served, p.Held, p.InUse, p.Free, p.Cooling,
+		fmt.Fprintf(tw, "%s\t%v\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%v\n", p.Pool, p.Served, p.Held, p.InUse, p.Adopted, p.Free, p.Cooling,
 			p.Releasing, p.Requested, p.Conflicts, p.Unattributed, p.Exhausted)
 	}
 	fmt.Fprintln(tw)

@@ -13,7 +13,7 @@ import (
 // when, and which pods it waits for.
 func TestPrintListShowsTheHold(t *testing.T) {
 	resp := &cniproto.Response{Node: "n1",
-		Pools: []cniproto.PoolStatus{{Pool: "v4", Served: true, Held: 8, Unattributed: 7}},
+		Pools: []cniproto.PoolStatus{{Pool: "v4", Served: true, Held: 8, InUse: 1, Adopted: 1, Unattributed: 7}},
 		Hold: &cniproto.Hold{Until: time.Date(2026, 1, 1, 0, 5, 0, 0, time.UTC), Addresses: 7,
 			WaitingFor: []string{"default/web"}, MoreWaiting: 2}}
 	var b bytes.Buffer
@@ -21,7 +21,7 @@ func TestPrintListShowsTheHold(t *testing.T) {
 		t.Fatal(err)
 	}
 	out := b.String()
-	for _, want := range []string{"UNATTRIBUTED", "HOLD 7 addresses of unknown owner", "2026-01-01T00:05:00Z", "waiting for default/web and 2 more"} {
+	for _, want := range []string{"UNATTRIBUTED", "ADOPTED", "HOLD 7 addresses of unknown owner", "2026-01-01T00:05:00Z", "waiting for default/web and 2 more"} {
 		if !strings.Contains(out, want) {
 			t.Fatalf("output lacks %q:\n%s", want, out)
 		}

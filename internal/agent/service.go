@@ -1066,7 +1066,7 @@ func (s *Service) poolStatus() []cniproto.PoolStatus {
 	for i, st := range stats {
 		out[i] = cniproto.PoolStatus{Pool: st.Pool, Served: st.Served, Held: st.Held, InUse: st.InUse, Free: st.Free,
 			Cooling: st.Cooling, Releasing: st.Releasing, Requested: st.Requested, Conflicts: st.Conflicts, Exhausted: st.Exhausted,
-			Unattributed: st.Unattributed}
+			Unattributed: st.Unattributed, Adopted: st.Adopted}
 	}
 	return out
 }

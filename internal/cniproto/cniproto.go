@@ -171,6 +171,9 @@ type PoolStatus struct {
 	Exhausted bool   `json:"exhausted,omitempty"`
 	// Unattributed counts held addresses kept out of use after a rebuild (see Hold).
 	Unattributed int `json:"unattributed,omitempty"`
+	// Adopted counts addresses of attachments recorded from pods' status.podIPs rather than by
+	// an ADD: pods that ran before the node moved to ipwarden, or whose journal was lost.
+	Adopted int `json:"adopted,omitempty"`
 }
 
 // Hold is the unattributed hold after the agent rebuilt its journal from the pods: held
