@@ -139,4 +139,3 @@ func eventHas(t *testing.T, name, reason string) bool {
 	}
 	return false
 }
-
