@@ -121,6 +121,9 @@ func writeReport(w io.Writer, r check.Report, output string) error {
 		fmt.Fprintf(w, ", %d attachments from %d agents", r.Attachments, r.AgentsAsked)
 	}
 	fmt.Fprintln(w)
+	if r.OutsidePools > 0 {
+		fmt.Fprintf(w, "%d running pods have an address outside every pool (another IPAM's, not checked), e.g. %s\n", r.OutsidePools, r.OutsidePoolsExample)
+	}
 	for _, s := range r.Sticky {
 		fmt.Fprintf(w, "sticky: pool %s reserves %s for %s\n", s.Pool, s.Address, s.Identity)
 	}

@@ -96,6 +96,11 @@ type Report struct {
 	CountsByKind map[string]int `json:"countsByKind"`
 	// Sticky lists the addresses pools reserve for StatefulSet pod identities (status.sticky).
 	Sticky []StickyReservation `json:"sticky,omitempty"`
+	// OutsidePools counts running pods with an address outside every pool: another IPAM's
+	// (a cluster moving to ipwarden), not ipwarden's to hand out or to check. Not a finding.
+	OutsidePools int `json:"outsidePools,omitempty"`
+	// OutsidePoolsExample is one of them, "namespace/name address".
+	OutsidePoolsExample string `json:"outsidePoolsExample,omitempty"`
 }
 
 // StickyReservation is an address a pool reserves for a StatefulSet pod identity.
@@ -200,8 +205,13 @@ func Check(in Input) Report {
 		}
 		r.RunningPods++
 		id := p.Namespace + "/" + p.Name
+		outside := false
 		for _, ip := range p.IPs {
 			if !poolCIDRs.Contains(ip) {
+				if !outside && r.OutsidePoolsExample == "" {
+					r.OutsidePoolsExample = id + " " + ip.String()
+				}
+				outside = true
 				continue
 			}
 			if other, ok := byIP[ip]; ok {
@@ -213,6 +223,9 @@ func Check(in Input) Report {
 				add(Finding{Kind: PodAddressNotHeld, Addresses: ip.String(), Pod: id, Nodes: []string{p.Node},
 					Detail: "the running pod's address is not in its node's NodeIPAllocation status"})
 			}
+		}
+		if outside {
+			r.OutsidePools++
 		}
 	}
 

@@ -149,7 +149,21 @@ func TestCheckListsStickyReservations(t *testing.T) {
 
 func TestCheckCounts(t *testing.T) {
 	r := Check(healthy())
-	if r.Pools != 1 || r.Nodes != 2 || r.Held != 32 || r.RunningPods != 3 || r.Attachments != 1 || r.AgentsAsked != 1 {
+	if r.Pools != 1 || r.Nodes != 2 || r.Held != 32 || r.RunningPods != 3 || r.Attachments != 1 || r.AgentsAsked != 1 || r.OutsidePools != 1 {
+		t.Fatalf("report %+v", r)
+	}
+}
+
+// A running pod whose address lies outside every pool (the previous IPAM's, during a takeover)
+// is counted and named, not a finding: it is not ipwarden's to hand out.
+func TestCheckCountsPodsOutsideEveryPool(t *testing.T) {
+	in := healthy()
+	p := in.Pods[0]
+	p.Namespace, p.Name, p.UID = "old", "web", "uid-old-web"
+	p.IPs = []netip.Addr{netip.MustParseAddr("192.168.77.7")}
+	in.Pods = append(in.Pods, p)
+	r := Check(in)
+	if !r.OK() || r.OutsidePools != 2 || r.OutsidePoolsExample != "a/host 192.168.1.5" {
 		t.Fatalf("report %+v", r)
 	}
 }
