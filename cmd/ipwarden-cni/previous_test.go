@@ -314,3 +314,21 @@ func TestParseConfigPreviousType(t *testing.T) {
 		t.Fatalf("%s %v", out, err)
 	}
 }
+
+// A previous IPAM that cannot CHECK (a version error, or Whereabouts' "not implemented") leaves
+// nothing to check; any other CHECK failure is the previous IPAM's answer.
+func TestCheckUnsupported(t *testing.T) {
+	for _, tc := range []struct {
+		err  *types.Error
+		want bool
+	}{
+		{types.NewError(types.ErrIncompatibleCNIVersion, "plugin version does not allow CHECK", ""), true},
+		{types.NewError(types.ErrInternal, `CHECK by the previous IPAM "whereabouts" failed: CNI CHECK method is not implemented`, ""), true},
+		{types.NewError(types.ErrInternal, `CHECK by the previous IPAM "host-local" failed: host-local: Failed to find address added by container x`, ""), false},
+		{types.NewError(types.ErrTryAgainLater, "timeout", ""), false},
+	} {
+		if got := checkUnsupported(tc.err); got != tc.want {
+			t.Errorf("checkUnsupported(%d %q) = %v, want %v", tc.err.Code, tc.err.Msg, got, tc.want)
+		}
+	}
+}

@@ -335,7 +335,14 @@ func cmdCheck(args *skel.CmdArgs) error {
 	}
 	// The agent answers code 3 only when it holds no attachment for the container and interface:
 	// a pod started before the node moved to ipwarden, whose addresses the previous IPAM holds.
-	if perr := delegate("CHECK", args, c); perr != nil {
+	perr := delegate("CHECK", args, c)
+	if perr != nil && checkUnsupported(perr) {
+		// Whereabouts (v0.9.4) answers every CHECK "CNI CHECK method is not implemented": it
+		// cannot say, and neither can the agent, which never ADDed this container.
+		fmt.Fprintf(os.Stderr, "ipwarden-cni: the previous IPAM %q does not implement CHECK (%s): nothing to check\n", c.PreviousType, perr.Msg)
+		return nil
+	}
+	if perr != nil {
 		return types.NewError(perr.Code, fmt.Sprintf("ipwarden-cni: CHECK: the ipwarden agent has no attachment for container %s interface %s, and %s",
 			cniproto.Truncate(args.ContainerID, 64), args.IfName, perr.Msg), perr.Details)
 	}
@@ -375,6 +382,13 @@ func cmdGC(args *skel.CmdArgs) error {
 func gcUnsupported(e *types.Error) bool {
 	return e.Code == types.ErrIncompatibleCNIVersion ||
 		(e.Code == types.ErrInvalidEnvironmentVariables && strings.Contains(e.Msg, "unknown CNI_COMMAND"))
+}
+
+// checkUnsupported tells a delegated CHECK's error that says the plugin has no CHECK: a version
+// error (a plugin of CNI before 0.4.0), or a plugin that answers it is not implemented
+// (Whereabouts: code 999 "CNI CHECK method is not implemented").
+func checkUnsupported(e *types.Error) bool {
+	return e.Code == types.ErrIncompatibleCNIVersion || strings.Contains(strings.ToLower(e.Msg), "not implemented")
 }
 
 // previousConf is the previous IPAM's network configuration: the plugin's own, with its "ipam"
