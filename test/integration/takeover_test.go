@@ -139,3 +139,75 @@ func eventHas(t *testing.T, name, reason string) bool {
 	}
 	return false
 }
+
+// A takeover while one node's agent is down: the new pool hands out nothing free while that node
+// has not reported (the waiting node's status says why), and an old pod on the silent node is
+// deleted meanwhile. Once the agent is back and reports, the pool fills: the deleted pod's
+// address is free again and may be handed out; the running old pod's address never leaves its
+// node.
+func TestTakeoverWaitsForASilentNode(t *testing.T) {
+	ctx := context.Background()
+	for _, n := range []string{"silent-a", "silent-b"} {
+		agentNode(t, n, "silent")
+	}
+	agentPool(t, "silent-base", "silent", ipwardenv1.IPPoolSpec{CIDRs: []ipwardenv1.CIDR{"10.134.0.0/28"},
+		Scaling: ipwardenv1.Scaling{BatchSize: 2, BufferPercent: 0, MaxPerNode: 16}, ReuseCooldown: cooldown(0)})
+	running := createBoundPod(t, "silent-old-a", "silent-a")
+	setPodIP(t, running, "10.134.1.8")
+	ended := createBoundPod(t, "silent-old-b", "silent-b")
+	setPodIP(t, ended, "10.134.1.9")
+
+	startController(t, "--pool-settle=60s")
+	a := startAgent(t, "silent-a", "", "--gc-grace=1s", "--address-wait=2s")
+	b := startAgent(t, "silent-b", "", "--gc-grace=1s", "--address-wait=2s")
+	a.waitServing(t)
+	b.waitServing(t)
+	b.kill()
+	<-b.done
+
+	agentPool(t, "silent", "silent", ipwardenv1.IPPoolSpec{CIDRs: []ipwardenv1.CIDR{"10.134.1.8/32", "10.134.1.9/32", "10.134.1.10/32"},
+		Scaling: ipwardenv1.Scaling{BatchSize: 2, BufferPercent: 0, MaxPerNode: 16}, ReuseCooldown: cooldown(0)})
+	// Node a reports its old pod's address (claimed and granted) but gets nothing free: node b
+	// has not reported, and its pod might use any address of the pool.
+	eventually(t, 30*time.Second, "node a to hold its old pod's address and wait for node b", func() error {
+		if h := held(t, "silent-a", "silent"); !h.Equal(addr.MustParseSetString("10.134.1.8")) {
+			return fmt.Errorf("node a holds %v of the new pool, want only its old pod's 10.134.1.8", h)
+		}
+		for _, c := range nipa(t, "silent-a").Status.Conditions {
+			if strings.Contains(c.Message, "wait until every node has reported") {
+				return nil
+			}
+		}
+		return fmt.Errorf("node a's status does not say it waits for the other nodes: %+v", nipa(t, "silent-a").Status.Conditions)
+	})
+	// Node a wants more for a new pod meanwhile: its ADD waits and fails rather than take an
+	// address node b's pod may use.
+	fresh := createBoundPod(t, "silent-new-a", "silent-a")
+	confA := pluginConf("1.1.0", a.socket, "silent")
+	if r, e := cni(t, "ADD", confA, "fresh1", podArgs("default", fresh.Name, string(fresh.UID))); e == nil {
+		t.Fatalf("a new pod got %v while node b had not reported", r.IPs)
+	}
+
+	// Node b's old pod is deleted while its agent is down; then the agent comes back.
+	if err := k8s.Delete(ctx, ended, client.GracePeriodSeconds(0)); err != nil {
+		t.Fatal(err)
+	}
+	b.start(t)
+	b.waitServing(t)
+	eventually(t, 30*time.Second, "node a's new pod to get an address of the new pool", func() error {
+		r, e := cni(t, "ADD", confA, "fresh2", podArgs("default", fresh.Name, string(fresh.UID)))
+		if e != nil {
+			return e
+		}
+		if got := addrOf(t, r.IPs[0].Address).String(); got == "10.134.1.8" {
+			t.Fatalf("the new pod got the running old pod's address %s", got)
+		}
+		return nil
+	})
+	if h := held(t, "silent-b", "silent"); h.Contains(addrOf(t, "10.134.1.8/32")) {
+		t.Fatalf("node b holds %v, with the running old pod's address of node a", h)
+	}
+	if !eventHas(t, "silent", "PoolSettling") || eventHas(t, "silent", "PoolSettleTimedOut") {
+		t.Fatal("want the PoolSettling event and no PoolSettleTimedOut: node b reported in time")
+	}
+}
