@@ -368,6 +368,14 @@ func (s *Service) reportConflictsLocked() {
 			now[ad] = k
 			if _, seen := s.conflicts[ad]; !seen {
 				att, _ := s.st.Attachment(k)
+				if k.IsRebuilt() {
+					// Recorded from the pod's status (a pod of the previous IPAM, or a lost
+					// journal): the node claims it; only a claim the controller cannot grant
+					// is a conflict (it reports those).
+					s.log.Info("claiming an address a running pod reports that the node does not hold",
+						"pool", st.Pool, "address", a.String(), "pod", att.Pod.String(), "podUID", att.Pod.UID)
+					continue
+				}
 				s.log.Error(nil, "conflict: an attachment uses an address the node no longer holds; it keeps serving the pod",
 					"pool", st.Pool, "address", a.String(), "attachment", k.String(), "pod", att.Pod.String(), "podUID", att.Pod.UID)
 				s.metrics.Conflicts.Inc()

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
@@ -54,7 +55,7 @@ func TestTakeoverFromThePreviousIPAM(t *testing.T) {
 		cidrs = append(cidrs, ipwardenv1.CIDR(ip+"/32"))
 	}
 	agentPool(t, "takeover", "takeover", ipwardenv1.IPPoolSpec{CIDRs: cidrs,
-		Scaling: ipwardenv1.Scaling{BatchSize: 2, BufferPercent: 0, MaxPerNode: 16}, ReuseCooldown: cooldown(0)})
+		Scaling: ipwardenv1.Scaling{BatchSize: 2, BufferPercent: 0, MaxPerNode: 16, ReleaseDelay: &metav1.Duration{Duration: 0}}, ReuseCooldown: cooldown(0)})
 	// Node b wants an address of the new pool at once: a pod bound to it, whose ADD waits.
 	newPod := createBoundPod(t, "takeover-new", "takeover-b")
 	if _, e := cni(t, "ADD", confB, "new1", podArgs("default", newPod.Name, string(newPod.UID))); e == nil {
@@ -88,7 +89,7 @@ func TestTakeoverFromThePreviousIPAM(t *testing.T) {
 	// Node a's agent restarts: its journal keeps the adopted attachments.
 	a.kill()
 	<-a.done
-	a.start(t)
+	a.start(t, "--gc-grace=1s", "--address-wait=2s")
 	a.waitServing(t)
 	if p := a.pool(t, "takeover"); p.Adopted != 3 {
 		t.Fatalf("after the restart node a's agent adopts %d, want 3: %+v", p.Adopted, p)
