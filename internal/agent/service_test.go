@@ -547,3 +547,46 @@ func TestServiceAdoptsPodsOfThePreviousIPAMAsTheyAppear(t *testing.T) {
 		t.Fatalf("ADD of the old pod's new sandbox: %+v", r)
 	}
 }
+
+// A DEL frees a pod's address while the pod still reports it in status.podIPs: the kubelet reports
+// a sandbox's end later, and a deleted pod keeps its status until it is gone. A pod event then
+// must not adopt the address again (as a pod of the previous IPAM): it stays free for the next
+// pod, whether the pod is being deleted or its sandbox is being re-created.
+func TestServiceDoesNotAdoptAddressesItsDelFreed(t *testing.T) {
+	pool := testV4
+	pool.Cooldown = 0
+	h := newSvc(t, 50*time.Millisecond, pool)
+	h.hold(map[string]string{"v4": "10.1.0.10-10.1.0.11"})
+	var pods []ipam.Pod
+	for i, cid := range []string{"deleted", "restarted"} {
+		r := h.do(addReq(cid))
+		if r.Error != nil {
+			t.Fatalf("ADD %s: %v", cid, r.Error)
+		}
+		ip := netip.MustParsePrefix(r.IPs[0].Address).Addr()
+		pods = append(pods, ipam.Pod{Ref: ipam.PodRef{Namespace: "ns", Name: "pod-" + cid, UID: "uid-" + cid},
+			IPs: []netip.Addr{ip}, Deleting: i == 0})
+	}
+	for _, cid := range []string{"deleted", "restarted"} {
+		del := addReq(cid)
+		del.Op = cniproto.OpDel
+		if r := h.do(del); r.Error != nil {
+			t.Fatalf("DEL %s: %v", cid, r.Error)
+		}
+	}
+	h.svc.SetPods(pods)
+	if snap := h.j.snapshot(); len(snap.Attachments) != 0 {
+		t.Fatalf("journal after the pod event: %+v, want no attachment (the DEL freed both addresses)", snap.Attachments)
+	}
+	h.svc.mu.Lock()
+	st := h.svc.st.Stats(time.Now())
+	h.svc.mu.Unlock()
+	if len(st) != 1 || st[0].Adopted != 0 || st[0].InUse != 0 {
+		t.Fatalf("stats %+v, want nothing adopted or in use", st)
+	}
+	for _, cid := range []string{"new1", "new2"} {
+		if r := h.do(addReq(cid)); r.Error != nil {
+			t.Fatalf("ADD %s: %v (the freed addresses were adopted again)", cid, r.Error)
+		}
+	}
+}

@@ -62,7 +62,9 @@ type realNode struct {
 	cgroupRoot string
 	cgroupDirs []string
 	pool       ipwardenv1.IPPoolSpec // scaling and cooldown of the pool deployIpwarden creates
-	second     *secondNode           // the controller-only second node, once started
+	// overlayPatches are more entries of the test overlay's patches list (deployIpwarden).
+	overlayPatches string
+	second         *secondNode // the controller-only second node, once started
 	// others counts pool addresses of workload-namespace pods outside the Deployment (the
 	// sticky StatefulSet's), which waitPods expects on the node beside the Deployment's.
 	others int
@@ -78,7 +80,14 @@ func (n *realNode) logf(format string, args ...any) {
 
 // startNode brings the node up. Cleanup tears it down and checks nothing is left.
 func startNode(t *testing.T, ctx context.Context) *realNode {
-	n := &realNode{t: t, dir: filepath.Join(prep.Scratch, "node")}
+	return startNodeIn(t, ctx, "node", "fs")
+}
+
+// startNodeIn brings the node up with its logs and state in the scratch directory's dir and
+// its node paths (hostDirs) backed by fs, so a test that runs after another in the same suite
+// starts from empty node paths (no journal, kubelet or containerd state of the earlier node).
+func startNodeIn(t *testing.T, ctx context.Context, dir, fs string) *realNode {
+	n := &realNode{t: t, dir: filepath.Join(prep.Scratch, dir)}
 	t.Cleanup(n.teardown)
 	must := func(err error) {
 		t.Helper()
@@ -94,7 +103,7 @@ func startNode(t *testing.T, ctx context.Context) *realNode {
 	must(syscall.Mount("", "/", "", syscall.MS_SHARED|syscall.MS_REC, ""))
 	// Mount the suite's directories over the node paths (private mount namespace).
 	for _, d := range hostDirs {
-		src := filepath.Join(prep.Scratch, "fs", strings.ReplaceAll(strings.Trim(d, "/"), "/", "_"))
+		src := filepath.Join(prep.Scratch, fs, strings.ReplaceAll(strings.Trim(d, "/"), "/", "_"))
 		must(os.MkdirAll(src, 0o755))
 		must(os.MkdirAll(d, 0o755))
 		// A node path may already be a mount point inherited from the host (`ip netns add`
@@ -113,9 +122,10 @@ func startNode(t *testing.T, ctx context.Context) *realNode {
 		t.Fatalf("make /run/netns a shared mount: %v", err)
 	}
 	// The node address sits on the namespace's loopback interface (no dummy module on every
-	// machine); the kubelet refuses only loopback addresses, not the interface.
+	// machine); the kubelet refuses only loopback addresses, not the interface. replace, not
+	// add: an earlier test's node in this namespace left it there.
 	must(run("ip", "link", "set", "lo", "up"))
-	must(run("ip", "addr", "add", nodeIP+"/32", "dev", "lo"))
+	must(run("ip", "addr", "replace", nodeIP+"/32", "dev", "lo"))
 	// The node's CNI plugins; the agent DaemonSet adds ipwarden and the config.
 	for _, p := range []string{"bridge", "host-local", "loopback", "portmap"} {
 		must(copyFile(filepath.Join(prep.CNIDir, p), filepath.Join("/opt/cni/bin", p)))

@@ -285,7 +285,7 @@ patches:
           - name: controller
             imagePullPolicy: Never
             env:%s
-`, base, controllerOnlyLabel, apiEnv, apiEnv)
+%s`, base, controllerOnlyLabel, apiEnv, apiEnv, n.overlayPatches)
 	if err := os.WriteFile(filepath.Join(overlay, "kustomization.yaml"), []byte(k), 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -308,9 +308,11 @@ var suitePool = ipwardenv1.IPPoolSpec{
 
 func (n *realNode) createPool(ctx context.Context) {
 	spec := n.pool
-	spec.CIDRs = []ipwardenv1.CIDR{poolCIDR}
-	spec.Exclude = []ipwardenv1.IPOrCIDR{"10.244.0.0", "10.244.0.1", "10.244.0.255"}
-	spec.Gateway = "10.244.0.1"
+	if len(spec.CIDRs) == 0 { // the suite's pool; a pool with CIDRs is created as given
+		spec.CIDRs = []ipwardenv1.CIDR{poolCIDR}
+		spec.Exclude = []ipwardenv1.IPOrCIDR{"10.244.0.0", "10.244.0.1", "10.244.0.255"}
+		spec.Gateway = "10.244.0.1"
+	}
 	pool := &ipwardenv1.IPPool{ObjectMeta: metav1.ObjectMeta{Name: poolName}, Spec: spec}
 	if err := n.k8s.Create(ctx, pool); err != nil {
 		n.t.Fatal(err)
@@ -322,9 +324,17 @@ func (n *realNode) createWorkload(ctx context.Context, replicas int32) {
 	if _, err := n.kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: testNamespace}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	labels := map[string]string{"app": "sleeper"}
-	d := &appsv1.Deployment{
-		ObjectMeta: metav1.ObjectMeta{Namespace: testNamespace, Name: "sleeper"},
+	d := sleeperDeployment("sleeper", replicas, map[string]string{"app": "sleeper"})
+	if _, err := n.kube.AppsV1().Deployments(testNamespace).Create(ctx, d, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// sleeperDeployment is a Deployment of the workload image in the workload namespace whose pods
+// carry labels (its selector).
+func sleeperDeployment(name string, replicas int32, labels map[string]string) *appsv1.Deployment {
+	return &appsv1.Deployment{
+		ObjectMeta: metav1.ObjectMeta{Namespace: testNamespace, Name: name},
 		Spec: appsv1.DeploymentSpec{
 			Replicas: ptr.To(replicas),
 			Selector: &metav1.LabelSelector{MatchLabels: labels},
@@ -342,9 +352,6 @@ func (n *realNode) createWorkload(ctx context.Context, replicas int32) {
 				},
 			},
 		},
-	}
-	if _, err := n.kube.AppsV1().Deployments(testNamespace).Create(ctx, d, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
 	}
 }
 

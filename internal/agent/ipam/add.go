@@ -347,6 +347,9 @@ func (s *State) ApplyDel(plan DelPlan) {
 		}
 		p.free(ad.Addr, plan.At)
 	}
+	if uid := a.Pod.UID; uid != "" {
+		s.delFreed[uid] = struct{}{}
+	}
 	s.dropAttachment(plan.Key)
 	delete(s.waiters, plan.Key)
 }
@@ -408,6 +411,9 @@ func (s *State) RemoveWaiter(k Key) { delete(s.waiters, k) }
 //   - a cooling address moves to a reporting pod that has no attachment at all (a pod whose
 //     sandbox was deleted and whose status still shows its old address has its new attachment,
 //     or gets the same address back at its next ADD).
+//
+// A pod an attachment of which a DEL freed (since it last left the node's pods) is skipped: its
+// addresses came from this agent, and its status may still show the freed ones.
 func (s *State) Rebuild(pods []Pod, now time.Time) (Change, []string) {
 	return s.RebuildSeeing(pods, now, nil)
 }
@@ -442,6 +448,9 @@ func (s *State) RebuildSeeing(pods []Pod, now time.Time, sandbox func(netns stri
 	for _, pod := range pods {
 		if !pod.MayRun() || pod.Ref.UID == "" || len(pod.IPs) == 0 {
 			continue
+		}
+		if _, freed := s.delFreed[pod.Ref.UID]; freed {
+			continue // its addresses came from this agent, and a DEL freed them: the status is stale
 		}
 		k := RebuiltKey(pod.Ref.UID)
 		if _, exists := s.atts[k]; exists {

@@ -26,6 +26,11 @@ type State struct {
 	// AbortAdd needs to undo them.
 	pending map[Key]*undo
 	pods    []Pod
+	// delFreed: pods (UIDs) an attachment of which a DEL freed. Their status.podIPs may still
+	// show the freed addresses (the kubelet reports the sandbox's end later, and a deleted pod
+	// keeps its status until it is gone): Rebuild must not adopt them. Forgotten once the pod
+	// is no longer among the node's pods (SetPods).
+	delFreed map[string]struct{}
 	// namespaces are the namespaces the agent knows, for pool choice (choose.go).
 	namespaces map[string]Namespace
 	// configPools is the pod network configuration's "pools" from the last ADD on eth0: the
@@ -134,12 +139,13 @@ type undo struct {
 // New returns an empty state for node.
 func New(node string) *State {
 	return &State{
-		node:    node,
-		pools:   map[string]*poolState{},
-		atts:    map[Key]*Attachment{},
-		byPod:   map[string]map[Key]struct{}{},
-		pending: map[Key]*undo{},
-		waiters: map[Key]waiter{},
+		node:     node,
+		pools:    map[string]*poolState{},
+		atts:     map[Key]*Attachment{},
+		byPod:    map[string]map[Key]struct{}{},
+		pending:  map[Key]*undo{},
+		waiters:  map[Key]waiter{},
+		delFreed: map[string]struct{}{},
 	}
 }
 
@@ -451,7 +457,21 @@ func (s *State) SetHolding(pool string, held addr.Set) Change {
 
 // SetPods records the pods bound to the node; those that need an address and have none yet
 // count as demand.
-func (s *State) SetPods(pods []Pod) { s.pods = slices.Clone(pods) }
+func (s *State) SetPods(pods []Pod) {
+	s.pods = slices.Clone(pods)
+	if len(s.delFreed) == 0 {
+		return
+	}
+	bound := make(map[string]bool, len(pods))
+	for _, p := range pods {
+		bound[p.Ref.UID] = true
+	}
+	for uid := range s.delFreed {
+		if !bound[uid] {
+			delete(s.delFreed, uid)
+		}
+	}
+}
 
 // Holding returns what the node holds from pool and whether the controller has said so.
 func (s *State) Holding(pool string) (addr.Set, bool) {
