@@ -1,17 +1,18 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"time"
 
-	"github.com/containernetworking/cni/pkg/invoke"
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
@@ -403,6 +404,47 @@ func previousConf(stdin []byte, previous json.RawMessage) ([]byte, error) {
 	return json.Marshal(m)
 }
 
+// runDelegate runs the plugin typ, found on CNI_PATH, for verb with conf on stdin and the plugin's
+// own CNI_* environment, as libcni's invoke.Delegate* do; the plugin's error is its CNI error.
+// (invoke itself is not used: it links OpenTelemetry, whose start-up cost every exec of this
+// plugin would pay, on every ADD too.)
+func runDelegate(ctx context.Context, typ, verb string, conf []byte) error {
+	var path string
+	dirs := filepath.SplitList(os.Getenv("CNI_PATH"))
+	for _, dir := range dirs {
+		p := filepath.Join(dir, typ)
+		if fi, err := os.Stat(p); err == nil && fi.Mode().IsRegular() {
+			path = p
+			break
+		}
+	}
+	if path == "" {
+		return fmt.Errorf("failed to find plugin %q in path %v", typ, dirs)
+	}
+	cmd := exec.CommandContext(ctx, path)
+	env := make([]string, 0, len(os.Environ())+1)
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "CNI_COMMAND=") {
+			env = append(env, kv)
+		}
+	}
+	cmd.Env = append(env, "CNI_COMMAND="+verb)
+	cmd.Stdin = bytes.NewReader(conf)
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, os.Stderr
+	if err := cmd.Run(); err != nil {
+		var e types.Error
+		if jerr := json.Unmarshal(out.Bytes(), &e); jerr == nil && (e.Code != 0 || e.Msg != "") {
+			return &e
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		return fmt.Errorf("netplugin failed: %q: %w", strings.TrimSpace(out.String()), err)
+	}
+	return nil
+}
+
 // delegate runs verb of the previous IPAM, found on CNI_PATH, with the same CNI_* environment.
 // Its error's message names the previous IPAM and its type.
 func delegate(verb string, args *skel.CmdArgs, c *config) *types.Error {
@@ -413,12 +455,8 @@ func delegate(verb string, args *skel.CmdArgs, c *config) *types.Error {
 	ctx, cancel := context.WithTimeout(context.Background(), previousTimeout)
 	defer cancel()
 	switch verb {
-	case "DEL":
-		err = invoke.DelegateDel(ctx, c.PreviousType, conf, nil)
-	case "CHECK":
-		err = invoke.DelegateCheck(ctx, c.PreviousType, conf, nil)
-	case "GC":
-		err = invoke.DelegateGC(ctx, c.PreviousType, conf, nil)
+	case "DEL", "CHECK", "GC":
+		err = runDelegate(ctx, c.PreviousType, verb, conf)
 	default:
 		err = fmt.Errorf("verb %s is not delegated", verb)
 	}
