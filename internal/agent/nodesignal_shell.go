@@ -39,6 +39,10 @@ type NodeSignal struct {
 	reason  string
 	tainted bool
 	uid     types.UID // the Node's, for events
+
+	// The takeover condition as the Node shows it (nodesignal.DecideTakeover).
+	takeoverShown, takeoverComplete bool
+	takeoverMessage                 string
 }
 
 // Event reasons on the Node.
@@ -67,8 +71,11 @@ func (n *NodeSignal) Update(ctx context.Context, stats []ipam.PoolStats) error {
 			return fmt.Errorf("read Node %s: %w", n.node, err)
 		}
 		for _, c := range node.Status.Conditions {
-			if c.Type == nodesignal.ConditionType {
+			switch c.Type {
+			case nodesignal.ConditionType:
 				n.shown, n.reason = c.Status == corev1.ConditionTrue, c.Reason
+			case nodesignal.TakeoverConditionType:
+				n.takeoverShown, n.takeoverComplete, n.takeoverMessage = true, c.Status == corev1.ConditionTrue, c.Message
 			}
 		}
 		n.tainted = slices.ContainsFunc(node.Spec.Taints, isSignalTaint)
@@ -106,6 +113,10 @@ func (n *NodeSignal) Update(ctx context.Context, stats []ipam.PoolStats) error {
 	if n.gauge != nil {
 		n.gauge.Set(map[bool]float64{false: 0, true: 1}[n.shown])
 	}
+	if err := n.updateTakeover(ctx, stats); err != nil {
+		n.known = false
+		return err
+	}
 	wantTaint := n.taint && d.Exhausted
 	if wantTaint != n.tainted {
 		if err := n.writeTaint(ctx, wantTaint); err != nil {
@@ -115,6 +126,40 @@ func (n *NodeSignal) Update(ctx context.Context, stats []ipam.PoolStats) error {
 		n.log.Info("scheduler signal taint changed", "taint", nodesignal.TaintKey, "present", wantTaint)
 		n.tainted = wantTaint
 	}
+	return nil
+}
+
+// updateTakeover shows on the Node whether running pods still use addresses ipwarden adopted
+// (condition ipwarden.io/TakeoverComplete, nodesignal.DecideTakeover).
+func (n *NodeSignal) updateTakeover(ctx context.Context, stats []ipam.PoolStats) error {
+	adopted := map[string]int{}
+	for _, s := range stats {
+		adopted[s.Pool] = s.Adopted
+	}
+	d := nodesignal.DecideTakeover(adopted, n.takeoverShown, n.takeoverComplete, n.takeoverMessage)
+	if !d.Write {
+		return nil
+	}
+	status := corev1.ConditionFalse
+	if d.Complete {
+		status = corev1.ConditionTrue
+	}
+	now := n.now()
+	cond := corev1.NodeCondition{Type: nodesignal.TakeoverConditionType, Status: status, Reason: d.Reason, Message: d.Message, LastHeartbeatTime: now}
+	if !n.takeoverShown || d.Complete != n.takeoverComplete {
+		cond.LastTransitionTime = now
+	}
+	if err := n.patchCondition(ctx, cond); err != nil {
+		return err
+	}
+	if d.Complete != n.takeoverComplete || !n.takeoverShown {
+		n.log.Info("takeover condition changed", "condition", nodesignal.TakeoverConditionType, "complete", d.Complete, "message", d.Message)
+		if n.events != nil && d.Complete {
+			ref := &corev1.ObjectReference{Kind: "Node", Name: n.node, UID: n.uid, APIVersion: "v1"}
+			n.events.Event(ref, corev1.EventTypeNormal, nodesignal.ReasonTakeoverComplete, d.Message)
+		}
+	}
+	n.takeoverShown, n.takeoverComplete, n.takeoverMessage = true, d.Complete, d.Message
 	return nil
 }
 
@@ -132,6 +177,11 @@ func (n *NodeSignal) writeCondition(ctx context.Context, d nodesignal.Decision) 
 	if d.Exhausted != n.shown {
 		cond.LastTransitionTime = now
 	}
+	return n.patchCondition(ctx, cond)
+}
+
+// patchCondition patches one condition into the Node's status (strategic merge on the type).
+func (n *NodeSignal) patchCondition(ctx context.Context, cond corev1.NodeCondition) error {
 	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n.node}}
 	body, err := json.Marshal(map[string]any{"status": map[string]any{"conditions": []corev1.NodeCondition{cond}}})
 	if err != nil {
@@ -139,7 +189,7 @@ func (n *NodeSignal) writeCondition(ctx context.Context, d nodesignal.Decision) 
 	}
 	patch := client.RawPatch(types.StrategicMergePatchType, body)
 	if err := n.api.Status().Patch(ctx, node, patch); err != nil {
-		return fmt.Errorf("write condition %s on Node %s: %w", nodesignal.ConditionType, n.node, err)
+		return fmt.Errorf("write condition %s on Node %s: %w", cond.Type, n.node, err)
 	}
 	return nil
 }

@@ -115,6 +115,34 @@ func TestTakeoverFromThePreviousIPAM(t *testing.T) {
 		return nil
 	})
 	assertDisjoint(t, map[string]addr.Set{"takeover-a": held(t, "takeover-a", "takeover"), "takeover-b": held(t, "takeover-b", "takeover")})
+
+	// The Nodes show the takeover's progress: node b's one old pod ends, and its condition
+	// ipwarden.io/TakeoverComplete turns True; node a still runs two.
+	takeoverCondition := func(node string) *corev1.NodeCondition {
+		var n corev1.Node
+		if err := k8s.Get(ctx, client.ObjectKey{Name: node}, &n); err != nil {
+			t.Fatal(err)
+		}
+		for i, c := range n.Status.Conditions {
+			if c.Type == "ipwarden.io/TakeoverComplete" {
+				return &n.Status.Conditions[i]
+			}
+		}
+		return nil
+	}
+	if err := k8s.Delete(ctx, oldPods["10.131.1.11"], client.GracePeriodSeconds(0)); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 30*time.Second, "node b's takeover condition to turn True and node a's to count its two old pods", func() error {
+		b, a := takeoverCondition("takeover-b"), takeoverCondition("takeover-a")
+		if b == nil || b.Status != corev1.ConditionTrue || b.Reason != "TakeoverComplete" {
+			return fmt.Errorf("node b's condition %+v", b)
+		}
+		if a == nil || a.Status != corev1.ConditionFalse || !strings.Contains(a.Message, "2 addresses") {
+			return fmt.Errorf("node a's condition %+v", a)
+		}
+		return nil
+	})
 }
 
 func containsPool(obs []ipwardenv1.ObservedPool, pool string) bool {

@@ -97,3 +97,55 @@ func Decide(pools []Pool, current bool, p Params) Decision {
 	}
 	return Decision{Reason: ReasonAddressesAvailable, Message: fmt.Sprintf("every pool has at least %d free addresses", p.ClearFree)}
 }
+
+// The Node condition that shows a takeover from the previous IPAM (docs/operations.md, "Moving
+// from another IPAM").
+const (
+	TakeoverConditionType = "ipwarden.io/TakeoverComplete"
+
+	// Reasons of the takeover condition.
+	ReasonPreviousIPAMPods = "PreviousIPAMPods" // False: running pods use addresses ipwarden adopted
+	ReasonTakeoverComplete = "TakeoverComplete" // True: none any more
+)
+
+// TakeoverDecision is the takeover condition to show; Write is false when the Node should be left
+// as it is.
+type TakeoverDecision struct {
+	Write           bool
+	Complete        bool
+	Reason, Message string
+}
+
+// DecideTakeover returns the takeover condition given the addresses adopted per pool (addresses
+// running pods use that ipwarden did not hand out: the previous IPAM's, or a lost journal's) and
+// the condition the Node shows (shown: it has one; complete: its status is True; message: its
+// message). A node that never adopted an address gets no condition at all (no write per node); one
+// that did shows False with the counts until they are all gone, then True.
+func DecideTakeover(adopted map[string]int, shown, complete bool, message string) TakeoverDecision {
+	total := 0
+	names := make([]string, 0, len(adopted))
+	for name, n := range adopted {
+		if n > 0 {
+			total += n
+			names = append(names, name)
+		}
+	}
+	if total == 0 {
+		if !shown || complete {
+			return TakeoverDecision{}
+		}
+		return TakeoverDecision{Write: true, Complete: true, Reason: ReasonTakeoverComplete,
+			Message: "no running pod on this node uses an address ipwarden did not hand out"}
+	}
+	sort.Strings(names)
+	parts := make([]string, len(names))
+	for i, name := range names {
+		parts[i] = fmt.Sprintf("%s: %d", name, adopted[name])
+	}
+	msg := fmt.Sprintf("%d addresses of running pods were handed out before ipwarden (pools %s); ipwarden keeps them for their pods, and they leave as those pods end",
+		total, strings.Join(parts, ", "))
+	if shown && !complete && msg == message {
+		return TakeoverDecision{}
+	}
+	return TakeoverDecision{Write: true, Reason: ReasonPreviousIPAMPods, Message: msg}
+}

@@ -39,3 +39,33 @@ func TestDecide(t *testing.T) {
 		t.Errorf("ClearFree 4 with 3 free cleared: %+v", d)
 	}
 }
+
+func TestDecideTakeover(t *testing.T) {
+	msg := DecideTakeover(map[string]int{"pods": 3}, false, false, "").Message
+	for _, tc := range []struct {
+		name              string
+		adopted           map[string]int
+		shown, complete   bool
+		message           string
+		write, isComplete bool
+		reason            string
+	}{
+		{name: "never adopted: no condition, no write", adopted: map[string]int{"pods": 0}},
+		{name: "adopted: False with the counts", adopted: map[string]int{"pods": 3, "v6": 0}, write: true, reason: ReasonPreviousIPAMPods},
+		{name: "same counts: no write", adopted: map[string]int{"pods": 3}, shown: true, message: msg},
+		{name: "fewer: False again, new counts", adopted: map[string]int{"pods": 2}, shown: true, message: msg, write: true, reason: ReasonPreviousIPAMPods},
+		{name: "all gone: True", adopted: map[string]int{"pods": 0}, shown: true, message: msg, write: true, isComplete: true, reason: ReasonTakeoverComplete},
+		{name: "complete stays complete", adopted: nil, shown: true, complete: true},
+		{name: "adopted again after complete (a lost journal): False", adopted: map[string]int{"pods": 1}, shown: true, complete: true, write: true, reason: ReasonPreviousIPAMPods},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			d := DecideTakeover(tc.adopted, tc.shown, tc.complete, tc.message)
+			if d.Write != tc.write || d.Complete != tc.isComplete || d.Reason != tc.reason {
+				t.Fatalf("DecideTakeover = %+v, want write %v complete %v reason %q", d, tc.write, tc.isComplete, tc.reason)
+			}
+		})
+	}
+	if !strings.Contains(msg, "3 addresses") || !strings.Contains(msg, "pods: 3") {
+		t.Fatalf("message %q lacks the counts", msg)
+	}
+}
