@@ -5,16 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"runtime/debug"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/go-logr/logr"
 	appsv1 "k8s.io/api/apps/v1"
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
-	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -118,8 +115,10 @@ func (o *Options) setDefaults() {
 	}
 }
 
-// Controller is the IO shell around State: it watches Nodes (metadata only), IPPools and
-// NodeIPAllocations, schedules node syncs by need, and writes statuses and objects.
+// Controller is the driver of the Machine on the API server: it feeds the informers' events, the
+// clock and the outcomes of the reads and writes it performs into the machine, one goroutine
+// owning it, and carries out what the machine's Ready lists. It decides nothing itself except
+// the fence check before each write (the permit leader election gives).
 type Controller struct {
 	opts    Options
 	cache   cache.Cache
@@ -128,26 +127,11 @@ type Controller struct {
 	events  record.EventRecorder
 	metrics *Metrics
 	log     logr.Logger
-	sched   *Scheduler
+	fence   *Fence
+	stop    context.CancelCauseFunc // ends Start with ErrFenced
 
-	mu          sync.Mutex // guards state and nodeFlags
-	state       *State
-	nodeFlags   map[string][2]bool // deficit, at capacity: for the fleet gauges
-	poolLocks   sync.Map           // pool name -> *sync.Mutex, serializes a pool's status writes
-	poolWritten sync.Map           // pool name -> time.Time of its last status write
-	poolWake    chan struct{}
-	workersWG   sync.WaitGroup
-	fence       *Fence
-	stop        context.CancelCauseFunc // ends Start with ErrFenced
-	// awaitAcks is set from the start of leading until every node acknowledged this leader
-	// or ClaimSettle passed; ledAt is when it started leading.
-	awaitAcks atomic.Bool
-	ledAt     time.Time
-	// poolsSettling is set while a pool waits for the nodes to observe it (poolsettle.go).
-	poolsSettling atomic.Bool
-	// agentSeen: for each deleted node whose agent Lease still looked held, when the
-	// controller first saw the Lease's current version (guarded by mu).
-	agentSeen map[string]*nodelease.Observer
+	m     *Machine // owned by Start's goroutine
+	inbox inbox
 }
 
 // FieldManager is the field manager of every write the controller makes (managedFields shows
@@ -158,13 +142,11 @@ const FieldManager = "ipwarden-controller"
 // uncached) and writing through writer, as FieldManager.
 func New(c cache.Cache, reader client.Reader, writer client.Client, events record.EventRecorder, m *Metrics, log logr.Logger, opts Options) *Controller {
 	opts.setDefaults()
-	s := NewScheduler(opts.MinSyncInterval, opts.BackoffBase, opts.BackoffMax)
-	s.Jitter = rand.Float64
-	s.Now = opts.Now
+	mach := NewMachine(opts, m, log)
+	mach.sched.Jitter = rand.Float64
 	return &Controller{
 		opts: opts, cache: c, reader: reader, writer: client.WithFieldOwner(writer, FieldManager), events: events, metrics: m, log: log,
-		sched: s, state: NewState(opts.Exhaustion), nodeFlags: map[string][2]bool{}, agentSeen: map[string]*nodelease.Observer{},
-		poolWake: make(chan struct{}, 1), fence: opts.Fence,
+		fence: opts.Fence, m: mach, inbox: newInbox(),
 	}
 }
 
@@ -177,9 +159,39 @@ func nodeMeta() *metav1.PartialObjectMetadata {
 	return m
 }
 
-// Start runs the controller until ctx ends. It is called on gaining leadership: it rebuilds the
-// allocation state from a fresh LIST (not the cache, which may lag the previous leader's last
-// writes), then serves events, a periodic full pass and the pool status writer.
+// input is one informer event for the machine.
+type input func(m *Machine, now time.Time)
+
+// inbox carries informer events to the machine's goroutine without blocking the informers.
+type inbox struct {
+	mu     sync.Mutex
+	items  []input
+	signal chan struct{}
+}
+
+func newInbox() inbox { return inbox{signal: make(chan struct{}, 1)} }
+
+func (b *inbox) push(in input) {
+	b.mu.Lock()
+	b.items = append(b.items, in)
+	b.mu.Unlock()
+	select {
+	case b.signal <- struct{}{}:
+	default:
+	}
+}
+
+func (b *inbox) take() []input {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	out := b.items
+	b.items = nil
+	return out
+}
+
+// Start runs the controller until ctx ends. It is called on gaining leadership: the machine
+// starts from a fresh LIST (not the cache, which may lag the previous leader's last writes),
+// then serves events, timers and the outcomes of its writes.
 func (c *Controller) Start(ctx context.Context) error {
 	ctx, stop := context.WithCancelCause(ctx)
 	defer stop(nil)
@@ -189,6 +201,34 @@ func (c *Controller) Start(ctx context.Context) error {
 	}
 	c.metrics.Epoch.Set(float64(c.fence.Epoch()))
 	c.log.Info("leading", "holder", c.fence.Holder(), "epoch", c.fence.Epoch())
+	if err := c.watch(ctx); err != nil {
+		return err
+	}
+	var pools ipwardenv1.IPPoolList
+	if err := c.reader.List(ctx, &pools); err != nil {
+		return fmt.Errorf("list IPPools: %w", err)
+	}
+	var allocs ipwardenv1.NodeIPAllocationList
+	if err := c.reader.List(ctx, &allocs); err != nil {
+		return fmt.Errorf("list NodeIPAllocations: %w", err)
+	}
+	if err := c.m.Lead(pools.Items, allocs.Items, c.fence.Stamp(), c.opts.Now()); err != nil {
+		if errors.Is(err, ErrFenced) {
+			c.fenced("local", err)
+		}
+		return err
+	}
+	c.log.Info("controller serving", "workers", c.opts.Workers, "resync", c.opts.ResyncPeriod, "claimSettle", c.opts.ClaimSettle)
+	c.run(ctx)
+	if cause := context.Cause(ctx); errors.Is(cause, ErrFenced) {
+		return cause
+	}
+	return nil
+}
+
+// watch waits for the informers and sends their events to the inbox: they wait there until the
+// machine leads.
+func (c *Controller) watch(ctx context.Context) error {
 	nodeInf, err := c.cache.GetInformer(ctx, nodeMeta())
 	if err != nil {
 		return fmt.Errorf("node informer: %w", err)
@@ -208,100 +248,119 @@ func (c *Controller) Start(ctx context.Context) error {
 	if !c.cache.WaitForCacheSync(ctx) {
 		return errors.New("caches did not sync")
 	}
-	if err := c.rebuild(ctx); err != nil {
-		return err
-	}
-
-	if _, err := nodeInf.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
-		AddFunc: func(obj any) { c.nodeEvent(obj) },
-		UpdateFunc: func(old, obj any) {
-			o, n := metaOf(old), metaOf(obj)
-			if o == nil || n == nil || o.GetUID() != n.GetUID() || !equality.Semantic.DeepEqual(o.GetLabels(), n.GetLabels()) {
-				c.nodeEvent(obj)
+	for _, reg := range []struct {
+		inf     cache.Informer
+		changed func(obj any) input
+		deleted func(name string) input
+	}{
+		{nodeInf, func(obj any) input {
+			n, ok := obj.(*metav1.PartialObjectMetadata)
+			if !ok {
+				return nil
 			}
-		},
-		DeleteFunc: func(obj any) { c.nodeEvent(obj) },
-	}); err != nil {
-		return err
-	}
-	if _, err := allocInf.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
-		AddFunc: func(obj any) { c.allocEvent(obj) },
-		UpdateFunc: func(old, obj any) {
-			o, n := metaOf(old), metaOf(obj)
-			if o == nil || n == nil || o.GetGeneration() != n.GetGeneration() || o.GetUID() != n.GetUID() ||
-				!equality.Semantic.DeepEqual(o.GetOwnerReferences(), n.GetOwnerReferences()) {
-				c.allocEvent(obj)
+			return func(m *Machine, now time.Time) { m.NodeChanged(n, now) }
+		}, func(name string) input { return func(m *Machine, now time.Time) { m.NodeDeleted(name, now) } }},
+		{allocInf, func(obj any) input {
+			a, ok := obj.(*ipwardenv1.NodeIPAllocation)
+			if !ok {
+				return nil
 			}
-		},
-		DeleteFunc: func(obj any) { c.allocEvent(obj) },
-	}); err != nil {
-		return err
-	}
-	if _, err := poolInf.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
-		AddFunc: func(obj any) { c.poolEvent(obj, false) },
-		UpdateFunc: func(old, obj any) {
-			o, n := metaOf(old), metaOf(obj)
-			if o == nil || n == nil || o.GetGeneration() != n.GetGeneration() {
-				c.poolEvent(obj, false)
+			return func(m *Machine, now time.Time) { m.AllocChanged(a, now) }
+		}, func(name string) input { return func(m *Machine, now time.Time) { m.AllocDeleted(name, now) } }},
+		{poolInf, func(obj any) input {
+			p, ok := obj.(*ipwardenv1.IPPool)
+			if !ok {
+				return nil
 			}
-		},
-		DeleteFunc: func(obj any) { c.poolEvent(obj, true) },
-	}); err != nil {
-		return err
+			return func(m *Machine, now time.Time) { m.PoolChanged(p, now) }
+		}, func(name string) input { return func(m *Machine, now time.Time) { m.PoolDeleted(name, now) } }},
+	} {
+		reg := reg
+		changed := func(obj any) {
+			if in := reg.changed(obj); in != nil {
+				c.inbox.push(in)
+			}
+		}
+		if _, err := reg.inf.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
+			AddFunc:    changed,
+			UpdateFunc: func(_, obj any) { changed(obj) },
+			DeleteFunc: func(obj any) {
+				if m := metaOf(obj); m != nil {
+					c.inbox.push(reg.deleted(m.GetName()))
+				}
+			},
+		}); err != nil {
+			return err
+		}
 	}
+	sts := func(obj any, deleted bool) {
+		if t, ok := obj.(toolscache.DeletedFinalStateUnknown); ok {
+			obj, deleted = t.Obj, true
+		}
+		s, ok := obj.(*appsv1.StatefulSet)
+		if !ok {
+			return
+		}
+		view := sticky.Of(s)
+		if deleted {
+			view.Exists = false
+		}
+		c.inbox.push(func(m *Machine, _ time.Time) { m.StatefulSetChanged(s.Namespace, s.Name, view) })
+	}
+	_, err = stsInf.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
+		AddFunc:    func(obj any) { sts(obj, false) },
+		UpdateFunc: func(_, obj any) { sts(obj, false) },
+		DeleteFunc: func(obj any) { sts(obj, true) },
+	})
+	return err
+}
 
-	if _, err := stsInf.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
-		AddFunc:    func(obj any) { c.statefulSetEvent(obj, false) },
-		UpdateFunc: func(_, obj any) { c.statefulSetEvent(obj, false) },
-		DeleteFunc: func(obj any) { c.statefulSetEvent(obj, true) },
-	}); err != nil {
-		return err
-	}
-
-	for range c.opts.Workers {
-		c.workersWG.Add(1)
-		go c.worker(ctx)
-	}
-	c.workersWG.Add(3)
-	go c.poolLoop(ctx)
-	go c.every(ctx, c.opts.ResyncPeriod, func() { c.resync(ctx) })
-	go c.every(ctx, c.opts.AuditPeriod, func() { c.runAudit(ctx) })
-	c.enqueueAll(ctx)
-	if c.awaitAcks.Load() {
-		c.checkAcks(ctx) // agents may have acknowledged before this process finished starting
-	}
-	c.workersWG.Add(1)
-	go func() {
-		// Claims first: once every node acknowledged (checkAcks), or at the latest after the
-		// settle bound, every node is synced again and fills resume.
-		defer c.workersWG.Done()
+// run is the driver loop: inputs in, Ready out, until ctx ends; then it waits for the
+// operations in flight.
+func (c *Controller) run(ctx context.Context) {
+	results := make(chan OpResult, 16)
+	var inflight sync.WaitGroup
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+	for {
+		now := c.opts.Now()
+		for _, in := range c.inbox.take() {
+			in(c.m, now)
+		}
+		c.m.Tick(now)
+		rd := c.m.Ready(now)
+		for _, op := range rd.Ops {
+			inflight.Add(1)
+			go func() {
+				defer inflight.Done()
+				results <- c.perform(ctx, op)
+			}()
+		}
+		for _, e := range rd.Events {
+			c.events.Event(e.Object, e.Type, e.Reason, e.Message)
+		}
+		if rd.Fenced != nil {
+			c.fenced("local", rd.Fenced)
+		}
+		c.m.Advance()
+		timer.Reset(max(rd.Wake.Sub(c.opts.Now()), time.Millisecond))
 		select {
 		case <-ctx.Done():
-		case <-time.After(c.opts.ClaimSettle):
-			if c.awaitAcks.CompareAndSwap(true, false) {
-				missing, _ := c.unacknowledged(ctx)
-				c.log.Error(nil, "nodes did not acknowledge this leader within --claim-settle; filling from the free pool anyway. "+
-					"Their agents may be down or too old: addresses their pods use that their status lost can go to another node (docs/design.md, \"Claims and rewinds\")",
-					"claimSettle", c.opts.ClaimSettle.String(), "nodes", len(missing), "first", firstN(missing, 10))
-				for _, name := range missing {
-					alloc := &ipwardenv1.NodeIPAllocation{}
-					if err := c.cache.Get(ctx, client.ObjectKey{Name: name}, alloc); err == nil {
-						c.events.Eventf(alloc, corev1.EventTypeWarning, "LeaderNotAcknowledged",
-							"the node's agent did not acknowledge controller %s within %s; the controller fills other nodes anyway", c.fence.Holder(), c.opts.ClaimSettle)
-					}
+			done := make(chan struct{})
+			go func() { inflight.Wait(); close(done) }()
+			for {
+				select {
+				case <-results:
+				case <-done:
+					return
 				}
 			}
-			c.enqueueAll(ctx)
+		case <-c.inbox.signal:
+		case r := <-results:
+			c.m.Done(r, c.opts.Now())
+		case <-timer.C:
 		}
-	}()
-	c.log.Info("controller serving", "workers", c.opts.Workers, "resync", c.opts.ResyncPeriod, "claimSettle", c.opts.ClaimSettle)
-	<-ctx.Done()
-	c.sched.ShutDown()
-	c.workersWG.Wait()
-	if cause := context.Cause(ctx); errors.Is(cause, ErrFenced) {
-		return cause
 	}
-	return nil
 }
 
 // guard is called before every write: it refuses (and stops the controller) once the lease
@@ -333,464 +392,70 @@ func (c *Controller) fenced(by string, err error) {
 	}
 }
 
-// rebuild loads the state from the API server.
-func (c *Controller) rebuild(ctx context.Context) error {
-	var pools ipwardenv1.IPPoolList
-	if err := c.reader.List(ctx, &pools); err != nil {
-		return fmt.Errorf("list IPPools: %w", err)
-	}
-	var allocs ipwardenv1.NodeIPAllocationList
-	if err := c.reader.List(ctx, &allocs); err != nil {
-		return fmt.Errorf("list NodeIPAllocations: %w", err)
-	}
-	ours := c.fence.Stamp()
-	for i := range allocs.Items {
-		if seen := allocs.Items[i].Status.Fence; c.fence.Outranked(seen) {
-			err := fmt.Errorf("%w: NodeIPAllocation %s was written by %s at epoch %d, after this controller's epoch %d",
-				ErrFenced, allocs.Items[i].Name, seen.Holder, seen.Epoch, ours.Epoch)
-			c.fenced("local", err)
-			return err
+// perform carries out one operation and says what became of it.
+func (c *Controller) perform(ctx context.Context, op Op) OpResult {
+	r := OpResult{ID: op.ID}
+	if op.Kind.Write() {
+		if err := c.guard(); err != nil {
+			r.Err = err
+			return r
 		}
 	}
-	c.mu.Lock()
-	twice := c.state.Rebuild(pools.Items, allocs.Items, c.opts.Now())
-	c.state.SettleUntil(c.opts.Now().Add(c.opts.ClaimSettle))
-	c.ledAt = c.opts.Now()
-	c.awaitAcks.Store(c.fence.Stamp() != nil) // with leader election: wait for the agents' acknowledgements
-	c.mu.Unlock()
-	n, _ := twice.Size().Uint64()
-	c.metrics.AddressesTwice.Set(float64(n))
-	if n > 0 {
-		c.log.Error(nil, "addresses are held by two nodes; they stay with the first node by name until an operator resolves it",
-			"addresses", twice.String())
-	}
-	c.log.Info("state rebuilt from the API server", "pools", len(pools.Items), "nodeIPAllocations", len(allocs.Items))
-	return nil
-}
-
-func metaOf(obj any) metav1.Object {
-	if t, ok := obj.(toolscache.DeletedFinalStateUnknown); ok {
-		obj = t.Obj
-	}
-	m, _ := obj.(metav1.Object)
-	return m
-}
-
-func (c *Controller) nodeEvent(obj any) {
-	if m := metaOf(obj); m != nil {
-		c.enqueue(m.GetName())
-	}
-	if c.awaitAcks.Load() {
-		c.checkAcks(context.Background())
-	}
-	if c.poolsSettling.Load() {
-		c.checkPoolSettles(context.Background())
-	}
-}
-
-func (c *Controller) allocEvent(obj any) {
-	if m := metaOf(obj); m != nil {
-		c.enqueue(m.GetName())
-	}
-	if c.awaitAcks.Load() {
-		c.checkAcks(context.Background())
-	}
-	if c.poolsSettling.Load() {
-		c.checkPoolSettles(context.Background())
-	}
-}
-
-// checkAcks ends the settle once every node's agent has acknowledged this leader: their claims
-// are in, so the free pool holds no address a node's pods use.
-func (c *Controller) checkAcks(ctx context.Context) {
-	missing, err := c.unacknowledged(ctx)
-	if err != nil {
-		c.log.Error(err, "cannot check the nodes' acknowledgements; the next event retries")
-		return
-	}
-	c.metrics.Unacked.Set(float64(len(missing)))
-	if len(missing) > 0 || !c.awaitAcks.CompareAndSwap(true, false) {
-		return
-	}
-	c.mu.Lock()
-	c.state.EndSettle()
-	c.mu.Unlock()
-	c.log.Info("every node acknowledged this leader with its claims; filling from the free pool",
-		"waited", c.opts.Now().Sub(c.ledAt).Round(time.Millisecond).String())
-	c.enqueueAll(ctx)
-}
-
-// unacknowledged lists the nodes whose agent has not acknowledged this leader (Unacknowledged
-// over the cache).
-func (c *Controller) unacknowledged(ctx context.Context) ([]string, error) {
-	allocs, selected, err := c.nodeReports(ctx)
-	if err != nil {
-		return nil, err
-	}
-	return Unacknowledged(allocs, selected, c.fence.Holder()), nil
-}
-
-// nodeReports lists the NodeIPAllocations from the cache, and every Node with whether a serving
-// pool selects it.
-func (c *Controller) nodeReports(ctx context.Context) ([]ipwardenv1.NodeIPAllocation, map[string]bool, error) {
-	var allocs ipwardenv1.NodeIPAllocationList
-	if err := c.cache.List(ctx, &allocs); err != nil {
-		return nil, nil, fmt.Errorf("list NodeIPAllocations: %w", err)
-	}
-	nodes := &metav1.PartialObjectMetadataList{}
-	nodes.SetGroupVersionKind(corev1.SchemeGroupVersion.WithKind("NodeList"))
-	if err := c.cache.List(ctx, nodes); err != nil {
-		return nil, nil, fmt.Errorf("list nodes: %w", err)
-	}
-	selected := make(map[string]bool, len(nodes.Items))
-	c.mu.Lock()
-	for _, n := range nodes.Items {
-		selected[n.Name] = c.state.Selected(n.Labels)
-	}
-	c.mu.Unlock()
-	return allocs.Items, selected, nil
-}
-
-// checkPoolSettles ends the wait of each pool every node has observed (PoolUnobserved), and of
-// each whose --pool-settle bound has passed (with a Warning event naming the nodes that did not
-// report); then every node is synced again, so fills from those pools resume.
-func (c *Controller) checkPoolSettles(ctx context.Context) {
-	c.mu.Lock()
-	settles := c.state.PoolsSettling()
-	c.mu.Unlock()
-	if len(settles) == 0 {
-		c.poolsSettling.Store(false)
-		return
-	}
-	allocs, selected, err := c.nodeReports(ctx)
-	if err != nil {
-		c.log.Error(err, "cannot check which nodes observed the new pools; the next event retries")
-		return
-	}
-	now := c.opts.Now()
-	ended := false
-	for _, st := range settles {
-		missing := PoolUnobserved(allocs, selected, st.Pool, st.UID, st.Generation)
-		c.metrics.PoolUnobserved.WithLabelValues(st.Pool).Set(float64(len(missing)))
-		switch {
-		case len(missing) == 0:
-			c.log.Info("every node reported the addresses its pods use in the pool; filling from its free addresses",
-				"pool", st.Pool, "generation", st.Generation)
-		case !now.Before(st.Until):
-			c.log.Error(nil, "nodes did not report the addresses their pods use in the new or grown pool within --pool-settle; filling from its free addresses anyway. "+
-				"Their agents may be down or too old: an address one of their pods got from another IPAM can go to another node (docs/operations.md, \"Moving from another IPAM\")",
-				"pool", st.Pool, "poolSettle", c.opts.PoolSettle.String(), "nodes", len(missing), "first", firstN(missing, 10))
-			pool := &ipwardenv1.IPPool{}
-			if err := c.cache.Get(ctx, client.ObjectKey{Name: st.Pool}, pool); err == nil {
-				c.events.Eventf(pool, corev1.EventTypeWarning, "PoolSettleTimedOut",
-					"%d nodes did not report what their pods use in this pool's new addresses within %s (first: %v); filling from them anyway",
-					len(missing), c.opts.PoolSettle, firstN(missing, 10))
+	switch op.Kind {
+	case OpCreateAllocation:
+		r.Err = c.writer.Create(ctx, op.Alloc)
+		c.countWrite("nodeipallocations", "create", r.Err)
+	case OpDeleteAllocation:
+		pre := client.Preconditions{UID: &op.Alloc.UID}
+		if op.ExactVersion {
+			pre.ResourceVersion = &op.Alloc.ResourceVersion
+		}
+		r.Err = c.writer.Delete(ctx, op.Alloc, pre)
+		c.countWrite("nodeipallocations", "delete", r.Err)
+	case OpPatchOwner:
+		obj := op.Alloc.DeepCopy()
+		r.Err = c.writer.Patch(ctx, obj, client.MergeFrom(op.Base))
+		c.countWrite("nodeipallocations", "patch", r.Err)
+		r.Alloc = obj
+	case OpNodeStatus:
+		r.Err = c.writer.Status().Update(ctx, op.Alloc) // the stored object comes back in op.Alloc
+		c.countWrite("nodeipallocations/status", "update", r.Err)
+		r.Alloc = op.Alloc
+	case OpPoolStatus:
+		r.Err = c.writer.Status().Update(ctx, op.Pool)
+		c.countWrite("ippools/status", "update", r.Err)
+		r.Pool = op.Pool
+	case OpReadNode:
+		r.Err = c.reader.Get(ctx, client.ObjectKey{Name: op.Node}, nodeMeta())
+	case OpReadAllocation:
+		r.Alloc = &ipwardenv1.NodeIPAllocation{}
+		r.Err = c.reader.Get(ctx, client.ObjectKey{Name: op.Node}, r.Alloc)
+	case OpReadPool:
+		r.Pool = &ipwardenv1.IPPool{}
+		r.Err = c.reader.Get(ctx, client.ObjectKey{Name: op.PoolName}, r.Pool)
+	case OpReadAgentLease:
+		var lease coordinationv1.Lease
+		r.Err = c.reader.Get(ctx, client.ObjectKey{Namespace: c.opts.AgentLeaseNamespace, Name: nodelease.Name(op.Node)}, &lease)
+		if r.Err == nil {
+			r.Lease = &nodelease.Record{Version: lease.ResourceVersion}
+			if lease.Spec.HolderIdentity != nil {
+				r.Lease.Holder = *lease.Spec.HolderIdentity
 			}
-		default:
-			continue
-		}
-		c.mu.Lock()
-		c.state.EndPoolSettle(st.Pool)
-		c.mu.Unlock()
-		ended = true
-	}
-	if ended {
-		c.enqueueAll(ctx)
-	}
-}
-
-func (c *Controller) poolEvent(obj any, deleted bool) {
-	m := metaOf(obj)
-	if m == nil {
-		return
-	}
-	c.mu.Lock()
-	var affected, settle bool
-	var until time.Time
-	if deleted {
-		affected = c.state.DeletePool(m.GetName())
-		c.state.EndPoolSettle(m.GetName())
-	} else if p, ok := obj.(*ipwardenv1.IPPool); ok {
-		settle = c.opts.PoolSettle > 0 && c.state.PoolGrows(p)
-		affected = c.state.SetPool(p)
-		if settle {
-			until = c.opts.Now().Add(c.opts.PoolSettle)
-			c.state.StartPoolSettle(p.Name, string(p.UID), p.Generation, until)
-		}
-	}
-	c.mu.Unlock()
-	if settle {
-		c.poolsSettling.Store(true)
-		c.log.Info("pool is new or gained addresses: its free addresses wait until every node has reported what its running pods use in it",
-			"pool", m.GetName(), "generation", m.GetGeneration(), "poolSettle", c.opts.PoolSettle.String())
-		if p, ok := obj.(*ipwardenv1.IPPool); ok {
-			c.events.Eventf(p, corev1.EventTypeNormal, "PoolSettling",
-				"waiting up to %s for every node to report the addresses its running pods use in this pool before handing out its free addresses", c.opts.PoolSettle)
-		}
-		c.checkPoolSettles(context.Background())
-		time.AfterFunc(until.Sub(c.opts.Now())+100*time.Millisecond, func() { c.checkPoolSettles(context.Background()) })
-	}
-	c.wakePools()
-	if affected {
-		c.enqueueAll(context.Background())
-	}
-}
-
-// enqueue marks a node dirty with its current need.
-// statefulSetEvent returns the sticky addresses of a StatefulSet's identities that its PVC
-// retention policy no longer keeps (scaled below the ordinal, or deleted).
-func (c *Controller) statefulSetEvent(obj any, deleted bool) {
-	if t, ok := obj.(toolscache.DeletedFinalStateUnknown); ok {
-		obj, deleted = t.Obj, true
-	}
-	s, ok := obj.(*appsv1.StatefulSet)
-	if !ok {
-		return
-	}
-	view := sticky.Of(s)
-	if deleted {
-		view.Exists = false
-	}
-	c.mu.Lock()
-	changed := c.state.ReturnSticky(s.Namespace, s.Name, view)
-	c.mu.Unlock()
-	if changed {
-		c.log.Info("returned sticky addresses to their pools", "statefulSet", s.Namespace+"/"+s.Name, "deleted", deleted)
-		c.wakePools()
-	}
-}
-
-func (c *Controller) enqueue(name string) {
-	var need Need
-	alloc := &ipwardenv1.NodeIPAllocation{}
-	if err := c.cache.Get(context.Background(), client.ObjectKey{Name: name}, alloc); err == nil {
-		c.mu.Lock()
-		need = c.state.NeedOfNode(name, alloc.Spec)
-		c.mu.Unlock()
-	}
-	c.sched.Add(name, need, c.opts.Now())
-	c.metrics.QueueDepth.Set(float64(c.sched.Len()))
-}
-
-// enqueueAll marks every known node dirty: the full pass.
-func (c *Controller) enqueueAll(ctx context.Context) {
-	names := map[string]bool{}
-	nodes := &metav1.PartialObjectMetadataList{}
-	nodes.SetGroupVersionKind(corev1.SchemeGroupVersion.WithKind("NodeList"))
-	if err := c.cache.List(ctx, nodes); err == nil {
-		for _, n := range nodes.Items {
-			names[n.Name] = true
-		}
-	}
-	var allocs ipwardenv1.NodeIPAllocationList
-	if err := c.cache.List(ctx, &allocs); err == nil {
-		for _, a := range allocs.Items {
-			names[a.Name] = true
-		}
-	}
-	c.mu.Lock()
-	for _, n := range c.state.Known() {
-		names[n] = true
-	}
-	c.mu.Unlock()
-	for n := range names {
-		c.enqueue(n)
-	}
-}
-
-// every runs f each period until ctx ends.
-func (c *Controller) every(ctx context.Context, period time.Duration, f func()) {
-	defer c.workersWG.Done()
-	t := time.NewTicker(period)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			f()
-		}
-	}
-}
-
-// resync is the full pass: every node queued, every pool status recomputed (written if changed).
-func (c *Controller) resync(ctx context.Context) {
-	c.enqueueAll(ctx)
-	c.mu.Lock()
-	for _, p := range c.state.PoolNames() {
-		c.state.MarkPoolDirty(p)
-	}
-	c.mu.Unlock()
-	c.wakePools()
-}
-
-func (c *Controller) runAudit(ctx context.Context) {
-	if err := c.audit(ctx); err != nil && ctx.Err() == nil {
-		c.metrics.GCFailed.Inc()
-		c.log.Error(err, "audit failed; the next one retries")
-	}
-}
-
-// audit is the slow backstop: it lists every NodeIPAllocation from the API server and compares
-// the statuses with the record (State.Audit), then syncs the nodes found out of step.
-// auditConfirmDelay is how long after an audit that found addresses held twice the second
-// audit lists again (ConfirmTwice): longer than a fill's writes take to land.
-const auditConfirmDelay = 5 * time.Second
-
-func (c *Controller) audit(ctx context.Context) error {
-	r, err := c.auditOnce(ctx)
-	if err != nil {
-		return err
-	}
-	if !r.Twice.IsEmpty() {
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(auditConfirmDelay):
-		}
-		again, err := c.auditOnce(ctx)
-		if err != nil {
-			return err
-		}
-		r.Twice = ConfirmTwice(r.Twice, again.Twice)
-		r.Leaked = r.Leaked.Union(again.Leaked)
-		for n, set := range again.Adopted {
-			r.Adopted[n] = r.Adopted[n].Union(set)
-		}
-		for n, set := range again.Unpublished {
-			r.Unpublished[n] = r.Unpublished[n].Union(set)
-		}
-	}
-	c.metrics.GCCandidates.Add(float64(r.Candidates()))
-	c.metrics.GCCollected.Add(float64(count(r.Leaked)))
-	twice := count(r.Twice)
-	c.metrics.AddressesTwice.Set(float64(twice))
-	if twice > 0 {
-		c.log.Error(nil, "addresses are held by two nodes; an operator must decide which pod keeps them (ipwarden check shows both)", "addresses", r.Twice.String())
-	}
-	if !r.Leaked.IsEmpty() {
-		c.log.Info("audit returned allocations no node held to their pools", "addresses", r.Leaked.String())
-	}
-	for node, set := range r.Adopted {
-		c.log.Info("audit adopted addresses a node's status showed that the record lacked", "node", node, "addresses", set.String())
-	}
-	for _, n := range r.Nodes() {
-		c.enqueue(n)
-	}
-	c.wakePools()
-	return nil
-}
-
-// auditOnce lists every NodeIPAllocation from the API server and audits the record against it.
-func (c *Controller) auditOnce(ctx context.Context) (AuditResult, error) {
-	var allocs ipwardenv1.NodeIPAllocationList
-	if err := c.reader.List(ctx, &allocs); err != nil {
-		return AuditResult{}, fmt.Errorf("list NodeIPAllocations: %w", err)
-	}
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.state.Audit(allocs.Items), nil
-}
-
-func (c *Controller) worker(ctx context.Context) {
-	defer c.workersWG.Done()
-	for {
-		name, ok := c.sched.Get(ctx)
-		if !ok {
-			return
-		}
-		start := time.Now()
-		err := c.safeSyncNode(ctx, name)
-		c.metrics.SyncDuration.WithLabelValues("node").Observe(time.Since(start).Seconds())
-		if err != nil {
-			c.metrics.SyncErrors.WithLabelValues("node").Inc()
-			c.log.Error(err, "node sync failed; retrying with backoff", "node", name, "failures", c.sched.Failures(name)+1)
-		}
-		c.sched.Done(name, err != nil, c.opts.Now())
-		c.metrics.QueueDepth.Set(float64(c.sched.Len()))
-	}
-}
-
-// safeSyncNode turns a panic in a sync into a retried error.
-func (c *Controller) safeSyncNode(ctx context.Context, name string) (err error) {
-	defer func() {
-		if r := recover(); r != nil {
-			err = fmt.Errorf("panic in node sync: %v\n%s", r, debug.Stack())
-		}
-	}()
-	return c.syncNode(ctx, name)
-}
-
-// syncNode moves one node one step toward its goal: the right NodeIPAllocation object, holding
-// what its agent requests minus what it releases.
-func (c *Controller) syncNode(ctx context.Context, name string) error {
-	node := nodeMeta()
-	nodeErr := c.cache.Get(ctx, client.ObjectKey{Name: name}, node)
-	if nodeErr != nil && !apierrors.IsNotFound(nodeErr) {
-		return nodeErr
-	}
-	alloc := &ipwardenv1.NodeIPAllocation{}
-	allocErr := c.cache.Get(ctx, client.ObjectKey{Name: name}, alloc)
-	if allocErr != nil && !apierrors.IsNotFound(allocErr) {
-		return allocErr
-	}
-	facts := NodeFacts{NodeExists: nodeErr == nil, AllocationExists: allocErr == nil}
-	if facts.NodeExists {
-		facts.NodeUID = node.UID
-	}
-	if facts.AllocationExists {
-		facts.OwnerUID = nodeOwner(alloc)
-		for _, p := range alloc.Spec.Pools {
-			if p.Requested > 0 || len(p.Releasing) > 0 {
-				facts.Asks = true
+			if s := lease.Spec.LeaseDurationSeconds; s != nil && *s > 0 {
+				r.LeaseDuration = time.Duration(*s) * time.Second
 			}
 		}
+	case OpListAllocations:
+		var list ipwardenv1.NodeIPAllocationList
+		r.Err = c.reader.List(ctx, &list)
+		r.Allocs = list.Items
+	default:
+		r.Err = fmt.Errorf("unknown operation %v", op.Kind)
 	}
-	c.mu.Lock()
-	if facts.NodeExists {
-		c.state.SetNodeLabels(name, node.Labels)
-		facts.Selected = c.state.Selected(node.Labels)
+	if op.Kind.Write() {
+		r.Err = c.written(r.Err)
 	}
-	facts.Holds = c.state.Holds(name)
-	c.mu.Unlock()
-
-	lc := DecideLifecycle(facts)
-	switch {
-	case lc.ConfirmGone:
-		return c.confirmGone(ctx, name, facts.AllocationExists, alloc)
-	case lc.Create:
-		return c.createAllocation(ctx, name, node)
-	case lc.DeleteOrphan:
-		if err := c.guard(); err != nil {
-			return err
-		}
-		err := c.writer.Delete(ctx, alloc, client.Preconditions{UID: &alloc.UID, ResourceVersion: &alloc.ResourceVersion})
-		c.countWrite("nodeipallocations", "delete", err)
-		if err != nil && !apierrors.IsNotFound(err) {
-			return fmt.Errorf("delete orphan NodeIPAllocation: %w", err)
-		}
-		c.mu.Lock()
-		c.state.ForgetNode(name)
-		c.mu.Unlock()
-		c.log.Info("deleted NodeIPAllocation of a node no pool selects", "node", name)
-		return nil
-	}
-	if lc.FixOwner {
-		if err := c.guard(); err != nil {
-			return err
-		}
-		patch := client.MergeFrom(alloc.DeepCopy())
-		alloc.OwnerReferences = replaceNodeOwner(alloc.OwnerReferences, node)
-		err := c.writer.Patch(ctx, alloc, patch)
-		c.countWrite("nodeipallocations", "patch", err)
-		if err != nil {
-			return fmt.Errorf("set owner reference: %w", err)
-		}
-	}
-	if lc.Fill {
-		return c.fill(ctx, alloc)
-	}
-	return nil
+	return r
 }
 
 func nodeOwner(a *ipwardenv1.NodeIPAllocation) types.UID {
@@ -812,216 +477,6 @@ func replaceNodeOwner(refs []metav1.OwnerReference, node *metav1.PartialObjectMe
 	return out
 }
 
-func (c *Controller) createAllocation(ctx context.Context, name string, node *metav1.PartialObjectMetadata) error {
-	obj := &ipwardenv1.NodeIPAllocation{ObjectMeta: metav1.ObjectMeta{
-		Name:            name,
-		OwnerReferences: replaceNodeOwner(nil, node),
-		Labels:          map[string]string{"app.kubernetes.io/managed-by": "ipwarden"},
-	}}
-	if err := c.guard(); err != nil {
-		return err
-	}
-	err := c.writer.Create(ctx, obj)
-	c.countWrite("nodeipallocations", "create", err)
-	if err != nil && !apierrors.IsAlreadyExists(err) {
-		return fmt.Errorf("create NodeIPAllocation: %w", err)
-	}
-	c.log.V(1).Info("created NodeIPAllocation", "node", name)
-	// The object's watch event queues the next sync, which fills it (and restores the status
-	// if the controller's record says the node holds addresses).
-	return nil
-}
-
-// confirmGone asks the API server whether a node the cache lacks is really gone; if so, its
-// addresses return to their pools (cooling first) and its NodeIPAllocation is deleted.
-func (c *Controller) confirmGone(ctx context.Context, name string, allocExists bool, alloc *ipwardenv1.NodeIPAllocation) error {
-	err := c.reader.Get(ctx, client.ObjectKey{Name: name}, nodeMeta())
-	if err == nil {
-		return nil // the cache lags; the node's event will queue it again
-	}
-	if !apierrors.IsNotFound(err) {
-		return fmt.Errorf("confirm node deletion: %w", err)
-	}
-	if alive, err := c.agentAlive(ctx, name, allocExists, alloc); err != nil || alive {
-		return err
-	}
-	now := c.opts.Now()
-	c.mu.Lock()
-	delete(c.agentSeen, name)
-	released := c.state.HeldBy(name)
-	q := c.state.StartNodeGone(name, allocExists, now)
-	c.mu.Unlock()
-	if err := c.run(ctx, q, alloc); err != nil {
-		return fmt.Errorf("return the addresses of deleted node %s: %w", name, err)
-	}
-	total := 0
-	for pool, set := range released {
-		n := count(set)
-		total += n
-		c.metrics.Releases.WithLabelValues(pool).Add(float64(n))
-		c.metrics.NodeHeld.DeleteLabelValues(name, pool)
-		c.metrics.NodeRequested.DeleteLabelValues(name, pool)
-		c.metrics.NodeDeficit.DeleteLabelValues(name, pool)
-	}
-	for pool := range released {
-		c.refillPool(pool)
-	}
-	c.setNodeFlags(name, false, false, true)
-	c.metrics.NodesReleased.Inc()
-	c.sched.Forget(name)
-	c.wakePools()
-	c.log.Info("node deleted: its addresses return to their pools after the reuse cooldown", "node", name, "addresses", total)
-	return nil
-}
-
-// agentAlive reads the agent Lease of a node whose Node is gone and says whether the agent still
-// renews it (DecideAgentAlive): then the node's addresses stay, and the node is looked at again
-// when the Lease would expire.
-func (c *Controller) agentAlive(ctx context.Context, name string, allocExists bool, alloc *ipwardenv1.NodeIPAllocation) (bool, error) {
-	if c.opts.AgentLeaseNamespace == "" {
-		return false, nil
-	}
-	var lease coordinationv1.Lease
-	var rec *nodelease.Record
-	d := c.opts.AgentLeaseDuration
-	err := c.reader.Get(ctx, client.ObjectKey{Namespace: c.opts.AgentLeaseNamespace, Name: nodelease.Name(name)}, &lease)
-	switch {
-	case apierrors.IsNotFound(err):
-	case err != nil:
-		return false, fmt.Errorf("read the agent Lease of deleted node %s: %w", name, err)
-	default:
-		rec = &nodelease.Record{Version: lease.ResourceVersion}
-		if lease.Spec.HolderIdentity != nil {
-			rec.Holder = *lease.Spec.HolderIdentity
-		}
-		if s := lease.Spec.LeaseDurationSeconds; s != nil && *s > 0 {
-			d = time.Duration(*s) * time.Second
-		}
-	}
-	now := c.opts.Now()
-	c.mu.Lock()
-	obs, known := c.agentSeen[name]
-	if !known {
-		obs = &nodelease.Observer{}
-		c.agentSeen[name] = obs
-	}
-	alive, recheck := DecideAgentAlive(rec, obs.Observe(rec, now), now, d)
-	c.mu.Unlock()
-	if !alive {
-		return false, nil
-	}
-	if !known {
-		c.log.Info("node deleted, but its agent still renews its Lease: its addresses stay held until the agent stops (the Node may be re-created)",
-			"node", name, "lease", c.opts.AgentLeaseNamespace+"/"+nodelease.Name(name), "holder", rec.Holder)
-		if allocExists {
-			c.events.Eventf(alloc, corev1.EventTypeWarning, "NodeDeletedAgentAlive",
-				"Node %s is gone but its ipwarden agent still renews its Lease (holder %s): its addresses stay held until the agent stops or the Node comes back",
-				name, rec.Holder)
-		}
-	}
-	time.AfterFunc(recheck.Sub(now)+time.Second, func() { c.enqueue(name) })
-	return true, nil
-}
-
-// fill writes one node's status: released addresses leave, new ones arrive. The order of the
-// writes and what each outcome means come from the step machine (State.StartFill, steps.go); this
-// loop only performs them. On a conflict it starts over from a fresh read.
-func (c *Controller) fill(ctx context.Context, alloc *ipwardenv1.NodeIPAllocation) error {
-	name := alloc.Name
-	// Addresses left pending by a write whose outcome was unknown are settled against a fresh
-	// read first: planning from the record alone would write a status without them even if the
-	// earlier write landed and the node already hands them out.
-	c.mu.Lock()
-	pending := c.state.HasPending(name)
-	c.mu.Unlock()
-	if pending {
-		alloc = &ipwardenv1.NodeIPAllocation{}
-		if err := c.reader.Get(ctx, client.ObjectKey{Name: name}, alloc); err != nil {
-			return fmt.Errorf("re-read NodeIPAllocation to settle an unknown write: %w", err)
-		}
-		c.mu.Lock()
-		c.state.ResolvePending(name, alloc.Status)
-		c.mu.Unlock()
-	}
-	for attempt := 0; ; attempt++ {
-		c.mu.Lock()
-		q := c.state.StartFill(name, alloc, c.opts.Now())
-		c.mu.Unlock()
-		err := c.run(ctx, q, alloc)
-		switch q.Result() {
-		case NoChange:
-			c.updateNodeMetrics(name, alloc.Spec, q.Fill())
-			return nil
-		case Committed:
-			c.afterFill(alloc, q.Fill())
-			return nil
-		case Retry:
-			if attempt >= 3 {
-				return fmt.Errorf("write NodeIPAllocation status: %w", err)
-			}
-			alloc = &ipwardenv1.NodeIPAllocation{}
-			if err := c.reader.Get(ctx, client.ObjectKey{Name: name}, alloc); err != nil {
-				return fmt.Errorf("re-read NodeIPAllocation after a conflict: %w", err)
-			}
-			if c.fence.Outranked(alloc.Status.Fence) {
-				err := fmt.Errorf("%w: NodeIPAllocation %s was written by %s at epoch %d", ErrFenced, name, alloc.Status.Fence.Holder, alloc.Status.Fence.Epoch)
-				c.fenced("local", err)
-				return err
-			}
-			continue
-		default:
-			c.events.Eventf(alloc, corev1.EventTypeWarning, "FillFailed", "could not write the node's addresses: %v", err)
-			return err
-		}
-	}
-}
-
-// run performs a sequence's steps in order and reports each outcome back to it; it returns the
-// error of the step that ended it, if any.
-func (c *Controller) run(ctx context.Context, q *Sequence, alloc *ipwardenv1.NodeIPAllocation) error {
-	for {
-		c.mu.Lock()
-		step, ok := q.Next()
-		c.mu.Unlock()
-		if !ok {
-			return nil
-		}
-		err := c.perform(ctx, step, alloc)
-		c.mu.Lock()
-		q.Advance(OutcomeOf(err))
-		c.mu.Unlock()
-		if err != nil {
-			return fmt.Errorf("%s of %s: %w", step.Kind, step.Node, err)
-		}
-	}
-}
-
-// perform does one step's write.
-func (c *Controller) perform(ctx context.Context, step Step, alloc *ipwardenv1.NodeIPAllocation) error {
-	if err := c.guard(); err != nil {
-		return err
-	}
-	switch step.Kind {
-	case StepPoolStatus:
-		return c.flushPool(ctx, step.Pool)
-	case StepNodeStatus:
-		obj := alloc.DeepCopy()
-		obj.Status = step.Status
-		obj.Status.Fence = c.fence.Stamp()
-		err := c.written(c.writer.Status().Update(ctx, obj))
-		c.countWrite("nodeipallocations/status", "update", err)
-		return err
-	case StepDeleteAllocation:
-		err := c.writer.Delete(ctx, alloc, client.Preconditions{UID: &alloc.UID})
-		c.countWrite("nodeipallocations", "delete", err)
-		if apierrors.IsNotFound(err) {
-			return nil
-		}
-		return err
-	}
-	return fmt.Errorf("unknown step %v", step.Kind)
-}
-
 // OutcomeOf maps a write's error to the step machine's outcome: a conflict, a definite
 // refusal (invalid, not found, forbidden, fenced), or an unknown outcome (timeouts, lost
 // connections, server errors after the request may have been applied).
@@ -1039,280 +494,6 @@ func OutcomeOf(err error) Outcome {
 	}
 }
 
-// reportConflicts makes a claim the controller cannot grant visible: a Warning event on the
-// node's NodeIPAllocation (the status carries the AddressConflict condition), the conflict gauge,
-// and a sync of the other node so its status shows the condition too.
-func (c *Controller) reportConflicts(alloc *ipwardenv1.NodeIPAllocation, f *Fill) {
-	c.mu.Lock()
-	total := 0
-	for _, cf := range c.state.Conflicts() {
-		total += count(cf.Addrs)
-	}
-	c.mu.Unlock()
-	c.metrics.ClaimConflicts.Set(float64(total))
-	others := map[string]bool{}
-	for _, cf := range f.Conflicts {
-		if cf.Claimant == alloc.Name {
-			c.events.Eventf(alloc, corev1.EventTypeWarning, "AddressConflict", "%s: an operator must decide which pod keeps it (ipwarden check names both pods)", cf.String())
-			others[cf.Holder] = true
-		} else {
-			others[cf.Claimant] = true
-		}
-	}
-	if len(f.Conflicts) > 0 {
-		c.log.Error(nil, "addresses used by pods on two nodes", "node", alloc.Name, "conflicts", conflictMessage(f.Conflicts))
-	}
-	for n := range others {
-		c.sched.Add(n, Need{Claims: 1}, c.opts.Now())
-	}
-}
-
-// afterFill records metrics and events of a committed fill.
-func (c *Controller) afterFill(alloc *ipwardenv1.NodeIPAllocation, f *Fill) {
-	woke := false
-	for pool, pf := range f.Pools {
-		if n := count(pf.Added); n > 0 {
-			c.metrics.Allocations.WithLabelValues(pool).Add(float64(n))
-			woke = true
-		}
-		if n := count(pf.Removed); n > 0 {
-			c.metrics.Releases.WithLabelValues(pool).Add(float64(n))
-			woke = true
-		}
-	}
-	for pool, pf := range f.Pools {
-		if !pf.Removed.IsEmpty() {
-			c.refillPool(pool)
-			c.mu.Lock()
-			claimants := c.state.Claimants(pool)
-			wanters := c.state.Wanters(pool)
-			c.mu.Unlock()
-			for _, n := range claimants {
-				c.enqueue(n)
-			}
-			for _, n := range wanters {
-				if n != alloc.Name {
-					c.enqueue(n) // a static address it wants may be free now
-				}
-			}
-		}
-	}
-	for pool, pf := range f.Pools {
-		if n := count(pf.Granted); n > 0 {
-			c.metrics.ClaimsGranted.WithLabelValues(pool).Add(float64(n))
-			c.log.Info("granted claimed addresses back: the node's pods use them but its status had lost them",
-				"node", alloc.Name, "pool", pool, "addresses", pf.Granted.String())
-		}
-	}
-	for _, pool := range sortedKeys(f.Pools) {
-		for _, r := range f.Pools[pool].Refused {
-			if r.Holder != "" {
-				c.enqueue(r.Holder) // its status asks it to give the address back if unused
-			}
-		}
-	}
-	c.reportConflicts(alloc, f)
-	for _, pool := range f.Starved {
-		c.events.Eventf(alloc, corev1.EventTypeWarning, "PoolExhausted", "cannot fill this node's request: %s: %s", f.Pools[pool].Reason, f.Pools[pool].Detail)
-	}
-	c.mu.Lock()
-	missed := c.state.RefillMissed(f, alloc.Spec, c.opts.Now())
-	c.mu.Unlock()
-	if len(missed) > 0 {
-		c.enqueue(alloc.Name) // addresses came back while its fill was in flight
-	}
-	if woke || len(f.Starved) > 0 {
-		c.wakePools()
-	}
-	c.updateNodeMetrics(alloc.Name, alloc.Spec, f)
-}
-
-func (c *Controller) updateNodeMetrics(name string, spec ipwardenv1.NodeIPAllocationSpec, f *Fill) {
-	requested := map[string]int{}
-	for _, p := range spec.Pools {
-		requested[p.Pool] = int(p.Requested)
-	}
-	deficit, atCap := false, false
-	c.mu.Lock()
-	for pool, pf := range f.Pools {
-		held := count(pf.Held)
-		d := max(requested[pool]-held, 0)
-		if c.opts.PerNodeMetrics {
-			c.metrics.NodeHeld.WithLabelValues(name, pool).Set(float64(held))
-			c.metrics.NodeRequested.WithLabelValues(name, pool).Set(float64(requested[pool]))
-			c.metrics.NodeDeficit.WithLabelValues(name, pool).Set(float64(d))
-		}
-		if d > 0 {
-			deficit = true
-		}
-		if m := c.state.PoolMaxPerNode(pool); m > 0 && held >= m {
-			atCap = true
-		}
-	}
-	c.mu.Unlock()
-	c.setNodeFlags(name, deficit, atCap, false)
-}
-
-// setNodeFlags keeps the fleet gauges as running counts, changed only when a node's flags change.
-func (c *Controller) setNodeFlags(name string, deficit, atCap, gone bool) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	prev, had := c.nodeFlags[name]
-	d := func(b bool) float64 {
-		if b {
-			return 1
-		}
-		return 0
-	}
-	c.metrics.NodesInDeficit.Add(d(deficit && !gone) - d(prev[0]))
-	c.metrics.NodesAtCapacity.Add(d(atCap && !gone) - d(prev[1]))
-	if gone {
-		delete(c.nodeFlags, name)
-		if had {
-			c.metrics.Nodes.Dec()
-		}
-		return
-	}
-	if !had {
-		c.metrics.Nodes.Inc()
-	}
-	c.nodeFlags[name] = [2]bool{deficit, atCap}
-}
-
-// refillPool queues the nodes a pool left short (addresses came back to it).
-func (c *Controller) refillPool(pool string) {
-	c.mu.Lock()
-	nodes := c.state.Refill(pool)
-	c.mu.Unlock()
-	for _, n := range nodes {
-		c.enqueue(n)
-	}
-}
-
-func (c *Controller) wakePools() {
-	select {
-	case c.poolWake <- struct{}{}:
-	default:
-	}
-}
-
-// poolLoop writes dirty pool statuses, each pool at most once per PoolStatusInterval (writes the
-// fill path makes to record cooling addresses count too): a burst of changes is one write.
-func (c *Controller) poolLoop(ctx context.Context) {
-	defer c.workersWG.Done()
-	t := time.NewTicker(max(c.opts.PoolStatusInterval/4, time.Millisecond))
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		case <-c.poolWake:
-		}
-		now := c.opts.Now()
-		c.mu.Lock()
-		refill := c.state.MarkExpiredCooling(now)
-		dirty := c.state.DirtyPools()
-		c.mu.Unlock()
-		for _, n := range refill {
-			c.enqueue(n)
-		}
-		for _, p := range dirty {
-			if last, ok := c.poolWritten.Load(p); ok && now.Sub(last.(time.Time)) < c.opts.PoolStatusInterval {
-				continue // still dirty: a later round writes it
-			}
-			start := time.Now()
-			if err := c.flushPool(ctx, p); err != nil && ctx.Err() == nil {
-				c.metrics.SyncErrors.WithLabelValues("pool").Inc()
-				c.log.Error(err, "pool status write failed; retrying", "pool", p)
-			}
-			c.metrics.SyncDuration.WithLabelValues("pool").Observe(time.Since(start).Seconds())
-		}
-	}
-}
-
-func (c *Controller) poolLock(name string) *sync.Mutex {
-	l, _ := c.poolLocks.LoadOrStore(name, &sync.Mutex{})
-	return l.(*sync.Mutex)
-}
-
-// flushPool writes a pool's status if it changed. Writes of one pool are serialized so a write
-// carrying a new cooling record is never overtaken by an older one.
-func (c *Controller) flushPool(ctx context.Context, name string) error {
-	l := c.poolLock(name)
-	l.Lock()
-	defer l.Unlock()
-	obj := &ipwardenv1.IPPool{}
-	if err := c.cache.Get(ctx, client.ObjectKey{Name: name}, obj); err != nil {
-		if apierrors.IsNotFound(err) {
-			return nil // deleted pool: nothing to write
-		}
-		return err
-	}
-	for attempt := 0; ; attempt++ {
-		now := c.opts.Now()
-		c.mu.Lock()
-		st, ok := c.state.PoolStatus(name, obj.Status, obj.Generation, now)
-		c.mu.Unlock()
-		if !ok {
-			return nil
-		}
-		c.setPoolMetrics(name, st)
-		if equality.Semantic.DeepEqual(st, obj.Status) {
-			return nil
-		}
-		wasExhausted := obj.Status.Exhausted
-		upd := obj.DeepCopy()
-		upd.Status = st
-		upd.Status.Fence = c.fence.Stamp()
-		if err := c.guard(); err != nil {
-			c.mu.Lock()
-			c.state.MarkPoolDirty(name)
-			c.mu.Unlock()
-			return err
-		}
-		err := c.written(c.writer.Status().Update(ctx, upd))
-		c.countWrite("ippools/status", "update", err)
-		if err == nil {
-			c.poolWritten.Store(name, c.opts.Now())
-			if st.Exhausted != wasExhausted {
-				if st.Exhausted {
-					c.events.Eventf(obj, corev1.EventTypeWarning, "PoolExhausted", "only %d of %d addresses free: nodes now grow one address at a time", st.Free, st.Capacity)
-				} else {
-					c.events.Eventf(obj, corev1.EventTypeNormal, "PoolRecovered", "%d of %d addresses free again", st.Free, st.Capacity)
-				}
-			}
-			return nil
-		}
-		c.mu.Lock()
-		c.state.MarkPoolDirty(name)
-		c.mu.Unlock()
-		if !apierrors.IsConflict(err) || attempt >= 3 {
-			return fmt.Errorf("write IPPool %s status: %w", name, err)
-		}
-		obj = &ipwardenv1.IPPool{}
-		if err := c.reader.Get(ctx, client.ObjectKey{Name: name}, obj); err != nil {
-			return err
-		}
-	}
-}
-
-func (c *Controller) setPoolMetrics(name string, st ipwardenv1.IPPoolStatus) {
-	c.metrics.PoolCapacity.WithLabelValues(name).Set(float64(st.Capacity))
-	c.metrics.PoolAllocated.WithLabelValues(name).Set(float64(st.Allocated))
-	c.metrics.PoolFree.WithLabelValues(name).Set(float64(st.Free))
-	ex := 0.0
-	if st.Exhausted {
-		ex = 1
-	}
-	c.metrics.PoolExhausted.WithLabelValues(name).Set(ex)
-	c.mu.Lock()
-	cooling, conflicts := c.state.PoolCounts(name)
-	c.mu.Unlock()
-	c.metrics.PoolCooling.WithLabelValues(name).Set(float64(cooling))
-	c.metrics.PoolConflicts.WithLabelValues(name).Set(float64(conflicts))
-}
-
 func (c *Controller) countWrite(resource, verb string, err error) {
 	result := "ok"
 	switch {
@@ -1323,6 +504,14 @@ func (c *Controller) countWrite(resource, verb string, err error) {
 		result = "error"
 	}
 	c.metrics.APIWrites.WithLabelValues(resource, verb, result).Inc()
+}
+
+func metaOf(obj any) metav1.Object {
+	if t, ok := obj.(toolscache.DeletedFinalStateUnknown); ok {
+		obj = t.Obj
+	}
+	m, _ := obj.(metav1.Object)
+	return m
 }
 
 // firstN returns at most n of names.

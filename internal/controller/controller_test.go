@@ -166,7 +166,7 @@ func TestSetNodeFlagsKeepsFleetGauges(t *testing.T) {
 	}
 	c := New(nil, nil, nil, record.NewFakeRecorder(10), NewMetrics(nil), logr.Discard(), Options{})
 	for i, s := range steps {
-		c.setNodeFlags(s.node, s.deficit, s.atCap, s.gone)
+		c.m.setNodeFlags(s.node, s.deficit, s.atCap, s.gone)
 		m := c.metrics
 		if n, d, a := gauge(t, m.Nodes), gauge(t, m.NodesInDeficit), gauge(t, m.NodesAtCapacity); n != s.nodes || d != s.inDeficit || a != s.at {
 			t.Fatalf("step %d (%+v): nodes %v, in deficit %v, at capacity %v", i, s, n, d, a)

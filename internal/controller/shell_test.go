@@ -8,6 +8,7 @@ import (
 
 	"github.com/go-logr/logr"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/util/validation/field"
@@ -56,9 +57,42 @@ func shell(t *testing.T, nodeStatusUpdate func(ctx context.Context, c client.Cli
 			return c.Status().Update(ctx, obj, opts...)
 		},
 	})
-	ctl := New(readerCache{r: c}, c, c, record.NewFakeRecorder(100), NewMetrics(nil), logr.Discard(), Options{Now: func() time.Time { return t0 }})
-	ctl.state.Rebuild([]ipwardenv1.IPPool{pool}, nil, t0)
+	ctl := New(readerCache{r: c}, c, c, record.NewFakeRecorder(100), NewMetrics(nil), logr.Discard(), Options{Now: func() time.Time { return t0 }, ClaimSettle: -1})
+	lead(t, ctl, pool)
 	return ctl, c
+}
+
+// lead starts ctl's machine leading with pool and node n, unfenced.
+func lead(t *testing.T, ctl *Controller, pool ipwardenv1.IPPool) {
+	t.Helper()
+	if err := ctl.m.Lead([]ipwardenv1.IPPool{pool}, nil, nil, t0); err != nil {
+		t.Fatal(err)
+	}
+	ctl.m.PoolChanged(&pool, t0)
+	ctl.m.NodeChanged(&metav1.PartialObjectMetadata{ObjectMeta: metav1.ObjectMeta{Name: "n", UID: "u-n"}}, t0)
+}
+
+// syncOnce delivers node n's NodeIPAllocation as the API server has it (the informer's part) and
+// runs the machine against the fake client, one operation at a time, until nothing is in
+// flight; it reports whether n's sync failed. Each call runs later than the last by more than
+// any backoff (round hours after t0), so a failed sync runs again.
+func syncOnce(t *testing.T, ctl *Controller, c client.Client, round int) (failed bool) {
+	t.Helper()
+	clock := t0.Add(time.Duration(round) * time.Hour)
+	before := ctl.m.sched.Failures("n")
+	ctl.m.AllocChanged(getAlloc(t, c), clock)
+	for range 100 {
+		rd := ctl.m.Ready(clock)
+		ctl.m.Advance()
+		if len(rd.Ops) == 0 && ctl.m.Idle() {
+			return ctl.m.sched.Failures("n") > before
+		}
+		for _, op := range rd.Ops {
+			ctl.m.Done(ctl.perform(context.Background(), op), clock)
+		}
+	}
+	t.Fatal("the machine did not come to rest in 100 rounds")
+	return false
 }
 
 func statusHeld(t *testing.T, c client.Client) addr.Set {
@@ -95,11 +129,12 @@ func TestShellConflictRetriesFromAFreshRead(t *testing.T) {
 		}
 		return c.Status().Update(ctx, obj)
 	})
-	if err := ctl.fill(context.Background(), getAlloc(t, c)); err != nil {
-		t.Fatal(err)
+	if syncOnce(t, ctl, c, 1) {
+		t.Fatal("the sync failed")
 	}
-	if calls != 2 || count(statusHeld(t, c)) != 8 || count(ctl.state.HeldBy("n")["p"]) != 8 || ctl.state.HasPending("n") {
-		t.Fatalf("calls %d, status %v, record %v", calls, statusHeld(t, c), ctl.state.HeldBy("n"))
+	st := ctl.m.state
+	if calls != 2 || count(statusHeld(t, c)) != 8 || count(st.HeldBy("n")["p"]) != 8 || st.HasPending("n") {
+		t.Fatalf("calls %d, status %v, record %v", calls, statusHeld(t, c), st.HeldBy("n"))
 	}
 }
 
@@ -117,21 +152,22 @@ func TestShellUnknownOutcomeSettlesFromAFreshRead(t *testing.T) {
 		}
 		return nil
 	})
-	if err := ctl.fill(context.Background(), getAlloc(t, c)); err == nil {
+	st := ctl.m.state
+	if !syncOnce(t, ctl, c, 1) {
 		t.Fatal("a write with an unknown outcome reported success")
 	}
 	landed := statusHeld(t, c)
-	if count(landed) != 8 || !ctl.state.HasPending("n") {
-		t.Fatalf("status %v, pending %v", landed, ctl.state.HasPending("n"))
+	if count(landed) != 8 || !st.HasPending("n") {
+		t.Fatalf("status %v, pending %v", landed, st.HasPending("n"))
 	}
 	// The node's spec is unchanged; the next sync adopts what landed and writes nothing new.
-	if err := ctl.fill(context.Background(), getAlloc(t, c)); err != nil {
-		t.Fatal(err)
+	if syncOnce(t, ctl, c, 2) {
+		t.Fatal("the second sync failed")
 	}
-	if got := ctl.state.HeldBy("n")["p"]; !got.Equal(landed) || ctl.state.HasPending("n") {
+	if got := st.HeldBy("n")["p"]; !got.Equal(landed) || st.HasPending("n") {
 		t.Fatalf("record %v after settling, status %v", got, landed)
 	}
-	if n := count(ctl.state.pool("p").alloc.Allocated()); n != 8 {
+	if n := count(st.pool("p").alloc.Allocated()); n != 8 {
 		t.Fatalf("pool allocated %d, want 8 (no address reserved twice)", n)
 	}
 }
@@ -142,11 +178,12 @@ func TestShellRejectedWriteReturnsItsAddresses(t *testing.T) {
 		return apierrors.NewInvalid(schema.GroupKind{Group: "ipwarden.io", Kind: "NodeIPAllocation"}, "n",
 			field.ErrorList{field.Invalid(field.NewPath("status"), "x", "bad")})
 	})
-	if err := ctl.fill(context.Background(), getAlloc(t, c)); err == nil {
+	st := ctl.m.state
+	if !syncOnce(t, ctl, c, 1) {
 		t.Fatal("a refused write reported success")
 	}
-	if ctl.state.Holds("n") || ctl.state.HasPending("n") || !ctl.state.pool("p").alloc.Allocated().IsEmpty() {
-		t.Fatalf("a refused write left the record holding %v", ctl.state.HeldBy("n"))
+	if st.Holds("n") || st.HasPending("n") || !st.pool("p").alloc.Allocated().IsEmpty() {
+		t.Fatalf("a refused write left the record holding %v", st.HeldBy("n"))
 	}
 	if !statusHeld(t, c).IsEmpty() {
 		t.Fatal("the status changed")
@@ -165,10 +202,11 @@ func TestShellWritesAsFieldManager(t *testing.T) {
 			return c.Status().Update(ctx, obj, opts...)
 		},
 	})
-	fresh := New(readerCache{r: c}, c, recording, record.NewFakeRecorder(100), NewMetrics(nil), logr.Discard(), Options{Now: func() time.Time { return t0 }})
-	fresh.state = ctl.state
-	if err := fresh.fill(context.Background(), getAlloc(t, c)); err != nil {
-		t.Fatal(err)
+	_ = ctl
+	fresh := New(readerCache{r: c}, c, recording, record.NewFakeRecorder(100), NewMetrics(nil), logr.Discard(), Options{Now: func() time.Time { return t0 }, ClaimSettle: -1})
+	lead(t, fresh, testPool("p", "10.0.0.0/26", time.Minute))
+	if syncOnce(t, fresh, c, 1) {
+		t.Fatal("the sync failed")
 	}
 	if len(managers) == 0 {
 		t.Fatal("the fill wrote no status")

@@ -445,6 +445,10 @@ func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now 
 				pf.Detail = fmt.Sprintf("%d free addresses for a deficit of %d", avail, plan.Add)
 				p.starved = true
 				p.dirty = true
+				// Left short from now, not from its commit: addresses that come back while the
+				// fill is in flight refill the node (Refill lists it; the scheduler runs it again
+				// after this sync).
+				p.waiting[name] = true
 				f.Starved = append(f.Starved, pool)
 			}
 			if want > 0 {
@@ -581,37 +585,6 @@ func (s *State) Commit(f *Fill, now time.Time) {
 			delete(s.pools, pool)
 		}
 	}
-}
-
-// RefillMissed returns the pools of a committed fill that left the node short (Starved) but
-// hold addresses the node could be given now. Addresses that came back to the pool between the
-// fill's plan and its commit were followed by a refill that did not know the node was waiting
-// yet (Commit records it), so without another look the node would wait for the next return or
-// the full resync. Addresses the fill itself took from the node, those its spec still lists as
-// releasing and those other nodes' pods claim or want do not count: a fill never hands them to
-// the node. Call it after Commit, under the same lock as the pool's returns.
-func (s *State) RefillMissed(f *Fill, spec ipwardenv1.NodeIPAllocationSpec, now time.Time) []string {
-	var out []string
-	for _, pool := range f.Starved {
-		p, ok := s.pools[pool]
-		if !ok {
-			continue
-		}
-		usable := p.alloc.Usable(now).Subtract(p.claimedByOthers(f.Node)).Subtract(p.wantedByOthers(f.Node))
-		if pf := f.Pools[pool]; pf != nil {
-			usable = usable.Subtract(pf.Removed)
-		}
-		for _, req := range spec.Pools {
-			if req.Pool == pool {
-				rel, _ := addr.ParseSet(blocks(req.Releasing))
-				usable = usable.Subtract(rel)
-			}
-		}
-		if !usable.IsEmpty() {
-			out = append(out, pool)
-		}
-	}
-	return out
 }
 
 // Abort undoes a fill whose write failed. definite means the API server rejected the write

@@ -183,56 +183,40 @@ func TestStarvedStatusIsStable(t *testing.T) {
 	}
 }
 
-// Addresses that come back to a pool while a starved node's fill is in flight (planned, not yet
-// committed) are followed by a refill that cannot know the node is waiting: RefillMissed finds
-// them once the fill commits, so the controller looks at the node again instead of leaving it
-// to the next return or the full resync (seen on real processes: an equal pool's last pod
-// waited a minute).
-func TestRefillMissedWhileAFillWasInFlight(t *testing.T) {
-	for _, tc := range []struct {
-		name       string
-		returned   bool   // c gives back two cooled addresses during a's fill
-		aReleasing string // what a's spec still lists as releasing
-		want       []string
-	}{
-		{"a return during the fill", true, "", []string{"p"}},
-		{"nothing came back", false, "", nil},
-		{"what came back is still listed as releasing by the node", true, "10.0.0.13-10.0.0.14", nil},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			s := NewState(DefaultExhaustionMarks)
-			// The /28 has 14 usable addresses: b and c hold them all.
-			s.Rebuild([]ipwardenv1.IPPool{testPool("p", "10.0.0.0/28", time.Minute)}, []ipwardenv1.NodeIPAllocation{
-				allocWith("b", "p", "10.0.0.1-10.0.0.10"), allocWith("c", "p", "10.0.0.11-10.0.0.14")}, t0)
-			var rel []string
-			if tc.aReleasing != "" {
-				rel = append(rel, tc.aReleasing)
-			}
-			aSpec := spec("p", 4, rel...)
-			fa := s.PlanFill("a", aSpec, t0) // planned: nothing free
-			if len(fa.Starved) != 1 {
-				t.Fatalf("a's fill is not starved: %+v", fa)
-			}
-			if tc.returned {
-				cSpec := spec("p", 2, "10.0.0.13-10.0.0.14")
-				cSpec.Pools[0].ReleasingCooled = cSpec.Pools[0].Releasing
-				fc := s.PlanFill("c", cSpec, t0)
-				s.Commit(fc, t0) // free at once (cooled), and the pool's refill runs now
-				if w := s.Refill("p"); len(w) != 0 {
-					t.Fatalf("refill before a's commit found %v waiting", w)
-				}
-			}
-			s.Commit(fa, t0)
-			if got := s.RefillMissed(fa, aSpec, t0); !slices.Equal(got, tc.want) {
-				t.Fatalf("RefillMissed = %v, want %v", got, tc.want)
-			}
-			if tc.want != nil {
-				// The look it asks for gives the node what came back.
-				if f := s.PlanFill("a", aSpec, t0); !f.Pools["p"].Added.Equal(set(t, "10.0.0.13-10.0.0.14")) {
-					t.Fatalf("a's next fill adds %v", f.Pools["p"].Added)
-				}
-			}
-		})
+// A starved node is left short from its plan, not its commit: addresses that come back while
+// its fill is in flight are followed by a refill that lists it, so the controller looks at it
+// again after this sync instead of leaving it to the next return or the full resync (seen on
+// real processes before: an equal pool's last pod waited a minute).
+func TestRefillListsAStarvedFillInFlight(t *testing.T) {
+	s := NewState(DefaultExhaustionMarks)
+	// The /28 has 14 usable addresses: b and c hold them all.
+	s.Rebuild([]ipwardenv1.IPPool{testPool("p", "10.0.0.0/28", time.Minute)}, []ipwardenv1.NodeIPAllocation{
+		allocWith("b", "p", "10.0.0.1-10.0.0.10"), allocWith("c", "p", "10.0.0.11-10.0.0.14")}, t0)
+	aSpec := spec("p", 4)
+	fa := s.PlanFill("a", aSpec, t0) // planned: nothing free
+	if len(fa.Starved) != 1 {
+		t.Fatalf("a's fill is not starved: %+v", fa)
+	}
+	cSpec := spec("p", 2, "10.0.0.13-10.0.0.14")
+	cSpec.Pools[0].ReleasingCooled = cSpec.Pools[0].Releasing
+	fc := s.PlanFill("c", cSpec, t0)
+	s.Commit(fc, t0) // free at once (cooled): the pool's refill runs now, a's fill still in flight
+	if w := s.Refill("p"); !slices.Equal(w, []string{"a"}) {
+		t.Fatalf("refill during a's fill lists %v, want [a]", w)
+	}
+	s.Commit(fa, t0)
+	f := s.PlanFill("a", aSpec, t0) // the look the refill asked for
+	if !f.Pools["p"].Added.Equal(set(t, "10.0.0.13-10.0.0.14")) {
+		t.Fatalf("a's next fill adds %v", f.Pools["p"].Added)
+	}
+	s.Commit(f, t0)
+	if w := s.Refill("p"); !slices.Equal(w, []string{"a"}) {
+		t.Fatalf("a is still short by two; refill lists %v", w)
+	}
+	// Once a fill gives it all it asks for, it is no longer waiting.
+	s.Commit(s.PlanFill("a", spec("p", 2), t0), t0)
+	if w := s.Refill("p"); len(w) != 0 {
+		t.Fatalf("refill lists %v after a is filled", w)
 	}
 }
 

@@ -1,0 +1,647 @@
+package controller
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/go-logr/logr"
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
+
+	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
+	"github.com/ipwarden/ipwarden/internal/addr"
+)
+
+// The machine's ordering rules, each driven through a scripted API server: world performs the
+// operations Ready lists against objects in memory, lands them unless the script says otherwise,
+// and delivers what landed back as the informers would.
+
+type world struct {
+	t      *testing.T
+	m      *Machine
+	now    time.Time
+	allocs map[string]*ipwardenv1.NodeIPAllocation
+	pools  map[string]*ipwardenv1.IPPool
+	nodes  map[string]bool
+	rv     int
+	queue  []Op
+	events []Event
+	done   []string // answered operations, "kind name", in order
+	// answer, when set, may answer an operation itself (ok true) with an error.
+	answer func(op Op) (error, bool)
+	// hold, when set, keeps matching operations in flight until release.
+	hold func(op Op) bool
+	held []Op
+	// rawPools: lead does not give the pools the status the record computes (their first pool
+	// pass writes it).
+	rawPools bool
+	fenced   error
+}
+
+func newWorld(t *testing.T, opts Options, pools ...ipwardenv1.IPPool) *world {
+	t.Helper()
+	if opts.ClaimSettle == 0 {
+		opts.ClaimSettle = -1
+	}
+	if opts.PoolSettle == 0 {
+		opts.PoolSettle = -1
+	}
+	w := &world{t: t, m: NewMachine(opts, NewMetrics(nil), logr.Discard()), now: t0,
+		allocs: map[string]*ipwardenv1.NodeIPAllocation{}, pools: map[string]*ipwardenv1.IPPool{}, nodes: map[string]bool{}}
+	for i := range pools {
+		p := pools[i].DeepCopy()
+		p.Generation, p.UID = 1, types.UID("uid-"+p.Name)
+		w.pools[p.Name] = p
+	}
+	return w
+}
+
+func (w *world) version() string { w.rv++; return fmt.Sprint(w.rv) }
+
+// lead makes the machine lead from the world's objects, as holder (empty: unfenced), and
+// delivers them as the informers' first list.
+func (w *world) lead(holder string) {
+	w.t.Helper()
+	var pools []ipwardenv1.IPPool
+	for _, p := range sortedKeys(w.pools) {
+		pools = append(pools, *w.pools[p])
+	}
+	var allocs []ipwardenv1.NodeIPAllocation
+	for _, a := range sortedKeys(w.allocs) {
+		allocs = append(allocs, *w.allocs[a])
+	}
+	if !w.rawPools {
+		tmp := NewState(DefaultExhaustionMarks)
+		tmp.Rebuild(pools, allocs, w.now)
+		for i, p := range pools {
+			st, _ := tmp.PoolStatus(p.Name, ipwardenv1.IPPoolStatus{}, p.Generation, w.now)
+			w.pools[p.Name].Status = st
+			pools[i].Status = st
+		}
+	}
+	var stamp *ipwardenv1.Fence
+	if holder != "" {
+		stamp = &ipwardenv1.Fence{Holder: holder, Epoch: 2}
+	}
+	if err := w.m.Lead(pools, allocs, stamp, w.now); err != nil {
+		w.t.Fatal(err)
+	}
+	for _, p := range pools {
+		w.m.PoolChanged(w.pools[p.Name], w.now)
+	}
+	for _, n := range sortedKeys(w.nodes) {
+		w.m.NodeChanged(nodeObj(n), w.now)
+	}
+	for _, a := range allocs {
+		w.m.AllocChanged(w.allocs[a.Name], w.now)
+	}
+}
+
+func nodeObj(name string) *metav1.PartialObjectMetadata {
+	return &metav1.PartialObjectMetadata{ObjectMeta: metav1.ObjectMeta{Name: name, UID: types.UID("u-" + name)}}
+}
+
+// addNode creates a Node and, unless noAlloc, its NodeIPAllocation owned by it with spec and
+// the addresses held in pool p.
+func (w *world) addNode(name string, sp ipwardenv1.NodeIPAllocationSpec, held ...string) {
+	w.nodes[name] = true
+	a := allocWith(name, "p", held...)
+	a.Spec = sp
+	a.Generation, a.UID, a.ResourceVersion = 1, types.UID("a-"+name), w.version()
+	a.OwnerReferences = replaceNodeOwner(nil, nodeObj(name))
+	w.allocs[name] = &a
+}
+
+// setSpec is the agent writing a node's spec (a new generation, delivered by the informer).
+func (w *world) setSpec(name string, sp ipwardenv1.NodeIPAllocationSpec) {
+	a := w.allocs[name].DeepCopy()
+	a.Spec = sp
+	a.Generation++
+	a.ResourceVersion = w.version()
+	w.allocs[name] = a
+	w.m.AllocChanged(a, w.now)
+}
+
+// step runs Ready once: issues its operations into the queue and records its events.
+func (w *world) step() Ready {
+	w.m.Tick(w.now)
+	rd := w.m.Ready(w.now)
+	w.m.Advance()
+	w.queue = append(w.queue, rd.Ops...)
+	w.events = append(w.events, rd.Events...)
+	if rd.Fenced != nil && w.fenced == nil {
+		w.fenced = rd.Fenced
+	}
+	return rd
+}
+
+// run answers operations until the machine is at rest (nothing queued, nothing in flight but
+// what hold keeps, nothing due within the scheduler's 100 ms pacing: the clock moves to it) and
+// returns the operations answered in this run.
+func (w *world) run() []string {
+	w.t.Helper()
+	start := len(w.done)
+	for range 10000 {
+		rd := w.step()
+		if len(w.queue) == 0 {
+			if !rd.Wake.IsZero() && rd.Wake.Sub(w.now) <= 100*time.Millisecond {
+				w.now = rd.Wake
+				continue
+			}
+			return w.done[start:]
+		}
+		op := w.queue[0]
+		w.queue = w.queue[1:]
+		if w.hold != nil && w.hold(op) {
+			w.held = append(w.held, op)
+			continue
+		}
+		w.perform(op)
+	}
+	w.t.Fatal("the machine did not come to rest")
+	return nil
+}
+
+// release answers the operations hold kept, in order.
+func (w *world) release() {
+	held := w.held
+	w.held = nil
+	for _, op := range held {
+		w.perform(op)
+	}
+}
+
+func opName(op Op) string {
+	name := op.Node
+	if op.PoolName != "" {
+		name = op.PoolName
+	}
+	return strings.TrimSpace(op.Kind.String() + " " + name)
+}
+
+var errTimeout = apierrors.NewTimeoutError("no answer", 1)
+
+func (w *world) perform(op Op) {
+	w.done = append(w.done, opName(op))
+	r := OpResult{ID: op.ID}
+	if w.answer != nil {
+		if err, ok := w.answer(op); ok {
+			r.Err = err
+			w.m.Done(r, w.now)
+			return
+		}
+	}
+	gr := schema.GroupResource{Group: "ipwarden.io", Resource: "x"}
+	switch op.Kind {
+	case OpCreateAllocation:
+		a := op.Alloc.DeepCopy()
+		a.Generation, a.UID, a.ResourceVersion = 1, types.UID("a-"+a.Name), w.version()
+		w.allocs[a.Name] = a
+		defer w.m.AllocChanged(a, w.now)
+	case OpDeleteAllocation:
+		delete(w.allocs, op.Node)
+		defer w.m.AllocDeleted(op.Node, w.now)
+	case OpPatchOwner:
+		a := op.Alloc.DeepCopy()
+		a.ResourceVersion = w.version()
+		w.allocs[a.Name] = a
+		r.Alloc = a
+		defer w.m.AllocChanged(a, w.now)
+	case OpNodeStatus:
+		cur := w.allocs[op.Node]
+		if cur == nil {
+			r.Err = apierrors.NewNotFound(gr, op.Node)
+			break
+		}
+		if cur.ResourceVersion != op.Alloc.ResourceVersion {
+			r.Err = apierrors.NewConflict(gr, op.Node, errors.New("changed"))
+			break
+		}
+		a := cur.DeepCopy()
+		a.Status = op.Alloc.Status
+		a.ResourceVersion = w.version()
+		w.allocs[op.Node] = a
+		r.Alloc = a
+		defer w.m.AllocChanged(a, w.now)
+	case OpPoolStatus:
+		cur := w.pools[op.PoolName]
+		if cur.ResourceVersion != op.Pool.ResourceVersion {
+			r.Err = apierrors.NewConflict(gr, op.PoolName, errors.New("changed"))
+			break
+		}
+		p := cur.DeepCopy()
+		p.Status = op.Pool.Status
+		p.ResourceVersion = w.version()
+		w.pools[op.PoolName] = p
+		r.Pool = p
+		defer w.m.PoolChanged(p, w.now)
+	case OpReadNode:
+		if !w.nodes[op.Node] {
+			r.Err = apierrors.NewNotFound(gr, op.Node)
+		}
+	case OpReadAllocation:
+		if a := w.allocs[op.Node]; a != nil {
+			r.Alloc = a.DeepCopy()
+		} else {
+			r.Err = apierrors.NewNotFound(gr, op.Node)
+		}
+	case OpReadPool:
+		r.Pool = w.pools[op.PoolName].DeepCopy()
+	case OpReadAgentLease:
+		r.Err = apierrors.NewNotFound(gr, op.Node)
+	case OpListAllocations:
+		for _, n := range sortedKeys(w.allocs) {
+			r.Allocs = append(r.Allocs, *w.allocs[n])
+		}
+	}
+	w.m.Done(r, w.now)
+}
+
+func (w *world) held_(node string) addr.Set {
+	var out addr.Set
+	for _, p := range w.allocs[node].Status.Pools {
+		s, _ := addr.ParseSet(p.Addresses)
+		out = out.Union(s)
+	}
+	return out
+}
+
+func (w *world) eventReasons() []string {
+	var out []string
+	for _, e := range w.events {
+		out = append(out, e.Reason)
+	}
+	return out
+}
+
+// A node's lifecycle write comes before its fill, and a take-back's cooling record before the
+// node's status: the first operations of one sync, by what the node's objects are.
+func TestMachineLifecycleWrites(t *testing.T) {
+	tests := []struct {
+		name  string
+		setup func(w *world)
+		want  []string
+	}{
+		{"a new node gets its NodeIPAllocation", func(w *world) {
+			w.nodes["n"] = true
+		}, []string{"create NodeIPAllocation n", "write NodeIPAllocation status n"}},
+		{"a node asking for addresses is filled", func(w *world) {
+			w.addNode("n", spec("p", 4))
+		}, []string{"write NodeIPAllocation status n", "write IPPool status p"}},
+		{"a take-back writes the cooling record first", func(w *world) {
+			w.addNode("n", spec("p", 2, "10.0.0.3-10.0.0.4"), "10.0.0.1-10.0.0.4")
+		}, []string{"write IPPool status p", "write NodeIPAllocation status n"}},
+		{"a stale owner is fixed before the fill", func(w *world) {
+			w.addNode("n", spec("p", 4))
+			w.allocs["n"].OwnerReferences[0].UID = "u-old"
+		}, []string{"patch NodeIPAllocation owner n", "write NodeIPAllocation status n", "write IPPool status p"}},
+		{"a deleted node: asked of the API server, cooling record, then the delete", func(w *world) {
+			w.addNode("n", spec("p", 4), "10.0.0.1-10.0.0.4")
+			delete(w.nodes, "n")
+		}, []string{"read Node n", "read agent Lease n", "write IPPool status p", "delete NodeIPAllocation n"}},
+		{"a node no pool selects, holding nothing, loses its object", func(w *world) {
+			w.addNode("n", ipwardenv1.NodeIPAllocationSpec{})
+			sel := w.pools["p"]
+			sel.Spec.NodeSelector = &metav1.LabelSelector{MatchLabels: map[string]string{"pool": "p"}}
+		}, []string{"delete NodeIPAllocation n"}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			w := newWorld(t, Options{AgentLeaseNamespace: "ns"}, testPool("p", "10.0.0.0/28", time.Minute))
+			tc.setup(w)
+			w.lead("")
+			if got := w.run(); !slices.Equal(got, tc.want) {
+				t.Fatalf("operations %v, want %v", got, tc.want)
+			}
+		})
+	}
+}
+
+// Claims before fills: a new leader grants claimed addresses at once but fills from the free pool
+// only once every node acknowledged it, or when --claim-settle passes (with an event naming the
+// nodes that did not).
+func TestMachineClaimsBeforeFills(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		ack       bool // b acknowledges the leader
+		wantEvent string
+	}{
+		{"every node acknowledges", true, ""},
+		{"a node stays silent past the bound", false, "LeaderNotAcknowledged"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w := newWorld(t, Options{ClaimSettle: time.Minute}, testPool("p", "10.0.0.0/28", time.Minute))
+			claim := spec("p", 4)
+			claim.Pools[0].Claimed = []ipwardenv1.AddressBlock{"10.0.0.7"}
+			claim.AcknowledgedLeader = "leader"
+			w.addNode("a", claim)
+			w.addNode("b", spec("p", 4))
+			w.lead("leader")
+			w.run()
+			if got := w.held_("a"); !got.Equal(set(t, "10.0.0.7")) {
+				t.Fatalf("before the acknowledgements a holds %v, want its claim 10.0.0.7 only", got)
+			}
+			if got := w.held_("b"); !got.IsEmpty() {
+				t.Fatalf("before the acknowledgements b was filled: %v", got)
+			}
+			if tc.ack {
+				sp := spec("p", 4)
+				sp.AcknowledgedLeader = "leader"
+				w.setSpec("b", sp)
+				w.now = w.now.Add(time.Second)
+			} else {
+				w.now = w.now.Add(time.Minute)
+			}
+			w.run()
+			if count(w.held_("a")) != 4 || count(w.held_("b")) != 4 {
+				t.Fatalf("after the settle a holds %v, b %v; want 4 each", w.held_("a"), w.held_("b"))
+			}
+			if got := slices.Contains(w.eventReasons(), "LeaderNotAcknowledged"); got != (tc.wantEvent != "") {
+				t.Fatalf("events %v", w.eventReasons())
+			}
+		})
+	}
+}
+
+// A pool that appears while the controller leads hands out none of its free addresses until every
+// node observed it (spec.observedPools), or --pool-settle passes.
+func TestMachinePoolSettle(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		observe   bool
+		wantEvent string
+	}{
+		{"every node observes the new pool", true, "PoolSettling"},
+		{"a node stays silent past the bound", false, "PoolSettleTimedOut"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w := newWorld(t, Options{PoolSettle: time.Minute})
+			w.addNode("a", spec("p", 4))
+			w.lead("")
+			w.run()
+			p := testPool("p", "10.0.0.0/28", time.Minute)
+			p.Generation, p.UID, p.ResourceVersion = 1, "uid-p", w.version()
+			w.pools["p"] = &p
+			w.m.PoolChanged(&p, w.now)
+			w.run()
+			if got := w.held_("a"); !got.IsEmpty() {
+				t.Fatalf("a was filled from a pool it has not observed: %v", got)
+			}
+			if tc.observe {
+				sp := spec("p", 4)
+				sp.ObservedPools = []ipwardenv1.ObservedPool{{Pool: "p", UID: "uid-p", Generation: 1}}
+				w.setSpec("a", sp)
+				w.now = w.now.Add(time.Second)
+			} else {
+				w.now = w.now.Add(time.Minute)
+			}
+			w.run()
+			if count(w.held_("a")) != 4 {
+				t.Fatalf("after the settle a holds %v", w.held_("a"))
+			}
+			if !slices.Contains(w.eventReasons(), tc.wantEvent) {
+				t.Fatalf("events %v, want %s", w.eventReasons(), tc.wantEvent)
+			}
+		})
+	}
+}
+
+// What each outcome of the node status write leads to: a conflict re-reads and writes again; a
+// write with no answer is settled from a fresh read before the node is planned again; a status a
+// newer leader wrote stops this one.
+func TestMachineStatusWriteOutcomes(t *testing.T) {
+	for _, tc := range []struct {
+		name       string
+		first      error
+		newerFence bool
+		want       []string
+		wantHeld   int
+		fenced     bool
+	}{
+		{"landed", nil, false, []string{"write NodeIPAllocation status n"}, 4, false},
+		{"conflict", apierrors.NewConflict(gr, "n", errors.New("changed")), false,
+			[]string{"write NodeIPAllocation status n", "read NodeIPAllocation n", "write NodeIPAllocation status n"}, 4, false},
+		{"conflict with a newer leader's status", apierrors.NewConflict(gr, "n", errors.New("changed")), true,
+			[]string{"write NodeIPAllocation status n", "read NodeIPAllocation n"}, 0, true},
+		{"no answer, landed", errTimeout, false,
+			[]string{"write NodeIPAllocation status n", "read NodeIPAllocation n"}, 4, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w := newWorld(t, Options{}, testPool("p", "10.0.0.0/28", time.Minute))
+			w.addNode("n", spec("p", 4))
+			calls := 0
+			w.answer = func(op Op) (error, bool) {
+				if op.Kind != OpNodeStatus {
+					return nil, false
+				}
+				calls++
+				if calls > 1 || tc.first == nil {
+					return nil, false
+				}
+				if tc.newerFence {
+					a := w.allocs["n"].DeepCopy()
+					a.Status.Fence = &ipwardenv1.Fence{Holder: "newer", Epoch: 9}
+					w.allocs["n"] = a
+				}
+				if tc.first == errTimeout { // it landed; the answer was lost
+					a := w.allocs["n"].DeepCopy()
+					a.Status = op.Alloc.Status
+					a.ResourceVersion = w.version()
+					w.allocs["n"] = a
+				}
+				return tc.first, true
+			}
+			w.lead("leader")
+			w.m.state.EndSettle()
+			var ops []string
+			for _, o := range w.run() {
+				if !strings.HasPrefix(o, "write IPPool") {
+					ops = append(ops, o)
+				}
+			}
+			if tc.first == errTimeout {
+				// The next sync starts from a fresh read; the record adopts what landed.
+				if !w.m.state.HasPending("n") {
+					w.t.Fatal("a write with no answer left nothing pending")
+				}
+				w.now = w.now.Add(time.Hour)
+				w.m.enqueue("n", w.now)
+				for _, o := range w.run() {
+					if !strings.HasPrefix(o, "write IPPool") && !strings.HasPrefix(o, "list") {
+						ops = append(ops, o)
+					}
+				}
+			}
+			if !slices.Equal(ops, tc.want) {
+				t.Fatalf("operations %v, want %v", ops, tc.want)
+			}
+			if got := count(w.m.state.HeldBy("n")["p"]); got != tc.wantHeld || w.m.state.HasPending("n") {
+				t.Fatalf("record holds %d (pending %v), want %d", got, w.m.state.HasPending("n"), tc.wantHeld)
+			}
+			if (w.fenced != nil) != tc.fenced {
+				t.Fatalf("fenced: %v, want %v", w.fenced, tc.fenced)
+			}
+		})
+	}
+}
+
+// A fill that takes addresses from a node waits for a pool status write computed after its
+// cooling record: not one already in flight. A pool status conflict re-reads the pool and writes
+// again; past three conflicts the fill fails and the node keeps its addresses.
+func TestMachinePoolWriteCarriesTheCoolingRecord(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		conflicts int
+		want      []string
+		committed bool
+	}{
+		{"a write in flight is not enough", 0, []string{"write IPPool status p", "write IPPool status p", "write NodeIPAllocation status n"}, true},
+		{"a conflict re-reads the pool", 1, []string{"write IPPool status p", "write IPPool status p", "read IPPool p", "write IPPool status p", "write NodeIPAllocation status n"}, true},
+		{"four conflicts fail the fill", 4, []string{"write IPPool status p", "write IPPool status p", "read IPPool p", "write IPPool status p",
+			"read IPPool p", "write IPPool status p", "read IPPool p", "write IPPool status p"}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w := newWorld(t, Options{}, testPool("p", "10.0.0.0/28", time.Minute))
+			w.rawPools = true // the first pool pass writes its status
+			w.addNode("n", spec("p", 4), "10.0.0.1-10.0.0.4")
+			w.lead("")
+			// The pool pass's write is held in flight while n gives two back.
+			first := true
+			w.hold = func(op Op) bool {
+				if op.Kind == OpPoolStatus && first {
+					first = false
+					return true
+				}
+				return false
+			}
+			w.run()
+			if len(w.held) != 1 {
+				t.Fatalf("held %v", w.held)
+			}
+			conflicts, writes := 0, 0
+			w.answer = func(op Op) (error, bool) {
+				if op.Kind != OpPoolStatus {
+					return nil, false
+				}
+				if writes++; writes >= 2 && conflicts < tc.conflicts {
+					conflicts++
+					return apierrors.NewConflict(gr, "p", errors.New("changed")), true
+				}
+				return nil, false
+			}
+			start := len(w.done)
+			w.setSpec("n", spec("p", 2, "10.0.0.3-10.0.0.4"))
+			w.now = w.now.Add(time.Second)
+			w.step()
+			if slices.ContainsFunc(w.queue, func(op Op) bool { return op.Kind == OpNodeStatus }) {
+				t.Fatal("the node's status was written while the only pool write in flight predates its cooling record")
+			}
+			w.release()
+			w.run()
+			got := w.done[start:]
+			if !slices.Equal(got, tc.want) {
+				t.Fatalf("operations %v, want %v", got, tc.want)
+			}
+			if held := count(w.held_("n")); (held == 2) != tc.committed {
+				t.Fatalf("n holds %d, committed %v", held, tc.committed)
+			}
+		})
+	}
+}
+
+// A node left short is refilled when addresses come back, even when they come back while its
+// own fill is in flight (recorded short from the plan, not the commit).
+func TestMachineRefillsAStarvedNodeWhoseFillWasInFlight(t *testing.T) {
+	w := newWorld(t, Options{}, testPool("p", "10.0.0.0/28", 0))
+	w.addNode("b", spec("p", 14), "10.0.0.1-10.0.0.14")
+	w.addNode("a", ipwardenv1.NodeIPAllocationSpec{})
+	w.lead("")
+	w.run()
+	// a asks for 4; its status write is held in flight while b gives 2 back (cooled).
+	w.hold = func(op Op) bool { return op.Kind == OpNodeStatus && op.Node == "a" && len(w.held) == 0 }
+	w.setSpec("a", spec("p", 4))
+	w.run()
+	if len(w.held) != 1 {
+		t.Fatalf("a's write is not in flight: %v", w.done)
+	}
+	w.hold = nil
+	rel := spec("p", 12, "10.0.0.13-10.0.0.14")
+	rel.Pools[0].ReleasingCooled = rel.Pools[0].Releasing
+	w.now = w.now.Add(time.Second)
+	w.setSpec("b", rel)
+	w.run()
+	w.release()
+	w.now = w.now.Add(time.Second)
+	w.run()
+	if got := w.held_("a"); !got.Equal(set(t, "10.0.0.13-10.0.0.14")) {
+		t.Fatalf("a holds %v, want what b gave back", got)
+	}
+}
+
+// One task per node, and at most Workers at once.
+func TestMachineBoundsTasks(t *testing.T) {
+	w := newWorld(t, Options{Workers: 2}, testPool("p", "10.0.0.0/24", time.Minute))
+	for i := range 6 {
+		w.addNode(fmt.Sprintf("n%d", i), spec("p", 4))
+	}
+	w.hold = func(Op) bool { return true }
+	w.lead("")
+	w.step()
+	for range 5 {
+		w.run()
+	}
+	if len(w.held) != 2 {
+		t.Fatalf("%d operations in flight with 2 workers: %v", len(w.held), w.held)
+	}
+	w.hold = nil
+	for len(w.held) > 0 {
+		w.release()
+		w.run()
+	}
+	for i := range 6 {
+		if n := count(w.held_(fmt.Sprintf("n%d", i))); n != 4 {
+			t.Fatalf("n%d holds %d", i, n)
+		}
+	}
+}
+
+// The audit runs on the machine's goroutine between steps: addresses reserved by fills in flight
+// are the nodes', never returned as leaked nor reported as held twice.
+func TestMachineAuditWhileFillsAreInFlight(t *testing.T) {
+	w := newWorld(t, Options{AuditPeriod: time.Minute}, testPool("p", "10.0.0.0/28", 0))
+	w.addNode("a", spec("p", 4))
+	w.addNode("b", spec("p", 4))
+	w.lead("")
+	w.hold = func(op Op) bool { return op.Kind == OpNodeStatus }
+	w.run()
+	w.hold = nil
+	w.now = w.now.Add(time.Minute)
+	if got := w.run(); !slices.Contains(got, "list NodeIPAllocations") { // while both fills are in flight
+		t.Fatalf("no audit ran: %v", got)
+	}
+	if twice, leaked := gauge(t, w.m.metrics.AddressesTwice), counter(t, w.m.metrics.GCCollected); twice != 0 || leaked != 0 {
+		t.Fatalf("the audit reported %v addresses held twice and returned %v as leaked", twice, leaked)
+	}
+	w.release()
+	w.run()
+	if a, b := w.held_("a"), w.held_("b"); count(a) != 4 || count(b) != 4 || a.Overlaps(b) {
+		t.Fatalf("a holds %v, b %v", a, b)
+	}
+}
+
+func counter(t *testing.T, c prometheus.Counter) float64 {
+	t.Helper()
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		t.Fatal(err)
+	}
+	return m.GetCounter().GetValue()
+}
