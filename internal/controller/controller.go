@@ -103,14 +103,11 @@ func (o *Options) setDefaults() {
 	if o.Fence == nil {
 		o.Fence = NoFence()
 	}
-	if o.ClaimSettle < 0 {
-		o.ClaimSettle = 0
-	} else if o.ClaimSettle == 0 {
+	// A negative settle stays negative: none (setDefaults runs more than once).
+	if o.ClaimSettle == 0 {
 		o.ClaimSettle = 60 * time.Second
 	}
-	if o.PoolSettle < 0 {
-		o.PoolSettle = 0
-	} else if o.PoolSettle == 0 {
+	if o.PoolSettle == 0 {
 		o.PoolSettle = 60 * time.Second
 	}
 }
@@ -141,8 +138,8 @@ const FieldManager = "ipwarden-controller"
 // New returns a controller reading through c (an informer cache), reader (the API server,
 // uncached) and writing through writer, as FieldManager.
 func New(c cache.Cache, reader client.Reader, writer client.Client, events record.EventRecorder, m *Metrics, log logr.Logger, opts Options) *Controller {
-	opts.setDefaults()
-	mach := NewMachine(opts, m, log)
+	mach := NewMachine(opts, m, log) // applies the defaults (once: a settle of 0 means none)
+	opts = mach.opts
 	mach.sched.Jitter = rand.Float64
 	return &Controller{
 		opts: opts, cache: c, reader: reader, writer: client.WithFieldOwner(writer, FieldManager), events: events, metrics: m, log: log,
@@ -218,7 +215,7 @@ func (c *Controller) Start(ctx context.Context) error {
 		}
 		return err
 	}
-	c.log.Info("controller serving", "workers", c.opts.Workers, "resync", c.opts.ResyncPeriod, "claimSettle", c.opts.ClaimSettle)
+	c.log.Info("controller serving", "workers", c.opts.Workers, "resync", c.opts.ResyncPeriod, "claimSettle", max(c.opts.ClaimSettle, 0))
 	c.run(ctx)
 	if cause := context.Cause(ctx); errors.Is(cause, ErrFenced) {
 		return cause

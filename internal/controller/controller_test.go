@@ -203,9 +203,15 @@ func TestOptionsDefaults(t *testing.T) {
 	if fmt.Sprintf("%+v", set) != fmt.Sprintf("%+v", want) {
 		t.Fatalf("set options changed: %+v, want %+v", set, want)
 	}
+	// Defaults apply more than once (New, NewMachine, a replaying machine): none stays none.
 	none := Options{ClaimSettle: -time.Second, PoolSettle: -time.Second}
 	none.setDefaults()
-	if none.ClaimSettle != 0 || none.PoolSettle != 0 {
+	none.setDefaults()
+	if none.ClaimSettle >= 0 || none.PoolSettle >= 0 {
 		t.Fatalf("a negative claim settle became %s, pool settle %s, want none", none.ClaimSettle, none.PoolSettle)
+	}
+	c := New(nil, nil, nil, record.NewFakeRecorder(1), NewMetrics(nil), logr.Discard(), Options{ClaimSettle: -1, PoolSettle: -1})
+	if c.m.opts.ClaimSettle >= 0 || c.m.opts.PoolSettle >= 0 {
+		t.Fatalf("New turned no settle into %s and %s", c.m.opts.ClaimSettle, c.m.opts.PoolSettle)
 	}
 }

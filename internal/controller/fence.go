@@ -132,10 +132,13 @@ func IsFenceRejection(err error) bool {
 
 // Outranked is Outranked for this fence; never with the local checks off.
 func (f *Fence) Outranked(seen *ipwardenv1.Fence) bool {
+	return !f.localChecksOff() && Outranked(f.Stamp(), seen)
+}
+
+func (f *Fence) localChecksOff() bool {
 	f.mu.Lock()
-	skip := f.skipLocal
-	f.mu.Unlock()
-	return !skip && Outranked(f.Stamp(), seen)
+	defer f.mu.Unlock()
+	return f.skipLocal
 }
 
 // Outranked says whether a status written by another controller shows a newer epoch than

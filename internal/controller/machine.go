@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+	"github.com/google/go-cmp/cmp"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -227,6 +228,10 @@ type Machine struct {
 	schedNext       time.Time // when the scheduler has a node ready next
 
 	out Ready
+
+	recording bool
+	script    []Input
+	issued    []Op
 }
 
 // reportCheckInterval bounds how often the acknowledgement and pool-settle checks (a pass over
@@ -247,6 +252,9 @@ func NewMachine(opts Options, m *Metrics, log logr.Logger) *Machine {
 	}
 }
 
+// Options are the machine's options, defaults applied (to make another machine like it).
+func (m *Machine) Options() Options { return m.opts }
+
 // State is the machine's allocation record (for tests and the simulator's accounting; the
 // machine's owner must not change it).
 func (m *Machine) State() *State { return m.state }
@@ -258,16 +266,18 @@ func (m *Machine) Scheduler() *Scheduler { return m.sched }
 // previous leader's last writes), as the holder of stamp (nil: unfenced). It refuses with
 // ErrFenced when a status was written by a newer leader.
 func (m *Machine) Lead(pools []ipwardenv1.IPPool, allocs []ipwardenv1.NodeIPAllocation, stamp *ipwardenv1.Fence, now time.Time) error {
+	m.record(Input{Kind: InLead, At: now, Pools: pools, Allocs: allocs, Stamp: stamp})
 	for i := range allocs {
-		if seen := allocs[i].Status.Fence; Outranked(stamp, seen) {
+		if seen := allocs[i].Status.Fence; m.outranked(stamp, seen) {
 			return fmt.Errorf("%w: NodeIPAllocation %s was written by %s at epoch %d, after this controller's epoch %d",
 				ErrFenced, allocs[i].Name, seen.Holder, seen.Epoch, stamp.Epoch)
 		}
 	}
 	m.stamp = stamp
 	twice := m.state.Rebuild(pools, allocs, now)
-	m.state.SettleUntil(now.Add(m.opts.ClaimSettle))
-	m.claimSettleAt = now.Add(m.opts.ClaimSettle)
+	settle := max(m.opts.ClaimSettle, 0) // negative: none
+	m.state.SettleUntil(now.Add(settle))
+	m.claimSettleAt = now.Add(settle)
 	m.awaitAcks = stamp != nil // with leader election: wait for the agents' acknowledgements
 	m.reportsDirty = m.awaitAcks
 	m.nextPoolPass = now
@@ -288,6 +298,7 @@ func (m *Machine) Lead(pools []ipwardenv1.IPPool, allocs []ipwardenv1.NodeIPAllo
 
 // NodeChanged: the Node informer delivered obj (added or updated).
 func (m *Machine) NodeChanged(obj *metav1.PartialObjectMetadata, now time.Time) {
+	m.record(Input{Kind: InNodeChanged, At: now, Node: obj})
 	old := m.nodes[obj.Name]
 	m.nodes[obj.Name] = obj
 	if old == nil || old.UID != obj.UID || !equality.Semantic.DeepEqual(old.Labels, obj.Labels) {
@@ -297,6 +308,7 @@ func (m *Machine) NodeChanged(obj *metav1.PartialObjectMetadata, now time.Time) 
 
 // NodeDeleted: the Node informer deleted name.
 func (m *Machine) NodeDeleted(name string, now time.Time) {
+	m.record(Input{Kind: InNodeDeleted, At: now, Name: name})
 	delete(m.nodes, name)
 	m.nodeMoved(name, now)
 }
@@ -304,6 +316,7 @@ func (m *Machine) NodeDeleted(name string, now time.Time) {
 // AllocChanged: the NodeIPAllocation informer delivered obj (added or updated). The object is
 // kept (writes go against its resourceVersion); the node is queued when its spec or owner moved.
 func (m *Machine) AllocChanged(obj *ipwardenv1.NodeIPAllocation, now time.Time) {
+	m.record(Input{Kind: InAllocChanged, At: now, Alloc: obj})
 	old := m.allocs[obj.Name]
 	m.allocs[obj.Name] = obj
 	if old == nil || old.Generation != obj.Generation || old.UID != obj.UID ||
@@ -314,6 +327,7 @@ func (m *Machine) AllocChanged(obj *ipwardenv1.NodeIPAllocation, now time.Time) 
 
 // AllocDeleted: the NodeIPAllocation informer deleted name.
 func (m *Machine) AllocDeleted(name string, now time.Time) {
+	m.record(Input{Kind: InAllocDeleted, At: now, Name: name})
 	delete(m.allocs, name)
 	m.nodeMoved(name, now)
 }
@@ -326,6 +340,7 @@ func (m *Machine) nodeMoved(name string, now time.Time) {
 // PoolChanged: the IPPool informer delivered obj (added or updated). A new generation changes
 // the record; a new or grown pool starts its settle (PoolGrows).
 func (m *Machine) PoolChanged(obj *ipwardenv1.IPPool, now time.Time) {
+	m.record(Input{Kind: InPoolChanged, At: now, Pool: obj})
 	old := m.pools[obj.Name]
 	m.pools[obj.Name] = obj
 	if old != nil && old.Generation == obj.Generation && old.UID == obj.UID {
@@ -350,6 +365,7 @@ func (m *Machine) PoolChanged(obj *ipwardenv1.IPPool, now time.Time) {
 
 // PoolDeleted: the IPPool informer deleted name.
 func (m *Machine) PoolDeleted(name string, now time.Time) {
+	m.record(Input{Kind: InPoolDeleted, At: now, Name: name})
 	delete(m.pools, name)
 	affected := m.state.DeletePool(name)
 	m.state.EndPoolSettle(name)
@@ -362,6 +378,7 @@ func (m *Machine) PoolDeleted(name string, now time.Time) {
 // StatefulSetChanged: a StatefulSet changed or went (view.Exists false); sticky addresses its
 // PVC retention no longer keeps return to their pools.
 func (m *Machine) StatefulSetChanged(namespace, name string, view sticky.StatefulSet) {
+	m.record(Input{Kind: InStatefulSet, Namespace: namespace, Name: name, StatefulSet: view})
 	if m.state.ReturnSticky(namespace, name, view) {
 		m.log.Info("returned sticky addresses to their pools", "statefulSet", namespace+"/"+name, "deleted", !view.Exists)
 		m.poolWake = true
@@ -373,6 +390,7 @@ func (m *Machine) StatefulSetChanged(namespace, name string, view sticky.Statefu
 // Tick runs what is due by now: the claim and pool settle bounds, agent Lease rechecks, the pool
 // pass, the full resync and the audit.
 func (m *Machine) Tick(now time.Time) {
+	m.record(Input{Kind: InTick, At: now})
 	if !m.claimSettleAt.IsZero() && !now.Before(m.claimSettleAt) {
 		m.claimSettleAt = time.Time{}
 		if m.awaitAcks {
@@ -380,11 +398,11 @@ func (m *Machine) Tick(now time.Time) {
 			missing := m.unacknowledged()
 			m.log.Error(nil, "nodes did not acknowledge this leader within --claim-settle; filling from the free pool anyway. "+
 				"Their agents may be down or too old: addresses their pods use that their status lost can go to another node (docs/design.md, \"Claims and rewinds\")",
-				"claimSettle", m.opts.ClaimSettle.String(), "nodes", len(missing), "first", firstN(missing, 10))
+				"claimSettle", max(m.opts.ClaimSettle, 0).String(), "nodes", len(missing), "first", firstN(missing, 10))
 			for _, name := range missing {
 				if a := m.allocs[name]; a != nil {
 					m.event(a, corev1.EventTypeWarning, "LeaderNotAcknowledged",
-						"the node's agent did not acknowledge controller %s within %s; the controller fills other nodes anyway", m.holder(), m.opts.ClaimSettle)
+						"the node's agent did not acknowledge controller %s within %s; the controller fills other nodes anyway", m.holder(), max(m.opts.ClaimSettle, 0))
 				}
 			}
 		}
@@ -396,8 +414,8 @@ func (m *Machine) Tick(now time.Time) {
 			m.nextReportCheck = time.Time{}
 		}
 	}
-	for name, at := range m.rechecks {
-		if !now.Before(at) {
+	for _, name := range sortedKeys(m.rechecks) {
+		if !now.Before(m.rechecks[name]) {
 			delete(m.rechecks, name)
 			m.enqueue(name, now)
 		}
@@ -428,6 +446,7 @@ func (m *Machine) Tick(now time.Time) {
 // Ready runs the coalesced checks, starts node tasks up to Options.Workers, and returns what the
 // driver must do. It returns the same until Advance.
 func (m *Machine) Ready(now time.Time) Ready {
+	m.record(Input{Kind: InReady, At: now})
 	if m.poolWake {
 		m.poolPass(now)
 	}
@@ -448,7 +467,12 @@ func (m *Machine) Ready(now time.Time) Ready {
 }
 
 // Advance acknowledges the last Ready: its operations are issued, its events recorded.
-func (m *Machine) Advance() { m.out = Ready{} }
+func (m *Machine) Advance() {
+	if m.recording {
+		m.issued = append(m.issued, m.out.Ops...)
+	}
+	m.out = Ready{}
+}
 
 // Idle says whether nothing is in flight (no task, pool write or audit), for drivers and tests.
 func (m *Machine) Idle() bool { return len(m.ops) == 0 && len(m.tasks) == 0 }
@@ -501,6 +525,12 @@ func (m *Machine) holder() string {
 		return ""
 	}
 	return m.stamp.Holder
+}
+
+// outranked is Outranked, never with the fence's local checks off (tests of the API server's
+// fence alone).
+func (m *Machine) outranked(ours, seen *ipwardenv1.Fence) bool {
+	return !(m.opts.Fence != nil && m.opts.Fence.localChecksOff()) && Outranked(ours, seen)
 }
 
 func (m *Machine) fenced(err error) {
@@ -760,6 +790,7 @@ func (m *Machine) runSteps(t *task, now time.Time) {
 
 // Done feeds back the outcome of an operation Ready returned.
 func (m *Machine) Done(r OpResult, now time.Time) {
+	m.record(Input{Kind: InDone, At: now, Result: r})
 	owner, ok := m.ops[r.ID]
 	if !ok {
 		return
@@ -841,7 +872,7 @@ func (m *Machine) taskDone(t *task, r OpResult, now time.Time) {
 			m.finish(t, fmt.Errorf("re-read NodeIPAllocation after a conflict: %w", err), now)
 			return
 		}
-		if Outranked(m.stamp, r.Alloc.Status.Fence) {
+		if m.outranked(m.stamp, r.Alloc.Status.Fence) {
 			seen := r.Alloc.Status.Fence
 			err := fmt.Errorf("%w: NodeIPAllocation %s was written by %s at epoch %d", ErrFenced, t.node, seen.Holder, seen.Epoch)
 			m.fenced(err)
@@ -962,7 +993,9 @@ func (m *Machine) afterFill(alloc *ipwardenv1.NodeIPAllocation, f *Fill, now tim
 		// was recorded short when planned), the claimants, and other nodes that want one.
 		m.enqueueEach(m.state.Refill(pool), now)
 		m.enqueueEach(m.state.Claimants(pool), now)
-		for _, n := range m.state.Wanters(pool) {
+		wanters := m.state.Wanters(pool)
+		sort.Strings(wanters)
+		for _, n := range wanters {
 			if n != alloc.Name {
 				m.enqueue(n, now)
 			}
@@ -1272,4 +1305,142 @@ func (m *Machine) auditDone(res OpResult, now time.Time) {
 	}
 	m.enqueueEach(r.Nodes(), now)
 	m.poolWake = true
+}
+
+// --- recording and replay ---------------------------------------------------------------------
+
+// InputKind says which of the machine's inputs an Input is.
+type InputKind int
+
+// The machine's inputs, one per method.
+const (
+	InLead InputKind = iota
+	InNodeChanged
+	InNodeDeleted
+	InAllocChanged
+	InAllocDeleted
+	InPoolChanged
+	InPoolDeleted
+	InStatefulSet
+	InTick
+	InReady
+	InDone
+)
+
+// Input is one call of an input method, as Record keeps it: the objects are the ones the driver
+// passed (informer objects are never changed, so keeping them is keeping their value).
+type Input struct {
+	Kind        InputKind
+	At          time.Time
+	Node        *metav1.PartialObjectMetadata
+	Alloc       *ipwardenv1.NodeIPAllocation
+	Pool        *ipwardenv1.IPPool
+	Name        string
+	Namespace   string
+	StatefulSet sticky.StatefulSet
+	Result      OpResult
+	Pools       []ipwardenv1.IPPool
+	Allocs      []ipwardenv1.NodeIPAllocation
+	Stamp       *ipwardenv1.Fence
+}
+
+// Record starts keeping every input from now on (Script) and every operation acknowledged with
+// Advance (Issued): a driver's run as a script another machine can replay.
+func (m *Machine) Record() { m.recording, m.script, m.issued = true, nil, nil }
+
+// Script is what Record kept: the inputs, in order.
+func (m *Machine) Script() []Input { return m.script }
+
+// Issued is every operation the driver acknowledged since Record, in order.
+func (m *Machine) Issued() []Op { return m.issued }
+
+func (m *Machine) record(in Input) {
+	if m.recording {
+		m.script = append(m.script, in)
+	}
+}
+
+// Replay feeds script to m (a new machine with the same options) as a driver would, and returns
+// the operations it asked for.
+func Replay(m *Machine, script []Input) ([]Op, error) {
+	m.Record()
+	for _, in := range script {
+		switch in.Kind {
+		case InLead:
+			if err := m.Lead(in.Pools, in.Allocs, in.Stamp, in.At); err != nil {
+				return nil, err
+			}
+		case InNodeChanged:
+			m.NodeChanged(in.Node, in.At)
+		case InNodeDeleted:
+			m.NodeDeleted(in.Name, in.At)
+		case InAllocChanged:
+			m.AllocChanged(in.Alloc, in.At)
+		case InAllocDeleted:
+			m.AllocDeleted(in.Name, in.At)
+		case InPoolChanged:
+			m.PoolChanged(in.Pool, in.At)
+		case InPoolDeleted:
+			m.PoolDeleted(in.Name, in.At)
+		case InStatefulSet:
+			m.StatefulSetChanged(in.Namespace, in.Name, in.StatefulSet)
+		case InTick:
+			m.Tick(in.At)
+		case InReady:
+			m.Ready(in.At)
+			m.Advance()
+		case InDone:
+			m.Done(in.Result, in.At)
+		}
+	}
+	return m.Issued(), nil
+}
+
+// SameOps says whether two drivers' operations are the same writes and reads, in the same order
+// and with the same content (condition transition times aside: the API's helpers stamp them
+// from the wall clock). It returns the first difference.
+func SameOps(a, b []Op) error {
+	if len(a) != len(b) {
+		return fmt.Errorf("%d operations against %d", len(a), len(b))
+	}
+	for i := range a {
+		x, y := normalOp(a[i]), normalOp(b[i])
+		if !equality.Semantic.DeepEqual(x, y) {
+			return fmt.Errorf("operation %d: %v %s%s against %v %s%s: %s", i, x.Kind, x.Node, x.Pool, y.Kind, y.Node, y.Pool, cmp.Diff(x, y))
+		}
+	}
+	return nil
+}
+
+// opWrite is what an operation asks of the API server: its kind, target and the content it
+// writes (a driver may update the objects in place with the server's answers).
+type opWrite struct {
+	Kind         OpKind
+	Node, Pool   string
+	ExactVersion bool
+	Owners       []metav1.OwnerReference
+	AllocStatus  *ipwardenv1.NodeIPAllocationStatus
+	PoolStatus   *ipwardenv1.IPPoolStatus
+}
+
+func normalOp(op Op) opWrite {
+	w := opWrite{Kind: op.Kind, Node: op.Node, Pool: op.PoolName, ExactVersion: op.ExactVersion}
+	if op.Alloc != nil {
+		w.Owners = op.Alloc.OwnerReferences
+		if op.Kind == OpNodeStatus {
+			st := op.Alloc.Status.DeepCopy()
+			for i := range st.Conditions {
+				st.Conditions[i].LastTransitionTime = metav1.Time{}
+			}
+			w.AllocStatus = st
+		}
+	}
+	if op.Pool != nil {
+		st := op.Pool.Status.DeepCopy()
+		for i := range st.Conditions {
+			st.Conditions[i].LastTransitionTime = metav1.Time{}
+		}
+		w.PoolStatus = st
+	}
+	return w
 }

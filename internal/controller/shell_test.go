@@ -58,6 +58,7 @@ func shell(t *testing.T, nodeStatusUpdate func(ctx context.Context, c client.Cli
 		},
 	})
 	ctl := New(readerCache{r: c}, c, c, record.NewFakeRecorder(100), NewMetrics(nil), logr.Discard(), Options{Now: func() time.Time { return t0 }, ClaimSettle: -1})
+	ctl.m.Record()
 	lead(t, ctl, pool)
 	return ctl, c
 }
@@ -215,5 +216,54 @@ func TestShellWritesAsFieldManager(t *testing.T) {
 		if m != "ipwarden-controller" {
 			t.Errorf("status written with field manager %q, want ipwarden-controller (all: %v)", m, managers)
 		}
+	}
+}
+
+// The driver decides nothing: the operations Controller.run performed are exactly those a bare
+// machine asks for when fed the same inputs and outcomes (Replay). internal/sim checks the same
+// of the simulator, the machine's other driver.
+func TestDriverPerformsWhatTheMachineAsks(t *testing.T) {
+	calls := 0
+	ctl, c := shell(t, func(ctx context.Context, c client.Client, obj client.Object) error {
+		if calls++; calls == 1 {
+			return apierrors.NewConflict(gr, "n", errors.New("the object has been modified"))
+		}
+		return c.Status().Update(ctx, obj)
+	})
+	script := ctl.m
+	ctl.inbox.push(func(m *Machine, now time.Time) { m.AllocChanged(getAlloc(t, c), now) })
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { ctl.run(ctx); close(done) }()
+	deadline := time.Now().Add(10 * time.Second)
+	for count(statusHeld(t, c)) != 8 {
+		if time.Now().After(deadline) {
+			cancel()
+			<-done
+			var ops []string
+			for _, op := range script.Issued() {
+				ops = append(ops, opName(op))
+			}
+			for _, in := range script.Script() {
+				if in.Kind == InDone && in.Result.Err != nil {
+					ops = append(ops, in.Result.Err.Error())
+				}
+			}
+			t.Fatalf("the driver did not fill the node: status %v, operations %v", statusHeld(t, c), ops)
+		}
+		time.Sleep(10 * time.Millisecond) // polling the fake API server, not synchronizing the driver
+	}
+	cancel()
+	<-done
+	issued := script.Issued()
+	if len(issued) < 3 {
+		t.Fatalf("the driver performed %d operations, want the owner patch, the conflicting write and its retry", len(issued))
+	}
+	replayed, err := Replay(NewMachine(ctl.opts, NewMetrics(nil), logr.Discard()), script.Script())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := SameOps(issued, replayed); err != nil {
+		t.Fatalf("the driver's operations and the machine's differ: %v", err)
 	}
 }

@@ -905,3 +905,18 @@ func (s *State) Refill(pool string) []string {
 	}
 	return out
 }
+
+// PoolUsage counts a pool's addresses still cooling at now, and its allocated ones (held by
+// nodes or reserved for fills in flight) plus those; it changes nothing.
+func (s *State) PoolUsage(name string, now time.Time) (allocated, cooling int64) {
+	p, ok := s.pools[name]
+	if !ok {
+		return 0, 0
+	}
+	for _, b := range p.alloc.CoolingBatches() {
+		if b.Freed.Add(p.alloc.Cooldown()).After(now) {
+			cooling += b.Addrs.Size().Int64Sat()
+		}
+	}
+	return p.alloc.Allocated().Size().Int64Sat() + cooling, cooling
+}

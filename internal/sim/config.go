@@ -3,6 +3,7 @@ package sim
 import (
 	"errors"
 	"fmt"
+	"github.com/ipwarden/ipwarden/internal/controller"
 	"math/bits"
 	"net/netip"
 	"time"
@@ -90,10 +91,8 @@ type Config struct {
 	// Trace, when set, replaces the synthetic workload (--trace).
 	Trace *Trace
 
-	// exact takes neither shortcut of the package doc: every pool status is computed with
-	// controller.State.PoolStatus and checked against the pool model, and every node sync is
-	// planned (tests; slow at thousands of nodes).
-	exact bool
+	// onMachine, when set, is given the controller's machine before it starts leading (tests).
+	onMachine func(*controller.Machine)
 }
 
 // DefaultConfig is a 100-node cluster on a 10.0.0.0/16 pool with the API's default settings and the

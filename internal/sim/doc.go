@@ -8,20 +8,18 @@
 //     scaling.Target releasing (scaling.ChooseRelease picks them), Spec is the request the agent
 //     publishes. Like the agent's pool monitor, a round runs on every change and at least every
 //     agent resync, and changes during a spec write coalesce into one more round;
-//   - the controller is an internal/controller State and Scheduler driven the way
-//     internal/controller's Controller drives them: need-ordered queue with a minimum interval
-//     per node and a bounded number of workers; PlanFill, RecordCooling and a pool status
-//     write-ahead for removals, NodeStatus, Commit; Refill of nodes a pool left short; the
-//     coalesced pool status loop with MarkExpiredCooling; the periodic full pass;
+//   - the controller is internal/controller's Machine, the same value the controller binary runs:
+//     the simulator is its second driver (drive, perform, opDone), as Controller.run is its
+//     driver on the API server. It feeds the machine the informers' events (a node's spec after
+//     the watch delay), the virtual clock and the outcomes of the writes it asked for, and
+//     performs each write on the virtual clock behind the client's rate limit. The machine
+//     decides everything else: which node to sync when (its scheduler, workers, minimum
+//     interval), fills, take-backs and their cooling records, pool status writes and their
+//     pacing, the periodic full pass. Nothing of the controller's shell is copied here;
 //   - addresses are internal/addr sets and the controller's allocator with reuse cooldown.
 //
-// Two shortcuts keep an hour of 5,000 nodes within seconds, and both give the same run as
-// doing the work: a node sync that has nothing to do (no need, status already answering its
-// spec) is not planned; and State.PoolStatus, which is linear in the number of ranges the
-// pool's addresses fall into, is replaced by poolModel, which keeps the numbers a pool status is
-// made of as counters and computes the exhausted flag with the hysteresis PoolStatus applies
-// (State.Marks.Exhausted) from the same inputs. TestShortcutsChangeNothing checks, status by
-// status, that runs without either shortcut are identical.
+// Nothing is shortened: every node sync is planned and every pool status is computed by the
+// controller's own code. An hour of 5,000 nodes takes about a minute on a 2-core machine.
 //
 // What is modelled rather than real: the API server and informers (a write takes a fixed
 // latency and reaches the other side after a fixed watch delay; writes never conflict or fail),

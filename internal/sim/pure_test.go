@@ -204,31 +204,3 @@ func TestNiceAxes(t *testing.T) {
 		}
 	}
 }
-
-func TestPoolModelExpiry(t *testing.T) {
-	m := poolModel{}
-	cd := 30 * time.Second
-	m.free(10*time.Second, 16)
-	m.free(5*time.Second, 8) // commits can land out of plan order
-	m.records = []time.Duration{35 * time.Second, 40 * time.Second}
-	m.recAdded = 2
-	if got := m.coolingAt(36*time.Second, cd); got != 16 {
-		t.Errorf("coolingAt(36s) = %d, want 16 (the batch freed at 5s has cooled)", got)
-	}
-	m.markExpired(34*time.Second, cd)
-	if m.dirty || m.cooling != 24 {
-		t.Fatalf("at 34s nothing ended, got dirty %v cooling %d", m.dirty, m.cooling)
-	}
-	m.markExpired(35*time.Second, cd)
-	if !m.dirty || m.cooling != 16 {
-		t.Fatalf("at 35s the 5s batch and a record ended: dirty %v cooling %d, want true 16", m.dirty, m.cooling)
-	}
-	m.computed(35*time.Second, cd)
-	if m.dirty || m.recPrun != 1 || len(m.records) != 1 {
-		t.Fatalf("computed at 35s: dirty %v, pruned %d records, %d left; want false, 1, 1", m.dirty, m.recPrun, len(m.records))
-	}
-	m.held, m.inflight, m.holders = 100, 16, 3
-	if got, want := m.print(true), (poolPrint{allocated: 132, nodes: 3, exhausted: true, recAdded: 2, recPrun: 1}); got != want {
-		t.Errorf("print = %+v, want %+v", got, want)
-	}
-}

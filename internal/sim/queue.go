@@ -13,13 +13,10 @@ const (
 	evArrival                       // the next synthetic pod of a node is bound
 	evAgentWritten                  // an agent's spec write returns
 	evSpecArrive                    // an agent's spec write reaches the controller's informer
-	evWriteDone                     // a controller worker's status write lands
+	evOpDone                        // an operation of the controller lands (b: its ID)
 	evStatusArrive                  // a node status write reaches the node's agent
 	evPoolFlag                      // a pool status write with a new exhausted flag reaches the agents
-	evPoolTick                      // the controller's pool status ticker
-	evPoolWake                      // the pool loop's coalesced wake-up ends
-	evSchedWake                     // a node held back by the minimum sync interval becomes ready
-	evResync                        // the controller's full pass
+	evMachineWake                   // the controller's machine asked to be woken
 	evAgentResync                   // a node agent's periodic recomputation
 	evCooled                        // a cooling address of a node with waiting ADDs becomes usable
 	evAgentWake                     // a node's release delay ends or a counted cooling address cools: the monitor's round

@@ -9,8 +9,11 @@ import (
 	"strconv"
 	"time"
 
-	"k8s.io/apimachinery/pkg/api/equality"
+	"github.com/go-logr/logr"
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/addr"
@@ -83,26 +86,14 @@ type node struct {
 	pubGen          int64
 	specQ           []pubSpec
 
-	// The controller's view: the spec its informer delivered, the status it last wrote.
-	spec    ipwardenv1.NodeIPAllocationSpec
-	specGen int64
-	status  ipwardenv1.NodeIPAllocationStatus
-	ctlHeld int
+	// alloc is the node's NodeIPAllocation as the API server stores it: the spec the agent
+	// wrote last that reached the controller, the status the controller wrote last.
+	alloc   *ipwardenv1.NodeIPAllocation
 	statusQ []addr.Set // written holdings the agent has not seen yet
 
 	raiseAt  time.Duration // when the agent asked for more than it holds; -1 when satisfied
 	coolWake time.Duration // a scheduled evCooled; -1 when none
 	wakeAt   time.Duration // a scheduled evAgentWake; -1 when none
-}
-
-// job is a controller worker's status write in flight.
-type job struct {
-	node   int32
-	seq    *controller.Sequence // the controller's step machine; its node status write is in flight
-	fill   *controller.Fill
-	status ipwardenv1.NodeIPAllocationStatus
-	at     time.Time
-	added  int64 // addresses the fill reserved
 }
 
 // simulator is one run's world. Everything happens on one goroutine, in agenda order.
@@ -117,46 +108,42 @@ type simulator struct {
 	pods  []pod
 	trace map[[2]string]int32 // running trace pods by node and name
 
-	// Controller.
-	ctl         *controller.State
-	sched       *controller.Scheduler
-	jobs        []job
-	idle        []int
-	limiter     *tokenBucket // the controller's client rate limit
-	schedWakeAt time.Duration
-	poolObj     ipwardenv1.IPPool
-	poolStatus  ipwardenv1.IPPoolStatus // the last status PoolStatus computed that was written
-	pm          poolModel
-	poolWaiting bool // the pool loop is in its coalescing wait
-	poolWakeDue bool // a wake-up arrived during the wait
-	poolTickDue bool // a tick arrived during the wait
-	agentPool   ipam.Pool
+	// Controller: the real controller.Machine, driven on the virtual clock (drive).
+	m          *controller.Machine
+	metrics    *controller.Metrics
+	inflight   map[uint64]controller.Op // operations the machine issued that have not landed
+	limiter    *tokenBucket             // the controller's client rate limit
+	wakeAt     time.Duration            // the machine's timer; -1 when none is pending
+	rv         int64                    // the API server's resourceVersion counter
+	poolObj    *ipwardenv1.IPPool       // the IPPool as the API server stores it
+	poolStatus ipwardenv1.IPPoolStatus  // its status, last written
+	agentPool  ipam.Pool
 
 	// Workload.
 	arrivalMean float64 // seconds between pod starts on one node
 	lifeMean    float64 // seconds a pod lives
 
 	// Measurements, counted only once the warm start is done.
-	counting                       bool
-	started, initialRunning        int
-	gotAddress                     int // counted pods that got an address with no wait
-	waits                          []time.Duration
-	failed, gaveUp                 int
-	agentWrites, nodeWrites        int64
-	agentRaises, agentReleases     int64
-	poolWrites                     int64
-	fillLatency                    []time.Duration
-	syncs, noopSyncs, starvedFills int
-	maxQueue                       int
-	exhaustedAt, firstStarved      time.Duration
-	firstFailed                    time.Duration
-	flagSince                      time.Duration // when the exhausted flag was last set; -1 when clear
-	exhaustedFor                   time.Duration
-	series                         []Sample
-	heldHist, usedHist, idleHist   countHist
-	spareHist                      countHist // held - demand (the agent's), per node and sample
-	spareRestHist                  countHist // the same for nodes at rest: no release delay running
-	rangesHist                     countHist
+	counting                     bool
+	started, initialRunning      int
+	gotAddress                   int // counted pods that got an address with no wait
+	waits                        []time.Duration
+	failed, gaveUp               int
+	agentWrites, nodeWrites      int64
+	agentRaises, agentReleases   int64
+	poolWrites                   int64
+	fillLatency                  []time.Duration
+	starvedFills                 int
+	maxQueue                     int
+	exhaustedAt, firstStarved    time.Duration
+	firstFailed                  time.Duration
+	flagSince                    time.Duration // when the exhausted flag was last set; -1 when clear
+	exhaustedFor                 time.Duration
+	series                       []Sample
+	heldHist, usedHist, idleHist countHist
+	spareHist                    countHist // held - demand (the agent's), per node and sample
+	spareRestHist                countHist // the same for nodes at rest: no release delay running
+	rangesHist                   countHist
 }
 
 // Run simulates cfg and returns its summary and time series.
@@ -168,7 +155,8 @@ func Run(cfg Config) (*Result, error) {
 		cfg:          cfg,
 		rng:          rand.New(rand.NewPCG(cfg.Seed, 0x1b873593)),
 		index:        map[string]int32{},
-		schedWakeAt:  -1,
+		wakeAt:       -1,
+		inflight:     map[uint64]controller.Op{},
 		exhaustedAt:  -1,
 		firstStarved: -1,
 		firstFailed:  -1,
@@ -208,27 +196,21 @@ func (s *simulator) setup() error {
 	if err != nil {
 		return err
 	}
-	s.poolObj = ipwardenv1.IPPool{ObjectMeta: metav1.ObjectMeta{Name: poolName, Generation: 1, CreationTimestamp: metav1.NewTime(epoch)}, Spec: spec}
-	s.ctl = controller.NewState(controller.DefaultExhaustionMarks)
-	s.ctl.SetPool(&s.poolObj)
-	s.poolStatus, _ = s.ctl.PoolStatus(poolName, ipwardenv1.IPPoolStatus{}, 1, t(0))
+	s.poolObj = &ipwardenv1.IPPool{ObjectMeta: metav1.ObjectMeta{Name: poolName, UID: "pool-uid", Generation: 1, CreationTimestamp: metav1.NewTime(epoch)}, Spec: spec}
 	parsed, err := ippool.Parse(spec)
 	if err != nil {
 		return err
 	}
 	s.agentPool = ipam.PoolOf(poolName, parsed, false)
 
-	s.sched = controller.NewScheduler(cfg.MinSyncInterval, 250*time.Millisecond, 2*time.Minute)
 	s.limiter = newTokenBucket(cfg.KubeAPIQPS, cfg.KubeAPIBurst)
-	s.jobs = make([]job, cfg.ControllerWorkers)
-	for w := cfg.ControllerWorkers - 1; w >= 0; w-- {
-		s.idle = append(s.idle, w)
-	}
 
 	names := cfg.nodeNames()
 	s.nodes = make([]*node, len(names))
 	for i, name := range names {
 		n := &node{name: name, st: ipam.New(name), raiseAt: -1, coolWake: -1, wakeAt: -1}
+		n.alloc = &ipwardenv1.NodeIPAllocation{ObjectMeta: metav1.ObjectMeta{Name: name, UID: types.UID("alloc-" + name),
+			OwnerReferences: []metav1.OwnerReference{{APIVersion: "v1", Kind: "Node", Name: name, UID: nodeUID(name)}}}}
 		n.st.SetPools([]ipam.Pool{s.agentPool}, []string{poolName})
 		s.nodes[i] = n
 		s.index[name] = int32(i)
@@ -238,14 +220,9 @@ func (s *simulator) setup() error {
 		s.lifeMean = cfg.PodsPerNode * s.arrivalMean
 	}
 
-	if cfg.Start == StartWarm {
-		s.warmStart()
-	}
-	s.pm.capacity = s.poolStatus.Capacity
-	s.pm.last = s.pm.print(s.poolStatus.Exhausted)
-	if s.pm.last.allocated != s.poolStatus.Allocated || s.pm.last.nodes != int64(s.poolStatus.Nodes) {
-		return fmt.Errorf("internal error: the pool model counts %d allocated on %d nodes, PoolStatus %d on %d",
-			s.pm.last.allocated, s.pm.last.nodes, s.poolStatus.Allocated, s.poolStatus.Nodes)
+	s.warmStart(cfg.Start == StartWarm)
+	if err := s.startController(); err != nil {
+		return err
 	}
 	s.counting = true
 	if cfg.Start == StartCold {
@@ -260,7 +237,7 @@ func (s *simulator) setup() error {
 	for i := range s.nodes {
 		s.recompute(int32(i))
 	}
-	if s.pm.last.exhausted {
+	if s.poolStatus.Exhausted {
 		s.setFlag(true)
 		s.q.push(0, evPoolFlag, 0, 1)
 	}
@@ -279,10 +256,7 @@ func (s *simulator) setup() error {
 	for i := range s.nodes {
 		s.q.push(time.Duration(s.rng.Float64()*float64(cfg.AgentResync)), evAgentResync, int32(i), 0)
 	}
-	s.q.push(cfg.PoolStatusInterval, evPoolTick, 0, 0)
-	if cfg.ControllerResync > 0 {
-		s.q.push(cfg.ControllerResync, evResync, 0, 0)
-	}
+	s.drive()
 	for at := time.Duration(0); at <= cfg.Duration; at += cfg.SampleInterval {
 		s.q.push(at, evSample, 0, 0)
 	}
@@ -301,26 +275,35 @@ func (c Config) nodeNames() []string {
 	return out
 }
 
-// warmStart puts every node in the state a long-running cluster would have: its initial pods
-// running on addresses the controller filled. It drives the same code as the run, instantly
-// and uncounted.
-func (s *simulator) warmStart() {
+// warmStart puts every node in the state a long-running cluster would have (warm; otherwise
+// none runs yet), with the statuses the controller wrote: each node's initial pods running on
+// addresses filled by the controller's own State, instantly and uncounted. The controller then
+// starts leading from those objects, as a new leader does from a LIST.
+func (s *simulator) warmStart(warm bool) {
 	now := t(0)
+	st := controller.NewState(controller.DefaultExhaustionMarks)
+	st.SetPool(s.poolObj)
 	for i, n := range s.nodes {
 		id := int32(i)
 		var initial []int32
-		for range s.initialPods() {
-			pid := s.newPod(id)
-			s.bind(pid)
-			initial = append(initial, pid)
+		if warm {
+			for range s.initialPods() {
+				pid := s.newPod(id)
+				s.bind(pid)
+				initial = append(initial, pid)
+			}
+			s.recompute(id)
+			n.alloc.Spec, n.alloc.Generation = specOf(n.pubReq, n.pubRel, n.pubCooled), n.pubGen
 		}
-		s.recompute(id)
-		n.spec, n.specGen = specOf(n.pubReq, n.pubRel, n.pubCooled), n.pubGen
-		f := s.ctl.PlanFill(n.name, n.spec, now)
-		n.status = controller.NodeStatus(n.status, n.spec, n.specGen, f)
-		s.ctl.Commit(f, now)
+		f := st.PlanFill(n.name, n.alloc.Spec, now)
+		n.alloc.Status = controller.NodeStatus(n.alloc.Status, n.alloc.Spec, n.alloc.Generation, f)
+		st.Commit(f, now)
+		s.rv++
+		n.alloc.ResourceVersion = strconv.FormatInt(s.rv, 10)
+		if !warm {
+			continue
+		}
 		held := heldOf(f)
-		s.setCtlHeld(n, count(held))
 		n.st.SetHolding(poolName, held)
 		n.held = count(held)
 		for _, pid := range initial {
@@ -349,10 +332,48 @@ func (s *simulator) warmStart() {
 			}
 		}
 	}
-	if st, ok := s.ctl.PoolStatus(poolName, s.poolStatus, 1, now); ok {
-		s.poolStatus = st
-	}
+	s.poolStatus, _ = st.PoolStatus(poolName, ipwardenv1.IPPoolStatus{}, 1, now)
+	s.poolObj.Status = s.poolStatus
 }
+
+// startController makes the controller's machine lead from the cluster's objects and hands it
+// the informers' first lists.
+func (s *simulator) startController() error {
+	cfg := s.cfg
+	resync := cfg.ControllerResync
+	if resync <= 0 {
+		resync = 2*cfg.Duration + time.Hour // never within the run
+	}
+	s.metrics = controller.NewMetrics(nil)
+	s.m = controller.NewMachine(controller.Options{
+		Workers:            cfg.ControllerWorkers,
+		MinSyncInterval:    cfg.MinSyncInterval,
+		ResyncPeriod:       resync,
+		PoolStatusInterval: cfg.PoolStatusInterval,
+		AuditPeriod:        2*cfg.Duration + time.Hour, // the simulated API server loses nothing to audit
+		ClaimSettle:        -1,                         // no leader election: no agent acknowledges
+		PoolSettle:         -1,                         // the pool exists before the nodes
+	}, s.metrics, logr.Discard())
+	if cfg.onMachine != nil {
+		cfg.onMachine(s.m)
+	}
+	allocs := make([]ipwardenv1.NodeIPAllocation, len(s.nodes))
+	for i, n := range s.nodes {
+		allocs[i] = *n.alloc
+	}
+	now := t(0)
+	if err := s.m.Lead([]ipwardenv1.IPPool{*s.poolObj}, allocs, nil, now); err != nil {
+		return err
+	}
+	s.m.PoolChanged(s.poolObj, now)
+	for _, n := range s.nodes {
+		s.m.NodeChanged(&metav1.PartialObjectMetadata{ObjectMeta: metav1.ObjectMeta{Name: n.name, UID: nodeUID(n.name)}}, now)
+		s.m.AllocChanged(n.alloc, now)
+	}
+	return nil
+}
+
+func nodeUID(name string) types.UID { return types.UID("node-" + name) }
 
 // initialPods is the number of pods a node runs at time 0: Poisson with mean PodsPerNode, the
 // stationary count of Poisson arrivals with exponential lifetimes.
@@ -472,8 +493,8 @@ func (s *simulator) handle(ev event) {
 		}
 	case evSpecArrive:
 		s.specArrive(ev.a)
-	case evWriteDone:
-		s.writeDone(int(ev.a))
+	case evOpDone:
+		s.opDone(uint64(ev.b))
 	case evStatusArrive:
 		s.statusArrive(ev.a)
 	case evPoolFlag:
@@ -482,40 +503,11 @@ func (s *simulator) handle(ev event) {
 			n.st.SetPools([]ipam.Pool{s.agentPool}, []string{poolName})
 			s.recompute(int32(i))
 		}
-	case evPoolTick:
-		s.q.push(s.now+s.cfg.PoolStatusInterval, evPoolTick, 0, 0)
-		if s.poolWaiting {
-			s.poolTickDue = true
-			return
+	case evMachineWake:
+		if s.wakeAt == s.now {
+			s.wakeAt = -1
 		}
-		s.poolPass()
-	case evPoolWake:
-		s.poolWaiting = false
-		s.poolPass()
-		if s.poolTickDue {
-			s.poolTickDue = false
-			s.poolPass()
-		}
-		if s.poolWakeDue {
-			s.poolWakeDue = false
-			s.wakePools()
-		}
-	case evSchedWake:
-		if s.schedWakeAt == s.now {
-			s.schedWakeAt = -1
-		}
-		s.dispatch()
-	case evResync:
-		s.q.push(s.now+s.cfg.ControllerResync, evResync, 0, 0)
-		for i := range s.nodes {
-			s.enqueue(int32(i))
-		}
-		for _, p := range s.ctl.PoolNames() {
-			s.ctl.MarkPoolDirty(p)
-		}
-		s.pm.dirty = true
-		s.wakePools()
-		s.dispatch()
+		s.drive()
 	}
 }
 
@@ -756,279 +748,132 @@ func heldOf(f *controller.Fill) addr.Set {
 	return addr.Set{}
 }
 
+// heldIn is a status's holding of the pool.
+func heldIn(st ipwardenv1.NodeIPAllocationStatus) addr.Set {
+	for _, p := range st.Pools {
+		if p.Pool == poolName {
+			set, _ := addr.ParseSet(p.Addresses)
+			return set
+		}
+	}
+	return addr.Set{}
+}
+
 func count(s addr.Set) int {
 	n, _ := s.Size().Uint64()
 	return int(n)
 }
 
-// specArrive: the controller's informer delivers a node's spec (a new generation) and the
-// event handler queues the node with its need.
+func (s *simulator) version() string {
+	s.rv++
+	return strconv.FormatInt(s.rv, 10)
+}
+
+// specArrive: the controller's informer delivers a node's spec (a new generation).
 func (s *simulator) specArrive(i int32) {
 	n := s.nodes[i]
 	ps := n.specQ[0]
 	n.specQ = n.specQ[1:]
-	n.spec, n.specGen = specOf(ps.req, ps.rel, ps.cooled), ps.gen
-	s.enqueue(i)
-	s.dispatch()
+	a := *n.alloc // the status objects are shared, never changed
+	a.Spec, a.Generation, a.ResourceVersion = specOf(ps.req, ps.rel, ps.cooled), ps.gen, s.version()
+	n.alloc = &a
+	s.m.AllocChanged(n.alloc, t(s.now))
+	s.drive()
 }
 
-// enqueue marks a node dirty with its current need, as Controller.enqueue does.
-func (s *simulator) enqueue(i int32) {
-	n := s.nodes[i]
-	s.sched.Add(n.name, s.ctl.NeedOfNode(n.name, n.spec), t(s.now))
-	if q := s.sched.Len(); q > s.maxQueue && s.counting {
+// drive is the simulator's driver of the controller's machine, as Controller.run is on the API
+// server: the clock in, Ready out, each operation performed on the virtual clock and its
+// outcome fed back when it lands (opDone).
+func (s *simulator) drive() {
+	now := t(s.now)
+	s.m.Tick(now)
+	rd := s.m.Ready(now)
+	s.m.Advance()
+	for _, e := range rd.Events {
+		if _, ok := e.Object.(*ipwardenv1.NodeIPAllocation); ok && e.Reason == "PoolExhausted" && s.counting {
+			s.starvedFills++ // a committed fill left its node short
+			if s.firstStarved < 0 {
+				s.firstStarved = s.now
+			}
+		}
+	}
+	for _, op := range rd.Ops {
+		s.perform(op)
+	}
+	if q := s.m.Scheduler().Len(); q > s.maxQueue && s.counting {
 		s.maxQueue = q
 	}
+	if !rd.Wake.IsZero() {
+		d := max(rd.Wake.Sub(epoch), s.now)
+		if s.wakeAt < 0 || d < s.wakeAt {
+			s.wakeAt = d
+			s.q.push(d, evMachineWake, 0, 0)
+		}
+	}
 }
 
-// dispatch hands ready nodes to idle workers, most urgent first.
-func (s *simulator) dispatch() {
-	for len(s.idle) > 0 {
-		key, ok, next := s.sched.Next(t(s.now))
-		if !ok {
-			if !next.IsZero() {
-				d := next.Sub(epoch)
-				if s.schedWakeAt < 0 || d < s.schedWakeAt {
-					s.schedWakeAt = d
-					s.q.push(d, evSchedWake, 0, 0)
-				}
+// perform starts an operation: a write waits for the client's rate limit, then takes the write
+// latency. The simulated API server stores every write (no conflict, no failure).
+func (s *simulator) perform(op controller.Op) {
+	switch op.Kind {
+	case controller.OpNodeStatus, controller.OpPoolStatus:
+	default:
+		s.fail(fmt.Errorf("the controller asked for %v of %s, which the simulated cluster never needs", op.Kind, op.Node+op.PoolName))
+		return
+	}
+	s.inflight[op.ID] = op
+	s.q.push(max(s.limiter.take(s.now), s.now)+s.cfg.ControllerLatency, evOpDone, 0, int64(op.ID))
+}
+
+// opDone: an operation landed. The API server stores it and answers; the node's agent sees a
+// status after the watch delay, the agents see a new exhausted flag after it too.
+func (s *simulator) opDone(id uint64) {
+	op := s.inflight[id]
+	delete(s.inflight, id)
+	r := controller.OpResult{ID: id}
+	switch op.Kind {
+	case controller.OpNodeStatus:
+		i := s.index[op.Node]
+		n := s.nodes[i]
+		a := op.Alloc
+		a.ResourceVersion = s.version()
+		n.alloc = a
+		r.Alloc = a
+		if s.counting {
+			s.nodeWrites++
+		}
+		n.statusQ = append(n.statusQ, heldIn(a.Status))
+		s.q.push(s.now+s.cfg.WatchDelay, evStatusArrive, i, 0)
+	case controller.OpPoolStatus:
+		p := op.Pool
+		p.ResourceVersion = s.version()
+		was := s.poolStatus.Exhausted
+		s.poolObj, s.poolStatus = p, p.Status
+		r.Pool = p
+		if s.counting {
+			s.poolWrites++
+		}
+		if p.Status.Exhausted != was {
+			s.setFlag(p.Status.Exhausted)
+			b := int64(0)
+			if p.Status.Exhausted {
+				b = 1
 			}
-			return
+			s.q.push(s.now+s.cfg.WatchDelay, evPoolFlag, 0, b)
 		}
-		s.sync(s.index[key])
 	}
+	s.m.Done(r, t(s.now))
+	s.drive()
 }
 
-// sync is Controller.fill for one node, through the controller's own step machine
-// (State.StartFill): the writes it returns (the cooling record of removals first, then the
-// node's status) are performed in its order on the virtual clock, and each outcome is reported
-// back with Advance. A sync that changes nothing costs no write and no time.
-func (s *simulator) sync(i int32) {
-	n := s.nodes[i]
-	now := t(s.now)
-	if s.counting {
-		s.syncs++
+// syncs is the number of node syncs the machine ran (its sync duration histogram's count).
+func (s *simulator) syncs() int {
+	var m dto.Metric
+	h, ok := s.metrics.SyncDuration.WithLabelValues("node").(prometheus.Histogram)
+	if !ok || h.Write(&m) != nil {
+		return 0
 	}
-	// A node with no need whose status already answers its spec generation (most nodes in a
-	// full pass) would plan nothing and produce the status it has: skip the work, not the
-	// scheduling.
-	if !s.cfg.exact && n.specGen == n.status.ObservedGeneration && s.ctl.NeedOfNode(n.name, n.spec) == (controller.Need{}) {
-		s.sched.Done(n.name, false, now)
-		if s.counting {
-			s.noopSyncs++
-		}
-		return
-	}
-	// The controller's own step machine decides the writes and their order (steps.go); the
-	// simulator performs them on its virtual clock, as Controller.run does on the API server.
-	q := s.ctl.StartFill(n.name, &ipwardenv1.NodeIPAllocation{ObjectMeta: metav1.ObjectMeta{Name: n.name, Generation: n.specGen},
-		Spec: n.spec, Status: n.status}, now)
-	f := q.Fill()
-	if len(f.Starved) > 0 {
-		s.pm.starved = true // PlanFill marked the pool starved and dirty, aborted or not
-		s.pm.dirty = true
-	}
-	if pf := f.Pools[poolName]; pf != nil && pf.Plan.Add > 0 {
-		s.pm.expireBatches(s.now, s.cfg.ReuseCooldown) // PlanFill asked Available
-	}
-	if q.Result() == controller.NoChange {
-		s.sched.Done(n.name, false, now)
-		if s.counting {
-			s.noopSyncs++
-		}
-		return
-	}
-	added := int64(0)
-	for _, pf := range f.Pools {
-		added += int64(count(pf.Added))
-	}
-	s.pm.inflight += added // reserved by PlanFill until Commit
-	// Each write waits for the client's rate limit, then takes the write latency; the worker
-	// is busy throughout.
-	done := s.now
-	write := func() { done = max(s.limiter.take(s.now), done) + s.cfg.ControllerLatency }
-	step, _ := q.Next()
-	for ; step.Kind == controller.StepPoolStatus; step, _ = q.Next() {
-		// Write-ahead: the pool's status gains the cooling record (StartFill recorded it)
-		// before the node's status drops the addresses.
-		until := now.Add(s.ctl.CooldownOf(step.Pool))
-		s.pm.records = append(s.pm.records, until.Sub(epoch))
-		s.pm.recAdded++
-		s.pm.dirty = true
-		if s.flushPool() {
-			write()
-		}
-		q.Advance(controller.Landed)
-	}
-	if step.Kind != controller.StepNodeStatus {
-		s.fail(fmt.Errorf("internal error: the fill's last step is %v, not the node status", step.Kind))
-		return
-	}
-	w := s.idle[len(s.idle)-1]
-	s.idle = s.idle[:len(s.idle)-1]
-	write()
-	s.jobs[w] = job{node: i, seq: q, fill: f, status: step.Status, at: now, added: added}
-	s.q.push(done, evWriteDone, int32(w), 0)
-}
-
-func sortedPools(f *controller.Fill) []string {
-	out := make([]string, 0, len(f.Pools))
-	for p := range f.Pools {
-		out = append(out, p)
-	}
-	slices.Sort(out)
-	return out
-}
-
-// writeDone: a worker's status write landed. Commit, then what Controller.afterFill does.
-func (s *simulator) writeDone(w int) {
-	j := s.jobs[w]
-	s.jobs[w] = job{}
-	n := s.nodes[j.node]
-	j.seq.Advance(controller.Landed) // commits the fill
-	n.status = j.status
-	if s.counting {
-		s.nodeWrites++
-	}
-	held := heldOf(j.fill)
-	s.setCtlHeld(n, count(held))
-	s.pm.inflight -= j.added
-	for _, pf := range j.fill.Pools {
-		if r := int64(count(pf.Removed.Subtract(pf.Returned))); r > 0 {
-			s.pm.free(j.at.Sub(epoch), r)
-		}
-		if !pf.Added.IsEmpty() || !pf.Removed.IsEmpty() {
-			s.pm.dirty = true
-		}
-	}
-	n.statusQ = append(n.statusQ, held)
-	s.q.push(s.now+s.cfg.WatchDelay, evStatusArrive, j.node, 0)
-
-	woke := false
-	for _, pool := range sortedPools(j.fill) {
-		pf := j.fill.Pools[pool]
-		if !pf.Added.IsEmpty() || !pf.Removed.IsEmpty() {
-			woke = true
-		}
-		if !pf.Removed.IsEmpty() {
-			s.refill(s.ctl.Refill(pool))
-		}
-	}
-	if len(j.fill.Starved) > 0 && s.counting {
-		s.starvedFills++
-		if s.firstStarved < 0 {
-			s.firstStarved = s.now
-		}
-	}
-	if woke || len(j.fill.Starved) > 0 {
-		s.wakePools()
-	}
-	s.sched.Done(n.name, false, t(s.now))
-	s.idle = append(s.idle, w)
-	s.dispatch()
-}
-
-// refill queues nodes a pool left short, in name order so runs are reproducible.
-func (s *simulator) refill(names []string) {
-	slices.Sort(names)
-	for _, name := range names {
-		if i, ok := s.index[name]; ok {
-			s.enqueue(i)
-		}
-	}
-}
-
-// wakePools is Controller.wakePools: the pool loop writes after a quarter interval, and a wake
-// during that wait makes it go round once more.
-func (s *simulator) wakePools() {
-	if s.poolWaiting {
-		s.poolWakeDue = true
-		return
-	}
-	s.poolWaiting = true
-	s.q.push(s.now+s.cfg.PoolStatusInterval/4, evPoolWake, 0, 0)
-}
-
-// poolPass is one round of Controller.poolLoop: refill nodes whose pool has cooled-down
-// addresses again, then write dirty pool statuses.
-func (s *simulator) poolPass() {
-	s.refill(s.ctl.MarkExpiredCooling(t(s.now)))
-	s.pm.markExpired(s.now, s.cfg.ReuseCooldown)
-	dirty := s.pm.dirty
-	if s.cfg.exact {
-		if real := len(s.ctl.DirtyPools()) > 0; real != dirty {
-			s.fail(fmt.Errorf("pool model says dirty=%v, State.DirtyPools says %v", dirty, real))
-		}
-	}
-	if dirty && s.flushPool() {
-		s.limiter.take(s.now) // the pool loop shares the controller's client
-	}
-	s.dispatch()
-}
-
-// flushPool is Controller.flushPool: compute the pool status (exhaustion hysteresis included)
-// and write it if it changed. A new exhausted flag reaches the agents after the watch delay.
-//
-// State.PoolStatus is linear in the number of ranges the pool's addresses fall into, which at
-// thousands of nodes would make it most of a run. So poolModel tracks exactly the numbers the
-// status is made of, and the exhausted flag is computed by the function PoolStatus applies
-// (State.Marks.Exhausted) from the same inputs: the previous flag, the free count and whether a
-// fill fell short since the last status. Tests run with Config.exact, which also computes
-// every status with PoolStatus and stops the run if the two disagree on anything that matters.
-func (s *simulator) flushPool() bool {
-	s.pm.computed(s.now, s.cfg.ReuseCooldown)
-	fp := s.pm.print(false)
-	regrowth := int64(0)
-	if s.pm.last.exhausted {
-		regrowth = s.ctl.Regrowth(poolName)
-	}
-	fp.exhausted = s.ctl.Marks.Exhausted(s.pm.last.exhausted, s.pm.capacity-fp.allocated, s.pm.capacity,
-		int64(max(s.cfg.Scaling.BatchSize, 1)), s.pm.starved, regrowth)
-	s.pm.starved = false
-	if s.cfg.exact {
-		st, _ := s.ctl.PoolStatus(poolName, s.poolStatus, s.poolObj.Generation, t(s.now))
-		changed := !equality.Semantic.DeepEqual(st, s.poolStatus)
-		if changed != (fp != s.pm.last) || st.Allocated != fp.allocated || int64(st.Nodes) != fp.nodes || st.Exhausted != fp.exhausted {
-			s.fail(fmt.Errorf("pool status model disagrees with PoolStatus: model %+v (changed %v), status allocated %d nodes %d exhausted %v cooling records %d (changed %v)",
-				fp, fp != s.pm.last, st.Allocated, st.Nodes, st.Exhausted, len(st.Cooling), changed))
-		}
-		if changed {
-			s.poolStatus = st
-		}
-	} else {
-		// What PoolStatus does to the allocator: expire cooled-down addresses. The refill list
-		// is not PoolStatus's business; the pool loop asks for it itself.
-		_ = s.ctl.MarkExpiredCooling(t(s.now))
-	}
-	if fp == s.pm.last {
-		return false
-	}
-	was := s.pm.last.exhausted
-	s.pm.last = fp
-	if s.counting {
-		s.poolWrites++
-	}
-	if fp.exhausted != was {
-		s.setFlag(fp.exhausted)
-		b := int64(0)
-		if fp.exhausted {
-			b = 1
-		}
-		s.q.push(s.now+s.cfg.WatchDelay, evPoolFlag, 0, b)
-	}
-	return true
-}
-
-// setCtlHeld records what the controller's record says a node holds.
-func (s *simulator) setCtlHeld(n *node, c int) {
-	s.pm.held += int64(c - n.ctlHeld)
-	switch {
-	case n.ctlHeld == 0 && c > 0:
-		s.pm.holders++
-	case n.ctlHeld > 0 && c == 0:
-		s.pm.holders--
-	}
-	n.ctlHeld = c
+	return int(m.GetHistogram().GetSampleCount())
 }
 
 // setFlag records the exhausted flag's changes for the summary.
@@ -1054,17 +899,15 @@ func (s *simulator) setFlag(on bool) {
 func (s *simulator) sample() {
 	smp := Sample{
 		At:               s.now,
-		Capacity:         s.pm.capacity,
+		Capacity:         s.poolStatus.Capacity,
 		FailedTotal:      s.failed,
-		Queue:            s.sched.Len(),
+		Queue:            s.m.Scheduler().Len(),
 		AgentWrites:      s.agentWrites,
 		NodeStatusWrites: s.nodeWrites,
 		PoolStatusWrites: s.poolWrites,
 	}
-	cooling := s.pm.coolingAt(s.now, s.cfg.ReuseCooldown)
-	smp.Cooling = cooling
-	smp.Allocated = s.pm.held + s.pm.inflight + cooling
-	smp.Exhausted = s.pm.last.exhausted
+	smp.Allocated, smp.Cooling = s.m.State().PoolUsage(poolName, t(s.now))
+	smp.Exhausted = s.poolStatus.Exhausted
 	for _, n := range s.nodes {
 		smp.Held += int64(n.held)
 		smp.InUse += int64(n.running)

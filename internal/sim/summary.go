@@ -253,8 +253,8 @@ func (s *simulator) summary() Summary {
 	sum.APIWrites = w
 
 	sum.Controller = ControllerSummary{
-		FillLatency: durationStats(s.fillLatency, 0), Fills: int(s.nodeWrites), Syncs: s.syncs,
-		NoopSyncs: s.noopSyncs, StarvedFills: s.starvedFills, MaxQueue: s.maxQueue,
+		FillLatency: durationStats(s.fillLatency, 0), Fills: int(s.nodeWrites), Syncs: s.syncs(),
+		NoopSyncs: max(s.syncs()-int(s.nodeWrites), 0), StarvedFills: s.starvedFills, MaxQueue: s.maxQueue,
 	}
 
 	exhaustedFor := s.exhaustedFor
