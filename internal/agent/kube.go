@@ -283,7 +283,9 @@ func (k *Kube) Push(ctx context.Context) ([]ipam.Pod, error) {
 			served = append(served, p.Name)
 		}
 	}
-	k.svc.SetPools(pools, served)
+	if err := k.svc.SetPools(pools, served); err != nil {
+		return nil, err
+	}
 
 	k.recordMu.Lock()
 	err := k.pushRecord(ctx, &node)
@@ -382,8 +384,7 @@ func (k *Kube) setRecord(nipa *ipwardenv1.NodeIPAllocation, fresh bool) error {
 	}
 	k.svc.SetRefused(refused)
 	k.svc.SetWantedElsewhere(elsewhere)
-	k.svc.SetHoldings(holdings, rec)
-	return nil
+	return k.svc.SetHoldings(holdings, rec)
 }
 
 // Run pushes the cache into the service after every watch event, coalesced.
@@ -395,7 +396,7 @@ func (k *Kube) Run(ctx context.Context) {
 		case <-k.trigger:
 		}
 		if _, err := k.Push(ctx); err != nil && ctx.Err() == nil {
-			k.log.Error(err, "cannot read the node's objects from the informer cache")
+			k.log.Error(err, "cannot hand the node's objects to the service; the next event retries")
 		}
 	}
 }

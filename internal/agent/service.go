@@ -44,6 +44,11 @@ type Service struct {
 	log         logr.Logger
 	metrics     *Metrics
 
+	// factMu serializes the plans of facts read from the API server and of rebuilds (SetPools,
+	// SetHoldings, NoteSpecWritten, rebuild) from plan to apply: each is planned against the
+	// state the one before left. CNI requests never take it.
+	factMu sync.Mutex
+
 	mu                sync.Mutex
 	st                *ipam.State
 	changed           chan struct{} // closed and replaced whenever an address may have become usable
@@ -180,7 +185,7 @@ func (s *Service) releaseRound() (roundResult, error) {
 	plan := s.st.Release(now)
 	s.mu.Unlock()
 	if !plan.Change.IsEmpty() {
-		if err := s.commit(plan); err != nil {
+		if err := s.commit(plan, "release"); err != nil {
 			return roundResult{}, fmt.Errorf("journal the addresses to release: %w", err)
 		}
 	}
@@ -240,39 +245,50 @@ func (s *Service) Spec() []ipam.PoolRequest {
 }
 
 // commit runs the one commit protocol (package ipam, plan.go) for a plan made under the lock:
-// journal it outside the lock, then apply it, or abort it when the journal refused it.
-func (s *Service) commit(p ipam.Plan) error {
-	err := s.journal.Commit(p.Changes())
+// journal it outside the lock, then apply it, or abort it when the journal refused it (counted
+// by change, what). A plan that changes something wakes the waiting ADDs.
+func (s *Service) commit(p ipam.Plan, what string) error {
+	ch := p.Changes()
+	err := s.journal.Commit(ch)
 	s.mu.Lock()
 	if err != nil {
 		s.st.Abort(p)
 	} else {
 		s.st.Apply(p)
 	}
-	s.notifyLocked()
+	if !ch.IsEmpty() {
+		s.notifyLocked()
+	}
 	s.mu.Unlock()
+	if err != nil {
+		s.metrics.JournalRefused.WithLabelValues(what).Inc()
+	}
 	return err
 }
 
-// commitBestEffort journals a change whose loss a restart repairs (pool settings, holdings, and
-// forgetting releasing or cooling addresses the controller took back).
-func (s *Service) commitBestEffort(ch ipam.Change, what string) {
-	if ch.IsEmpty() {
-		return
+// commitFact commits the plan of a fact read from the API server, or of a rebuild, and logs a
+// refusal: the state is as it was, and the caller's next reading retries.
+func (s *Service) commitFact(p ipam.Plan, what string) error {
+	err := s.commit(p, what)
+	if err != nil {
+		s.log.Error(err, "the journal refused a change of the node's state; the state is unchanged and the change is retried", "change", what)
 	}
-	if err := s.journal.Commit(ch); err != nil {
-		s.log.Error(err, "cannot journal "+what+"; a restart recomputes it")
-	}
+	return err
 }
 
-// SetPools hands the service the pools' settings and the pools that select the node.
-func (s *Service) SetPools(pools []ipam.Pool, served []string) {
+// SetPools hands the service the pools' settings and the pools that select the node. When the
+// journal refuses them the state keeps the settings it had, and the error is returned.
+func (s *Service) SetPools(pools []ipam.Pool, served []string) error {
+	s.factMu.Lock()
+	defer s.factMu.Unlock()
 	s.mu.Lock()
-	ch := s.st.SetPools(pools, served)
-	s.notifyLocked()
+	plan := s.st.PlanPools(pools, served)
 	s.mu.Unlock()
-	s.commitBestEffort(ch, "pool settings")
+	if err := s.commitFact(plan, "pools"); err != nil {
+		return fmt.Errorf("journal the pools' settings: %w", err)
+	}
 	s.kick()
+	return nil
 }
 
 // RecordOf identifies the NodeIPAllocation a holding was read from: its UID and generation,
@@ -305,57 +321,56 @@ func (s *Service) SetRecordMissing(missing bool) {
 }
 
 // NoteSpecWritten records that the agent wrote its spec to the object uid, producing
-// generation: the record mark that later reads are compared with.
+// generation: the record mark that later reads are compared with. When the journal refuses it
+// the mark stays where it was (logged and counted); the next reading of the record
+// (SetHoldings) or spec write moves it.
 func (s *Service) NoteSpecWritten(uid string, generation int64) {
+	s.factMu.Lock()
+	defer s.factMu.Unlock()
 	s.mu.Lock()
-	ch := ipam.Change{}
-	if m := s.st.Mark(); m.UID != uid || generation > m.Generation {
-		ch = s.st.SetMark(ipam.RecordMark{UID: uid, Generation: generation})
+	m, moves := ipam.NextMarkOnWrite(s.st.Mark(), uid, generation)
+	var plan ipam.MarkPlan
+	if moves {
+		plan = s.st.PlanMark(m)
 	}
 	s.mu.Unlock()
-	s.commitBestEffort(ch, "record mark")
+	if !moves {
+		return
+	}
+	_ = s.commitFact(plan, "mark")
 }
 
 // SetHoldings hands the service what the controller reports the node holds, per pool; pools
 // missing from holdings but known to the state hold nothing. rec says which object it came
-// from: a rewound one's extra addresses are distrusted first (ipam.State.Distrust), and the
-// record mark moves to it.
-func (s *Service) SetHoldings(holdings map[string]addr.Set, rec RecordOf) {
+// from: a rewound one's extra addresses are distrusted first (ipam.State.PlanHoldings), and the
+// record mark moves to it. Holdings and mark are journaled together, then applied; when the
+// journal refuses them the state is as it was and the error is returned.
+func (s *Service) SetHoldings(holdings map[string]addr.Set, rec RecordOf) error {
+	s.factMu.Lock()
+	defer s.factMu.Unlock()
 	s.mu.Lock()
-	var ch ipam.Change
-	now := s.now()
+	plan := s.st.PlanHoldings(holdings, rec.Rewound, s.now())
+	batch := ipam.Batch{plan}
+	if m, moves := ipam.NextMarkOnRead(s.st.Mark(), rec.UID, rec.Generation, rec.Rewound); moves {
+		batch = append(batch, s.st.PlanMark(m))
+	}
+	s.mu.Unlock()
+	if err := s.commitFact(batch, "holdings"); err != nil {
+		return fmt.Errorf("journal the node's holdings: %w", err)
+	}
 	if rec.Rewound {
-		dch, marked := s.st.Distrust(holdings, now)
-		ch.Merge(dch)
-		ch.Merge(s.st.SetMark(ipam.RecordMark{UID: rec.UID, Generation: rec.Generation}))
 		s.metrics.RecordRewinds.Inc()
 		s.log.Info("the node's NodeIPAllocation is older than this node's last write (etcd restored, or the object re-created): "+
 			"addresses it shows that the node had given back are released again, and addresses its pods use are claimed",
-			"uid", rec.UID, "generation", rec.Generation, "released", fmtSets(marked))
-	} else if m := s.st.Mark(); rec.UID != "" && (m.UID == "" || (m.UID == rec.UID && rec.Generation > m.Generation)) {
-		ch.Merge(s.st.SetMark(ipam.RecordMark{UID: rec.UID, Generation: rec.Generation}))
+			"uid", rec.UID, "generation", rec.Generation, "released", fmtSets(plan.Distrusted))
 	}
-	names := slices.Sorted(func(yield func(string) bool) {
-		for n := range holdings {
-			if !yield(n) {
-				return
-			}
-		}
-	})
-	for _, st := range s.st.Stats(s.now()) {
-		if _, ok := holdings[st.Pool]; !ok {
-			names = append(names, st.Pool)
-		}
-	}
-	for _, n := range names {
-		ch.Merge(s.st.SetHolding(n, holdings[n]))
-	}
+	s.mu.Lock()
 	s.st.SetRecordMissing(false)
 	s.reportConflictsLocked()
 	s.notifyLocked()
 	s.mu.Unlock()
-	s.commitBestEffort(ch, "holdings")
 	s.kick()
+	return nil
 }
 
 // reportConflictsLocked logs attachments whose addresses the node no longer holds, once each.
@@ -549,10 +564,13 @@ func (s *Service) Rebuild(pods []ipam.Pod) (int, error) {
 }
 
 // rebuild is Rebuild with its problems logged at verbosity v (the hold repeats it on every pod
-// event, so it logs them only at debug level).
+// event, so it logs them only at debug level). It plans the rebuild (reserving what it touches),
+// journals it, then applies it; when the journal refuses it nothing was recorded.
 func (s *Service) rebuild(pods []ipam.Pod, v int) (int, error) {
+	s.factMu.Lock()
+	defer s.factMu.Unlock()
 	s.mu.Lock()
-	ch, problems := s.st.RebuildSeeing(pods, s.now(), func(netns string) ipam.Sandbox {
+	plan := s.st.PlanRebuild(pods, s.now(), func(netns string) ipam.Sandbox {
 		switch lookSandbox(netns, s.netnsDirs) {
 		case gc.SandboxExists:
 			return ipam.SandboxExists
@@ -562,20 +580,20 @@ func (s *Service) rebuild(pods []ipam.Pod, v int) (int, error) {
 		return ipam.SandboxUnknown
 	})
 	s.mu.Unlock()
-	for _, p := range problems {
+	for _, p := range plan.Problems {
 		s.log.V(v).Info("rebuild: " + p)
 	}
-	if err := s.journal.Commit(ch); err != nil {
+	if err := s.commitFact(plan, "rebuild"); err != nil {
 		return 0, fmt.Errorf("journal rebuilt attachments: %w", err)
 	}
-	for _, a := range ch.PutAttachments {
+	for _, a := range plan.Change.PutAttachments {
 		if !a.Key.IsRebuilt() {
 			continue // an attachment of another pod that lost an address the pod's report won
 		}
 		s.log.Info("recorded an attachment from the pod's status.podIPs (a pod the journal did not know: taken over from the previous IPAM, or a lost journal)",
 			"pod", a.Pod.String(), "podUID", a.Pod.UID, "addresses", fmtAddresses(a.Addresses))
 	}
-	return len(ch.PutAttachments), nil
+	return len(plan.Change.PutAttachments), nil
 }
 
 func fmtAddresses(as []ipam.Address) string {
@@ -802,6 +820,19 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 			timer.Stop()
 			continue
 		}
+		var inFlight *ipam.InFlightError
+		if errors.As(err, &inFlight) {
+			// A rebuild is recording the pod's addresses (ipam.PlanRebuild): wait for its
+			// journal write, then adopt them.
+			changed := s.changed
+			s.mu.Unlock()
+			select {
+			case <-changed:
+			case <-ctx.Done():
+				return errResp(cniproto.CodeTryAgainLater, "ipwarden: "+inFlight.Error(), "the runtime retries"), nil
+			}
+			continue
+		}
 		if err == nil && waiting {
 			waiting = false // Add removed the waiter
 		}
@@ -817,7 +848,7 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 		}
 		s.metrics.IPWait.Observe(s.now().Sub(start).Seconds())
 		if !ch.IsEmpty() {
-			if err := s.commit(ipam.AddPlan{Key: key, Change: ch}); err != nil {
+			if err := s.commit(ipam.AddPlan{Key: key, Change: ch}, "add"); err != nil {
 				return errResp(cniproto.CodeTryAgainLater, "ipwarden: cannot record the attachment in the journal: "+cniproto.Truncate(err.Error(), 300),
 					"nothing was handed out; check the agent's --state-dir disk"), nil
 			}
@@ -920,21 +951,37 @@ func (s *Service) delKey(key ipam.Key) error {
 func (s *Service) delKeyIf(key ipam.Key, accept func(ipam.Attachment) bool) (ipam.Attachment, bool, error) {
 	unlock := s.keys.lock(key)
 	defer unlock()
-	s.mu.Lock()
-	att, found := s.st.Attachment(key)
-	if found && accept != nil && (s.st.Pending(key) || !accept(att)) {
+	var att ipam.Attachment
+	var plan ipam.DelPlan
+	for {
+		s.mu.Lock()
+		var found bool
+		att, found = s.st.Attachment(key)
+		if found && accept != nil && (s.st.Pending(key) || !accept(att)) {
+			s.mu.Unlock()
+			return ipam.Attachment{}, false, nil
+		}
+		var err error
+		plan, err = s.st.PlanDel(key, s.now())
+		var inFlight *ipam.InFlightError
+		if errors.As(err, &inFlight) {
+			// A rebuild moving one of its addresses to a pod that reports it holds it
+			// (ipam.PlanRebuild): wait for its journal write, then decide again.
+			changed := s.changed
+			s.mu.Unlock()
+			<-changed
+			continue
+		}
 		s.mu.Unlock()
-		return ipam.Attachment{}, false, nil
-	}
-	plan, err := s.st.PlanDel(key, s.now())
-	s.mu.Unlock()
-	if err != nil {
-		return ipam.Attachment{}, false, err
+		if err != nil {
+			return ipam.Attachment{}, false, err
+		}
+		break
 	}
 	if !plan.Found {
 		return ipam.Attachment{}, false, nil
 	}
-	if err := s.commit(plan); err != nil {
+	if err := s.commit(plan, "del"); err != nil {
 		return ipam.Attachment{}, false, err
 	}
 	s.log.V(1).Info("DEL", "attachment", key.String(), "pod", att.Pod.String(), "addresses", fmtAddresses(att.Addresses))
