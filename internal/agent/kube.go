@@ -569,7 +569,7 @@ func (k *Kube) acknowledge(ctx context.Context, leader string) (bool, error) {
 			k.mu.Lock()
 			k.lastWritten = writtenSpec{pools: nipa.Spec.Pools, observed: observed, baseRV: base.ResourceVersion, newRV: nipa.ResourceVersion}
 			k.mu.Unlock()
-			k.svc.metrics.LeaderAcks.Inc()
+			k.svc.Metrics().LeaderAcks.Inc()
 			claimed := 0
 			for _, r := range reqs {
 				n, _ := r.Claimed.Size().Uint64()
@@ -608,7 +608,7 @@ func (k *Kube) recreate(ctx context.Context, node *corev1.Node) error {
 	case err != nil:
 		return fmt.Errorf("create NodeIPAllocation %s: %w", k.node, err)
 	}
-	k.svc.metrics.RecordRecreated.Inc()
+	k.svc.Metrics().RecordRecreated.Inc()
 	k.log.Info("re-created this node's NodeIPAllocation, deleted while its pods use addresses; they are claimed back from the controller",
 		"nodeIPAllocation", k.node, "attachments", uses)
 	k.Trigger()

@@ -36,7 +36,7 @@ type Service struct {
 	now         func() time.Time
 	addressWait time.Duration
 	gcGrace     time.Duration
-	gcDryRun    bool
+	gcDryRunOn  bool
 	rebuildHold time.Duration
 	holdDir     string
 	netnsDirs   []string
@@ -114,7 +114,7 @@ func NewService(st *ipam.State, journal Committer, opts ServiceOptions) *Service
 		now:         opts.Now,
 		addressWait: opts.AddressWait,
 		gcGrace:     opts.GCGrace,
-		gcDryRun:    opts.GCDryRun,
+		gcDryRunOn:  opts.GCDryRun,
 		rebuildHold: opts.RebuildHold,
 		holdDir:     opts.HoldDir,
 		netnsDirs:   opts.NetnsDirs,
