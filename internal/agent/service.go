@@ -49,14 +49,15 @@ type Service struct {
 	// state the one before left. CNI requests never take it.
 	factMu sync.Mutex
 
-	mu                sync.Mutex
-	st                *ipam.State
-	changed           chan struct{} // closed and replaced whenever an address may have become usable
-	kickFn, kickNowFn func()
-	// lookup reads a pod from the API server (Kube.GetPod); CNI GC re-checks candidates with it.
-	lookup func(context.Context, gc.Name) gc.Lookup
-	// podMeta reads a pod's annotations and namespace for pool choice (Kube.PodMeta).
-	podMeta func(ctx context.Context, namespace, name, uid string) (ipam.PodMeta, error)
+	mu      sync.Mutex
+	st      *ipam.State
+	changed chan struct{} // closed and replaced whenever an address may have become usable
+
+	// hooks are the functions the parts around the service hand it, set once they exist and
+	// read without s.mu (an ADD takes s.mu only to plan and to apply); hooksMu serializes the
+	// setters.
+	hooks   atomic.Pointer[hooks]
+	hooksMu sync.Mutex
 
 	keys  keyLocks
 	ready atomic.Bool
@@ -123,34 +124,54 @@ func NewService(st *ipam.State, journal Committer, opts ServiceOptions) *Service
 		metrics:     opts.Metrics,
 		st:          st,
 		changed:     make(chan struct{}),
-		kickFn:      func() {},
-		kickNowFn:   func() {},
 		conflicts:   map[ipam.Address]ipam.Key{},
 		gate:        gate{node: opts.Node, leaseNS: opts.LeaseNamespace, enforce: opts.Gated},
 	}
+}
+
+// hooks are the functions the parts around the service hand it.
+type hooks struct {
+	// kick and kickNow ask the pool monitor for a round (Monitor.Kick, Monitor.KickNow).
+	kick, kickNow func()
+	// lookup reads a pod from the API server (Kube.GetPod); CNI GC re-checks candidates with it.
+	lookup func(context.Context, gc.Name) gc.Lookup
+	// podMeta reads a pod's annotations and namespace for pool choice (Kube.PodMeta).
+	podMeta func(ctx context.Context, namespace, name, uid string) (ipam.PodMeta, error)
+}
+
+func (s *Service) getHooks() hooks {
+	if h := s.hooks.Load(); h != nil {
+		return *h
+	}
+	return hooks{}
+}
+
+// setHook changes the hooks with set.
+func (s *Service) setHook(set func(*hooks)) {
+	s.hooksMu.Lock()
+	defer s.hooksMu.Unlock()
+	h := s.getHooks()
+	set(&h)
+	s.hooks.Store(&h)
 }
 
 // SetKick sets the functions that ask the pool monitor to recompute the node's request: kick
 // soon (changes coalesce), and now, for an ADD that waits for an address (Monitor.Kick and
 // Monitor.KickNow).
 func (s *Service) SetKick(kick, now func()) {
-	s.mu.Lock()
-	s.kickFn, s.kickNowFn = kick, now
-	s.mu.Unlock()
+	s.setHook(func(h *hooks) { h.kick, h.kickNow = kick, now })
 }
 
 func (s *Service) kick() {
-	s.mu.Lock()
-	f := s.kickFn
-	s.mu.Unlock()
-	f()
+	if f := s.getHooks().kick; f != nil {
+		f()
+	}
 }
 
 func (s *Service) kickNow() {
-	s.mu.Lock()
-	f := s.kickNowFn
-	s.mu.Unlock()
-	f()
+	if f := s.getHooks().kickNow; f != nil {
+		f()
+	}
 }
 
 // SetReady marks the service as serving (after the start-up reconciliation).
@@ -248,6 +269,12 @@ func (s *Service) Spec() []ipam.PoolRequest {
 // journal it outside the lock, then apply it, or abort it when the journal refused it (counted
 // by change, what). A plan that changes something wakes the waiting ADDs.
 func (s *Service) commit(p ipam.Plan, what string) error {
+	return s.commitThen(p, what, nil)
+}
+
+// commitThen is commit, running applied (when set) under the same hold of the lock once the plan
+// is applied.
+func (s *Service) commitThen(p ipam.Plan, what string, applied func()) error {
 	ch := p.Changes()
 	err := s.journal.Commit(ch)
 	s.mu.Lock()
@@ -255,6 +282,9 @@ func (s *Service) commit(p ipam.Plan, what string) error {
 		s.st.Abort(p)
 	} else {
 		s.st.Apply(p)
+		if applied != nil {
+			applied()
+		}
 	}
 	if !ch.IsEmpty() {
 		s.notifyLocked()
@@ -449,9 +479,7 @@ func (s *Service) SetWantedElsewhere(m map[string]addr.Set) {
 
 // SetPodMeta sets how an ADD reads its pod's annotations and namespace (Kube.PodMeta).
 func (s *Service) SetPodMeta(f func(ctx context.Context, namespace, name, uid string) (ipam.PodMeta, error)) {
-	s.mu.Lock()
-	s.podMeta = f
-	s.mu.Unlock()
+	s.setHook(func(h *hooks) { h.podMeta = f })
 }
 
 // ReasonHoldExpired is the Warning event on the node's NodeIPAllocation when the hold after a
@@ -460,9 +488,7 @@ const ReasonHoldExpired = "UnattributedHoldExpired"
 
 // SetPodLookup sets how CNI GC reads a pod from the API server before it frees an attachment.
 func (s *Service) SetPodLookup(f func(context.Context, gc.Name) gc.Lookup) {
-	s.mu.Lock()
-	s.lookup = f
-	s.mu.Unlock()
+	s.setHook(func(h *hooks) { h.lookup = f })
 }
 
 // StartHold begins the unattributed hold after a rebuild of a lost or damaged journal (see
@@ -742,24 +768,26 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 
 	areq := ipam.AddRequest{Key: key, Network: req.Network, Netns: req.Netns, Pools: req.Pools, PoolNetwork: req.PoolNetwork,
 		Pod: ipam.PodRef{Namespace: req.Pod.Namespace, Name: req.Pod.Name, UID: req.Pod.UID}}
+	// A plain ADD holds s.mu three times: to see whether it is a repeated ADD (only a new one
+	// reads the pod's annotations, outside the lock), to plan, and to apply (commitThen). A
+	// repeated ADD plans under the first hold.
+	readMeta := s.getHooks().podMeta
 	s.mu.Lock()
-	readMeta := s.podMeta
 	_, known := s.st.Attachment(key)
-	s.mu.Unlock()
 	if readMeta != nil && !known && req.Pod.Namespace != "" && req.Pod.Name != "" {
+		s.mu.Unlock()
 		rctx, cancel := context.WithTimeout(ctx, podMetaTimeout)
 		meta, err := readMeta(rctx, req.Pod.Namespace, req.Pod.Name, req.Pod.UID)
 		cancel()
+		s.mu.Lock()
 		if err != nil {
 			// The watch does not know the pod and the API server cannot be asked. Choosing pools
 			// as if it had no annotations would silently ignore its (or its namespace's) pools,
 			// static and sticky addresses. A pod whose earlier sandbox this node served gets its
 			// addresses back without them (the node keeps serving restarted sandboxes through an
 			// outage); any other waits for the API server: the runtime retries.
-			s.mu.Lock()
-			adopts := req.Pod.UID != "" && s.st.HasPod(req.Pod.UID)
-			s.mu.Unlock()
-			if !adopts {
+			if adopts := req.Pod.UID != "" && s.st.HasPod(req.Pod.UID); !adopts {
+				s.mu.Unlock()
 				s.metrics.PodUnknown.Inc()
 				return errResp(cniproto.CodeTryAgainLater,
 					fmt.Sprintf("ipwarden: the agent on node %s cannot read pod %s/%s's annotations: its watch has not seen the pod and the API server did not answer: %s",
@@ -770,6 +798,7 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 		}
 		areq.Meta = meta
 	}
+	// s.mu is held at the top of every turn of the loop.
 	start := s.now()
 	deadline := start.Add(s.addressWait)
 	waiting := false
@@ -782,7 +811,6 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 		}
 	}()
 	for {
-		s.mu.Lock()
 		now := s.now()
 		att, ch, err := s.st.Add(areq, now)
 		var short *ipam.ShortError
@@ -801,7 +829,8 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 				if on, _ := s.st.Hold(); on {
 					s.mu.Unlock()
 					s.evaluateHold() // a pod with an ADD here settles the hold
-					continue         // which may have ended it: try again at once
+					s.mu.Lock()
+					continue // which may have ended it: try again at once
 				}
 			}
 			changed := s.changed
@@ -818,6 +847,7 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 			case <-ctx.Done():
 			}
 			timer.Stop()
+			s.mu.Lock()
 			continue
 		}
 		var inFlight *ipam.InFlightError
@@ -831,6 +861,7 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 			case <-ctx.Done():
 				return errResp(cniproto.CodeTryAgainLater, "ipwarden: "+inFlight.Error(), "the runtime retries"), nil
 			}
+			s.mu.Lock()
 			continue
 		}
 		if err == nil && waiting {
@@ -847,22 +878,20 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 			return addError(err), nil
 		}
 		s.metrics.IPWait.Observe(s.now().Sub(start).Seconds())
-		if !ch.IsEmpty() {
-			if err := s.commit(ipam.AddPlan{Key: key, Change: ch}, "add"); err != nil {
-				return errResp(cniproto.CodeTryAgainLater, "ipwarden: cannot record the attachment in the journal: "+cniproto.Truncate(err.Error(), 300),
-					"nothing was handed out; check the agent's --state-dir disk"), nil
-			}
-			s.mu.Lock()
-			on, _ := s.st.Hold()
-			s.mu.Unlock()
-			s.log.V(1).Info("ADD", "attachment", cniproto.Truncate(key.String(), logIDBytes), "pod", att.Pod.String(), "addresses", fmtAddresses(att.Addresses))
-			if on {
-				s.evaluateHold()
-			}
-			s.kick()
-			return result(att, cfgs), &att
+		if ch.IsEmpty() {
+			return result(att, cfgs), nil // a repeated ADD
 		}
-		return result(att, cfgs), nil
+		var holdOn bool
+		if err := s.commitThen(ipam.AddPlan{Key: key, Change: ch}, "add", func() { holdOn, _ = s.st.Hold() }); err != nil {
+			return errResp(cniproto.CodeTryAgainLater, "ipwarden: cannot record the attachment in the journal: "+cniproto.Truncate(err.Error(), 300),
+				"nothing was handed out; check the agent's --state-dir disk"), nil
+		}
+		s.log.V(1).Info("ADD", "attachment", cniproto.Truncate(key.String(), logIDBytes), "pod", att.Pod.String(), "addresses", fmtAddresses(att.Addresses))
+		if holdOn {
+			s.evaluateHold()
+		}
+		s.kick()
+		return result(att, cfgs), &att
 	}
 }
 
@@ -1049,8 +1078,8 @@ func (s *Service) gc(ctx context.Context, req cniproto.Request) *cniproto.Respon
 			cands = append(cands, gc.Candidate{Attachment: gcAttachment(att, false)})
 		}
 	}
-	lookup := s.lookup
 	s.mu.Unlock()
+	lookup := s.getHooks().lookup
 	freed := 0
 	var errs []string
 	why := "the container runtime no longer lists the attachment (CNI GC, network " + req.Network + ") and "
