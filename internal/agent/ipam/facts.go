@@ -187,22 +187,28 @@ func (s *State) planHolding(plan *HoldingsPlan, name string, held addr.Set, dist
 			}
 		}
 	}
-	if p.heldKnown && p.held.Equal(held) {
-		return
-	}
-	plan.held[name] = held
 	var rel, cool []netip.Addr
 	for a := range p.releasing {
 		if !held.Contains(a) {
 			rel = append(rel, a)
-			plan.Change.DeleteReleasing = append(plan.Change.DeleteReleasing, Address{Pool: name, Addr: a})
 		}
 	}
 	for _, c := range p.coolq {
 		if !held.Contains(c.Addr) {
 			cool = append(cool, c.Addr)
-			plan.Change.DeleteCooling = append(plan.Change.DeleteCooling, Address{Pool: name, Addr: c.Addr})
 		}
+	}
+	// With the holding unchanged there is nothing to forget, except what a DEL or a give-back
+	// planned before the last holding and applied after it left behind: forgotten now.
+	if p.heldKnown && p.held.Equal(held) && len(rel) == 0 && len(cool) == 0 {
+		return
+	}
+	plan.held[name] = held
+	for _, a := range rel {
+		plan.Change.DeleteReleasing = append(plan.Change.DeleteReleasing, Address{Pool: name, Addr: a})
+	}
+	for _, a := range cool {
+		plan.Change.DeleteCooling = append(plan.Change.DeleteCooling, Address{Pool: name, Addr: a})
 	}
 	if len(rel) > 0 {
 		plan.forgetRel[name] = addr.SetOfAddrs(rel...)

@@ -237,6 +237,44 @@ func TestPlanHoldings(t *testing.T) {
 	}
 }
 
+// A DEL planned before a holding is applied and applied after it queues, as cooling, an address
+// the new holding lacks (the journal holds it too); the next holdings plan forgets it, whether or
+// not the holding changed.
+func TestPlanHoldingsForgetsWhatARaceLeftBehind(t *testing.T) {
+	h := newHarness(t, poolV4)
+	h.hold("v4", "10.0.0.8/29")
+	h.mustAdd("a") // .8
+	shrunk := map[string]addr.Set{"v4": set(t, "10.0.0.12/30")}
+	plan := h.s.PlanHoldings(shrunk, false, h.now)
+	del, err := h.s.PlanDel(key("a"), h.now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.commit(del.Changes())
+	h.s.Apply(del) // .8 cools: the holding the DEL saw held it
+	h.commit(plan.Changes())
+	h.s.Apply(plan)
+	if st := h.s.Stats(h.now); st[0].Cooling != 1 {
+		t.Fatalf("stats %+v: want .8 cooling, left behind", st)
+	}
+	again := planned(t, h.s, func() HoldingsPlan { return h.s.PlanHoldings(shrunk, false, h.now) })
+	if len(again.Change.DeleteCooling) != 1 || again.Change.DeleteCooling[0].Addr != ip("10.0.0.8") {
+		t.Fatalf("change %+v: want .8 forgotten", again.Change)
+	}
+	h.commit(again.Changes())
+	h.s.Apply(again)
+	if st := h.s.Stats(h.now); st[0].Cooling != 0 || st[0].Held != 4 {
+		t.Fatalf("stats %+v", st)
+	}
+	h.restart()
+	if st := h.s.Stats(h.now); st[0].Cooling != 0 {
+		t.Fatalf("after a restart %+v", st)
+	}
+	if again := h.s.PlanHoldings(shrunk, false, h.now); !again.Change.IsEmpty() {
+		t.Fatalf("nothing left to forget, yet %+v", again.Change)
+	}
+}
+
 func setOrNone(t *testing.T, s string) addr.Set {
 	if s == "" {
 		return addr.Set{}
