@@ -204,7 +204,7 @@ func Run(ctx context.Context, cfg Config) error {
 		offline = false
 		log.Info("a hold of addresses of unknown owner was under way: ADD waits for the API server to resume it")
 	}
-	svc.gate.setOffline(offline)
+	svc.setServeOffline(offline)
 	identity, err := Identity(cfg.StateDir)
 	if err != nil {
 		return err
@@ -296,7 +296,7 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 				svc.SetPodLookup(kube.GetPod)
 				svc.SetPodMeta(kube.PodMeta)
 				collector = NewCollector(svc, kube, CollectorOptions{Grace: cfg.GCGrace, FullCheckInterval: cfg.GCFullCheckInterval,
-					SandboxGrace: cfg.GCSandboxGrace, NetnsDirs: cfg.NetnsDirs, QueueMetrics: svc.metrics.Queue, Log: log.WithName("gc")})
+					SandboxGrace: cfg.GCSandboxGrace, NetnsDirs: cfg.NetnsDirs, QueueMetrics: svc.Metrics().Queue, Log: log.WithName("gc")})
 				kube.OnPodDelete(collector.OnPodDelete)
 			} else {
 				kube = nil
@@ -310,7 +310,7 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
-		svc.gate.setAPIError(err)
+		svc.setAPIError(err)
 		if time.Since(lastLog) > 10*time.Second {
 			log.Info("waiting for the API server; serving from the journal meanwhile", "error", err.Error(), "retryIn", backoff.String())
 			lastLog = time.Now()
@@ -334,16 +334,16 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 		return ctx.Err()
 	case <-lease.Held():
 	}
-	svc.gate.setStage("waiting for the controller to create NodeIPAllocation " + cfg.Node)
+	svc.setStage("waiting for the controller to create NodeIPAllocation " + cfg.Node)
 	if err := kube.WaitForAllocation(ctx); err != nil {
 		return err
 	}
 	if start.recovered != nil {
-		svc.gcr.event(nil, corev1.EventTypeWarning, ReasonJournalRecovered,
+		svc.nodeEvent(corev1.EventTypeWarning, ReasonJournalRecovered,
 			fmt.Sprintf("the agent's journal was damaged (%s: %s); it was moved to %s and the node's attachments are rebuilt from the pods' status.podIPs",
 				start.recovered.Reason, cniproto.Truncate(start.recovered.Problem, 300), start.recovered.MovedTo))
 	}
-	svc.gate.setStage("reconciling with the API server")
+	svc.setStage("reconciling with the API server")
 	var pods []ipam.Pod
 	for {
 		var err error
@@ -374,7 +374,7 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 		}
 		svc.StartHold(until)
 	}
-	svc.gate.setSynced()
+	svc.setSynced()
 	served, attachments, unknown := svc.servedSummary(cfg.Pools)
 	log.Info("reconciled with the API server", "pools", served, "attachments", attachments, "rebuiltFromPods", n)
 	for _, want := range unknown {
@@ -383,7 +383,7 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 	mon := NewMonitor(svc, kube, cfg.Resync, log.WithName("monitor"))
 	signal := NewNodeSignal(kube.API(), cfg.Node, cfg.ExhaustedTaint, nodesignal.Params{ClearFree: cfg.ExhaustedClearFree}, log.WithName("signal"))
 	signal.SetReporting(events.NewRecorder(eventScheme(cfg.Scheme), corev1.EventSource{Component: "ipwarden-agent", Host: cfg.Node}),
-		svc.metrics.AddressesExhausted)
+		svc.Metrics().AddressesExhausted)
 	mon.SetSignal(signal)
 	mon.SetCoalesce(cfg.RequestCoalesce)
 	svc.SetKick(mon.Kick, mon.KickNow)

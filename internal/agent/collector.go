@@ -100,7 +100,8 @@ type gcItem struct {
 // read or journal write is retried with exponential backoff a bounded number of times, never
 // turned into a free.
 type Collector struct {
-	svc        *Service
+	svc        collectorState
+	metrics    *Metrics
 	pods       PodSource
 	grace      time.Duration
 	interval   time.Duration
@@ -122,7 +123,7 @@ type Collector struct {
 
 // NewCollector returns a collector over svc; Run starts it. Register OnPodDelete with the pod
 // informer before the informer starts.
-func NewCollector(svc *Service, pods PodSource, opts CollectorOptions) *Collector {
+func NewCollector(svc collectorState, pods PodSource, opts CollectorOptions) *Collector {
 	if opts.Workers <= 0 {
 		opts.Workers = 2
 	}
@@ -150,7 +151,7 @@ func NewCollector(svc *Service, pods PodSource, opts CollectorOptions) *Collecto
 	q := workqueue.NewTypedRateLimitingQueueWithConfig(
 		workqueue.NewTypedItemExponentialFailureRateLimiter[gcItem](opts.RetryBase, opts.RetryMax),
 		workqueue.TypedRateLimitingQueueConfig[gcItem]{Name: GCQueueName, MetricsProvider: opts.QueueMetrics})
-	return &Collector{svc: svc, pods: pods, grace: opts.Grace, interval: opts.FullCheckInterval, workers: opts.Workers,
+	return &Collector{svc: svc, metrics: svc.Metrics(), pods: pods, grace: opts.Grace, interval: opts.FullCheckInterval, workers: opts.Workers,
 		maxRetries: opts.MaxRetries, log: opts.Log, queue: q, netnsDirs: opts.NetnsDirs,
 		timing:    gc.Timing{Grace: opts.Grace, SandboxGrace: opts.SandboxGrace, Poll: opts.SandboxPoll, SlowPoll: time.Minute},
 		goneSince: map[ipam.Key]time.Time{}, outlived: map[ipam.Key]bool{}}
@@ -160,7 +161,7 @@ func NewCollector(svc *Service, pods PodSource, opts CollectorOptions) *Collecto
 // time) and queues the pod's name. It accepts a *corev1.Pod (or any object with metadata) and a
 // cache.DeletedFinalStateUnknown tombstone holding one.
 func (c *Collector) OnPodDelete(obj any) {
-	d, ok := deletionOf(obj, c.svc.now())
+	d, ok := deletionOf(obj, c.svc.Clock())
 	if !ok {
 		c.log.Error(nil, "pod informer delivered a deletion the collector cannot read; the full check covers it", "object", fmt.Sprintf("%T", obj))
 		return
@@ -199,7 +200,7 @@ func deletionOf(obj any, seen time.Time) (gc.Deletion, bool) {
 
 func (c *Collector) add(it gcItem) {
 	c.queue.Add(it)
-	c.svc.metrics.GCQueueDepth.Set(float64(c.queue.Len()))
+	c.metrics.GCQueueDepth.Set(float64(c.queue.Len()))
 }
 
 // Run does a full check at once and then every FullCheckInterval, and runs the workers, until
@@ -215,7 +216,7 @@ func (c *Collector) Run(ctx context.Context) {
 	defer wg.Wait()
 	defer c.queue.ShutDown()
 	c.log.Info("leak collector running", "gcGrace", c.grace.String(), "gcSandboxGrace", c.timing.SandboxGrace.String(),
-		"netnsDirs", c.netnsDirs, "fullCheckInterval", c.interval.String(), "dryRun", c.svc.gcDryRun)
+		"netnsDirs", c.netnsDirs, "fullCheckInterval", c.interval.String(), "dryRun", c.svc.gcDryRun())
 	tick := time.NewTicker(c.interval)
 	defer tick.Stop()
 	for {
@@ -239,11 +240,11 @@ func (c *Collector) FullCheck(ctx context.Context) {
 	}
 	view := c.svc.gcView()
 	c.prune(view)
-	names := gc.Sweep(view, gc.NewCache(cached), c.svc.now(), c.grace)
+	names := gc.Sweep(view, gc.NewCache(cached), c.svc.Clock(), c.grace)
 	for _, n := range names {
 		c.add(gcItem{name: n, path: PathFullCheck})
 	}
-	c.svc.metrics.GCFullChecks.Inc()
+	c.metrics.GCFullChecks.Inc()
 	if len(names) > 0 {
 		c.log.Info("full check: attachments whose pod the cache does not show; re-checking them against the API server", "pods", len(names))
 	}
@@ -255,7 +256,7 @@ func (c *Collector) processNext(ctx context.Context) bool {
 		return false
 	}
 	defer c.queue.Done(it)
-	c.svc.metrics.GCQueueDepth.Set(float64(c.queue.Len()))
+	c.metrics.GCQueueDepth.Set(float64(c.queue.Len()))
 	res := c.sync(ctx, it)
 	if res.err != nil {
 		if ctx.Err() != nil {
@@ -270,13 +271,13 @@ func (c *Collector) processNext(ctx context.Context) bool {
 		c.forget(it.name, res.dels)
 		msg := fmt.Sprintf("gave up after %d attempts: %v; the full check tries again within %s", c.maxRetries+1, res.err, c.interval)
 		for _, cand := range res.failed {
-			c.svc.gcr.failed(it.path, cand, msg)
+			c.svc.reportGCFailed(it.path, cand, msg)
 		}
 		return true
 	}
 	c.queue.Forget(it)
 	if !res.recheckAt.IsZero() {
-		c.queue.AddAfter(it, max(0, res.recheckAt.Sub(c.svc.now())))
+		c.queue.AddAfter(it, max(0, res.recheckAt.Sub(c.svc.Clock())))
 		return true
 	}
 	c.forget(it.name, res.dels)
@@ -311,13 +312,13 @@ func (c *Collector) sync(ctx context.Context, it gcItem) syncResult {
 		res.err = fmt.Errorf("list the node's pods from the informer cache: %w", err)
 		return res
 	}
-	sel := gc.Select(it.name, c.svc.gcView(), gc.NewCache(cached), res.dels, c.svc.now(), c.grace)
+	sel := gc.Select(it.name, c.svc.gcView(), gc.NewCache(cached), res.dels, c.svc.Clock(), c.grace)
 	res.recheckAt = sel.RecheckAt
 	if len(sel.Candidates) == 0 {
 		return res
 	}
-	m := c.svc.metrics
-	now := c.svc.now()
+	m := c.metrics
+	now := c.svc.Clock()
 	sbs := make([]gc.Sandbox, len(sel.Candidates))
 	needRead := false
 	for i, cand := range sel.Candidates {
@@ -430,7 +431,7 @@ func (c *Collector) forgetKey(k ipam.Key) {
 	delete(c.outlived, k)
 	n := len(c.outlived)
 	c.mu.Unlock()
-	c.svc.metrics.GCSandboxOutlived.Set(float64(n))
+	c.metrics.GCSandboxOutlived.Set(float64(n))
 }
 
 // prune forgets the attachments that are no longer in the journal (freed by DEL).
@@ -452,12 +453,12 @@ func (c *Collector) prune(view []gc.Attachment) {
 	}
 	n := len(c.outlived)
 	c.mu.Unlock()
-	c.svc.metrics.GCSandboxOutlived.Set(float64(n))
+	c.metrics.GCSandboxOutlived.Set(float64(n))
 }
 
 // hold reports a gone pod's attachment kept because its sandbox may still exist.
 func (c *Collector) hold(path string, cand gc.Candidate, sb gc.Sandbox, rel gc.Release) {
-	c.svc.metrics.GCSandboxHeld.WithLabelValues(sb.String()).Inc()
+	c.metrics.GCSandboxHeld.WithLabelValues(sb.String()).Inc()
 	c.log.V(1).Info("kept: the pod is gone but its sandbox may still run", "path", path, "pod", cand.Pod.String(), "podUID", cand.Pod.UID,
 		"attachment", cand.Key.String(), "netns", cand.Netns, "sandbox", sb.String(), "reason", rel.Reason, "recheckAt", rel.RecheckAt)
 	if !rel.Outlived {
@@ -468,9 +469,9 @@ func (c *Collector) hold(path string, cand gc.Candidate, sb gc.Sandbox, rel gc.R
 	c.outlived[cand.Key] = true
 	n := len(c.outlived)
 	c.mu.Unlock()
-	c.svc.metrics.GCSandboxOutlived.Set(float64(n))
+	c.metrics.GCSandboxOutlived.Set(float64(n))
 	if first {
-		c.svc.gcr.outlived(cand, c.timing.SandboxGrace)
+		c.svc.reportOutlived(cand, c.timing.SandboxGrace)
 	}
 }
 
@@ -507,7 +508,7 @@ func gcAttachment(a ipam.Attachment, pending bool) gc.Attachment {
 // --gc-dry-run it reports what it would free and frees nothing. It reports and counts the
 // outcome; an error is counted as a failure and left to the caller to retry.
 func (s *Service) collect(path string, c gc.Candidate, why string) (bool, error) {
-	if s.gcDryRun {
+	if s.gcDryRunOn {
 		s.mu.Lock()
 		att, ok := s.st.Attachment(c.Key)
 		ok = ok && !s.st.Pending(c.Key) && gcAttachment(att, false).Same(c.Attachment)

@@ -116,7 +116,7 @@ func newGCHarness(t *testing.T, dryRun bool, opts CollectorOptions) *gcHarness {
 	h := &gcHarness{svcHarness: newSvc(t, time.Second, testV4), pods: &fakePods{api: map[gc.Name]string{}}, rec: &capture{},
 		now: time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)}
 	h.svc.now = func() time.Time { h.mu.Lock(); defer h.mu.Unlock(); return h.now }
-	h.svc.gcDryRun = dryRun
+	h.svc.gcDryRunOn = dryRun
 	h.reg = prometheus.NewRegistry()
 	h.svc.metrics = NewMetrics(h.reg)
 	h.svc.gcr.metrics = h.svc.metrics

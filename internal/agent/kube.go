@@ -283,7 +283,9 @@ func (k *Kube) Push(ctx context.Context) ([]ipam.Pod, error) {
 			served = append(served, p.Name)
 		}
 	}
-	k.svc.SetPools(pools, served)
+	if err := k.svc.SetPools(pools, served); err != nil {
+		return nil, err
+	}
 
 	k.recordMu.Lock()
 	err := k.pushRecord(ctx, &node)
@@ -382,8 +384,7 @@ func (k *Kube) setRecord(nipa *ipwardenv1.NodeIPAllocation, fresh bool) error {
 	}
 	k.svc.SetRefused(refused)
 	k.svc.SetWantedElsewhere(elsewhere)
-	k.svc.SetHoldings(holdings, rec)
-	return nil
+	return k.svc.SetHoldings(holdings, rec)
 }
 
 // Run pushes the cache into the service after every watch event, coalesced.
@@ -395,7 +396,7 @@ func (k *Kube) Run(ctx context.Context) {
 		case <-k.trigger:
 		}
 		if _, err := k.Push(ctx); err != nil && ctx.Err() == nil {
-			k.log.Error(err, "cannot read the node's objects from the informer cache")
+			k.log.Error(err, "cannot hand the node's objects to the service; the next event retries")
 		}
 	}
 }
@@ -568,7 +569,7 @@ func (k *Kube) acknowledge(ctx context.Context, leader string) (bool, error) {
 			k.mu.Lock()
 			k.lastWritten = writtenSpec{pools: nipa.Spec.Pools, observed: observed, baseRV: base.ResourceVersion, newRV: nipa.ResourceVersion}
 			k.mu.Unlock()
-			k.svc.metrics.LeaderAcks.Inc()
+			k.svc.Metrics().LeaderAcks.Inc()
 			claimed := 0
 			for _, r := range reqs {
 				n, _ := r.Claimed.Size().Uint64()
@@ -607,7 +608,7 @@ func (k *Kube) recreate(ctx context.Context, node *corev1.Node) error {
 	case err != nil:
 		return fmt.Errorf("create NodeIPAllocation %s: %w", k.node, err)
 	}
-	k.svc.metrics.RecordRecreated.Inc()
+	k.svc.Metrics().RecordRecreated.Inc()
 	k.log.Info("re-created this node's NodeIPAllocation, deleted while its pods use addresses; they are claimed back from the controller",
 		"nodeIPAllocation", k.node, "attachments", uses)
 	k.Trigger()

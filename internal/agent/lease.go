@@ -41,7 +41,7 @@ type NodeLease struct {
 	namespace string
 	node      string
 	identity  string
-	svc       *Service
+	svc       leaseGate
 	log       logr.Logger
 	obs       nodelease.Observer
 
@@ -63,7 +63,7 @@ type NodeLease struct {
 
 // NewNodeLease returns the Lease keeper of node for identity, with Leases lasting duration and
 // renewed every renew (0: the defaults).
-func NewNodeLease(api client.Client, namespace, node, identity string, duration, renew time.Duration, svc *Service, log logr.Logger) *NodeLease {
+func NewNodeLease(api client.Client, namespace, node, identity string, duration, renew time.Duration, svc leaseGate, log logr.Logger) *NodeLease {
 	if duration <= 0 {
 		duration = DefaultLeaseDuration
 	}
@@ -72,7 +72,7 @@ func NewNodeLease(api client.Client, namespace, node, identity string, duration,
 	}
 	l := &NodeLease{api: client.WithFieldOwner(api, string(fieldOwner)), namespace: namespace, node: node, identity: identity,
 		duration: duration, renew: renew, svc: svc, log: log, heldCh: make(chan struct{})}
-	svc.gate.setRecheck(l.recheck)
+	svc.setLeaseRecheck(l.recheck)
 	return l
 }
 
@@ -126,7 +126,7 @@ func (l *NodeLease) round(ctx context.Context) {
 	changed := !l.known || held != l.held || holder != l.holder
 	l.known, l.held, l.holder = true, held, holder
 	// The permit runs from the round's start: no other agent can take the Lease before then.
-	l.svc.gate.setLease(held, holder, start.Add(l.duration))
+	l.svc.setLease(held, holder, start.Add(l.duration))
 	if held {
 		select {
 		case <-l.heldCh:

@@ -63,6 +63,9 @@ type Metrics struct {
 	// PodUnknown counts ADDs refused because neither the pod watch nor the API server could say
 	// what the pod's annotations are.
 	PodUnknown prometheus.Counter
+	// JournalRefused counts changes of the node's state the journal refused, by change: the
+	// state was left as it was (the commit protocol, ipam/plan.go).
+	JournalRefused *prometheus.CounterVec
 
 	// AddressesExhausted is 1 while the node shows the scheduler signal (condition
 	// ipwarden.io/AddressesExhausted).
@@ -112,6 +115,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "ADDs rolled back because the plugin went away before the agent answered."}),
 		PodUnknown: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "add_pod_unreadable_total",
 			Help: "ADDs refused (CNI error 11, the runtime retries) because the pod watch had not seen the pod and the API server did not answer: pools are never chosen without the pod's annotations."}),
+		JournalRefused: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "journal_refused_total",
+			Help: "Changes of the node's state the journal refused, by change (add, del, release, pools, holdings, mark, rebuild); the state was left as it was and the change is retried: by the runtime (add, del), the next pool monitor round (release), the next reading of the node's objects (pools, holdings, mark) or the next pod event (rebuild)."}, []string{"change"}),
 		Outside: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Name: "addresses_outside_pool",
 			Help: "Addresses the node holds or uses that the pool's current spec no longer covers (a shrunk pool, a new exclusion): never handed out, released as they are freed."}, pool),
 
@@ -163,6 +168,9 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			v.WithLabelValues(path)
 		}
 	}
+	for _, c := range []string{"add", "del", "release", "pools", "holdings", "mark", "rebuild"} {
+		m.JournalRefused.WithLabelValues(c)
+	}
 	m.Queue = NewQueueMetrics(reg)
 	m.AddressesExhausted = prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "addresses_exhausted",
 		Help: "1 while the node shows the condition ipwarden.io/AddressesExhausted: pods wait and it can get no more addresses (at maxPerNode, or its pool exhausted)."})
@@ -171,7 +179,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		reg.MustRegister(m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict, m.Outside, m.Adopted,
 			m.Attachments, m.OpDuration, m.IPWait, m.JournalWrite, m.Errors, m.SpecWrites, m.Conflicts, m.RecordRewinds, m.RecordRecreated, m.LeaderAcks,
 			m.GCCandidates, m.GCCollected, m.GCKept, m.GCFailed, m.GCDryRun, m.GCDeleteToFree, m.GCFullChecks, m.GCQueueDepth,
-			m.Unattributed, m.JournalRecovered, m.HoldActive, m.Conns, m.Busy, m.BadRequests, m.AbandonedAdds, m.PodUnknown,
+			m.Unattributed, m.JournalRecovered, m.HoldActive, m.Conns, m.Busy, m.BadRequests, m.AbandonedAdds, m.PodUnknown, m.JournalRefused,
 			m.GCSandboxHeld, m.GCSandboxOutlived)
 	}
 	return m

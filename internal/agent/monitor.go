@@ -23,7 +23,7 @@ type SpecPublisher interface {
 // a target crosses a batch boundary. KickNow, for an ADD that waits for an address, cuts the
 // gathering short.
 type Monitor struct {
-	svc     *Service
+	svc     monitorState
 	pub     SpecPublisher
 	resync  time.Duration
 	log     logr.Logger
@@ -41,8 +41,8 @@ type Monitor struct {
 }
 
 // NewMonitor returns a monitor; Run starts it.
-func NewMonitor(svc *Service, pub SpecPublisher, resync time.Duration, log logr.Logger) *Monitor {
-	return &Monitor{svc: svc, pub: pub, resync: resync, log: log, kick: make(chan struct{}, 1), now: make(chan struct{}, 1), metrics: svc.metrics}
+func NewMonitor(svc monitorState, pub SpecPublisher, resync time.Duration, log logr.Logger) *Monitor {
+	return &Monitor{svc: svc, pub: pub, resync: resync, log: log, kick: make(chan struct{}, 1), now: make(chan struct{}, 1), metrics: svc.Metrics()}
 }
 
 // SetCoalesce sets the coalescing quiet time (call before Run; 0, the default, does a round at
@@ -128,7 +128,7 @@ func (m *Monitor) Run(ctx context.Context) {
 		}
 		backoff, retry = 0, nil
 		if wake := earliest(m.nextCooled, m.nextRelease); !wake.IsZero() {
-			cooled.Reset(max(0, wake.Sub(m.svc.now())))
+			cooled.Reset(max(0, wake.Sub(m.svc.Clock())))
 		}
 	}
 }
@@ -137,8 +137,7 @@ func (m *Monitor) Run(ctx context.Context) {
 // beyond the hysteresis band for the release delay, or at once while the pool is exhausted),
 // then publish the request.
 func (m *Monitor) Round(ctx context.Context) error {
-	s := m.svc
-	r, err := s.releaseRound()
+	r, err := m.svc.releaseRound()
 	if err != nil {
 		return err
 	}
@@ -149,7 +148,7 @@ func (m *Monitor) Round(ctx context.Context) error {
 	m.nextCooled = r.nextCooled
 	m.nextRelease = r.nextRelease
 	m.metrics.setPools(r.stats, r.attachments)
-	if s.gate.enforce && !s.gate.leaseIsHeld() {
+	if !m.svc.publishesSpec() {
 		return nil // another agent holds the node's Lease: it publishes the node's request
 	}
 	if m.signal != nil {

@@ -128,13 +128,13 @@ func Serve(ctx context.Context, l net.Listener, svc *Service, requestTimeout tim
 		}
 		backoff = 0
 		if !acquire(ctx, readers, 0) {
-			svc.metrics.Busy.Inc()
+			svc.Metrics().Busy.Inc()
 			go busy(conn)
 			continue
 		}
-		svc.metrics.Conns.Inc()
+		svc.Metrics().Conns.Inc()
 		wg.Go(func() {
-			defer svc.metrics.Conns.Dec()
+			defer svc.Metrics().Conns.Dec()
 			serveConn(ctx, conn, svc, requestTimeout, log, func() { <-readers }, slots)
 		})
 	}
@@ -179,7 +179,7 @@ func serveConn(ctx context.Context, conn net.Conn, svc *Service, timeout time.Du
 	var undo func()
 	if err == nil {
 		if !acquire(ctx, slots, busyWait) {
-			svc.metrics.Busy.Inc()
+			svc.Metrics().Busy.Inc()
 			busy(conn)
 			return
 		}
@@ -191,7 +191,7 @@ func serveConn(ctx context.Context, conn net.Conn, svc *Service, timeout time.Du
 			pe = &cniproto.Error{Code: cniproto.CodeIOFailure, Msg: "ipwarden agent: cannot read the request: " + cniproto.Truncate(err.Error(), 200)}
 		}
 		resp = &cniproto.Response{Error: pe}
-		svc.metrics.BadRequests.Inc()
+		svc.Metrics().BadRequests.Inc()
 		log.V(1).Info("bad request", "op", cniproto.Truncate(string(req.Op), 16), "error", pe.Msg)
 	} else {
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)

@@ -36,7 +36,7 @@ type Service struct {
 	now         func() time.Time
 	addressWait time.Duration
 	gcGrace     time.Duration
-	gcDryRun    bool
+	gcDryRunOn  bool
 	rebuildHold time.Duration
 	holdDir     string
 	netnsDirs   []string
@@ -44,14 +44,20 @@ type Service struct {
 	log         logr.Logger
 	metrics     *Metrics
 
-	mu                sync.Mutex
-	st                *ipam.State
-	changed           chan struct{} // closed and replaced whenever an address may have become usable
-	kickFn, kickNowFn func()
-	// lookup reads a pod from the API server (Kube.GetPod); CNI GC re-checks candidates with it.
-	lookup func(context.Context, gc.Name) gc.Lookup
-	// podMeta reads a pod's annotations and namespace for pool choice (Kube.PodMeta).
-	podMeta func(ctx context.Context, namespace, name, uid string) (ipam.PodMeta, error)
+	// factMu serializes the plans of facts read from the API server and of rebuilds (SetPools,
+	// SetHoldings, NoteSpecWritten, rebuild) from plan to apply: each is planned against the
+	// state the one before left. CNI requests never take it.
+	factMu sync.Mutex
+
+	mu      sync.Mutex
+	st      *ipam.State
+	changed chan struct{} // closed and replaced whenever an address may have become usable
+
+	// hooks are the functions the parts around the service hand it, set once they exist and
+	// read without s.mu (an ADD takes s.mu only to plan and to apply); hooksMu serializes the
+	// setters.
+	hooks   atomic.Pointer[hooks]
+	hooksMu sync.Mutex
 
 	keys  keyLocks
 	ready atomic.Bool
@@ -109,7 +115,7 @@ func NewService(st *ipam.State, journal Committer, opts ServiceOptions) *Service
 		now:         opts.Now,
 		addressWait: opts.AddressWait,
 		gcGrace:     opts.GCGrace,
-		gcDryRun:    opts.GCDryRun,
+		gcDryRunOn:  opts.GCDryRun,
 		rebuildHold: opts.RebuildHold,
 		holdDir:     opts.HoldDir,
 		netnsDirs:   opts.NetnsDirs,
@@ -118,34 +124,54 @@ func NewService(st *ipam.State, journal Committer, opts ServiceOptions) *Service
 		metrics:     opts.Metrics,
 		st:          st,
 		changed:     make(chan struct{}),
-		kickFn:      func() {},
-		kickNowFn:   func() {},
 		conflicts:   map[ipam.Address]ipam.Key{},
 		gate:        gate{node: opts.Node, leaseNS: opts.LeaseNamespace, enforce: opts.Gated},
 	}
+}
+
+// hooks are the functions the parts around the service hand it.
+type hooks struct {
+	// kick and kickNow ask the pool monitor for a round (Monitor.Kick, Monitor.KickNow).
+	kick, kickNow func()
+	// lookup reads a pod from the API server (Kube.GetPod); CNI GC re-checks candidates with it.
+	lookup func(context.Context, gc.Name) gc.Lookup
+	// podMeta reads a pod's annotations and namespace for pool choice (Kube.PodMeta).
+	podMeta func(ctx context.Context, namespace, name, uid string) (ipam.PodMeta, error)
+}
+
+func (s *Service) getHooks() hooks {
+	if h := s.hooks.Load(); h != nil {
+		return *h
+	}
+	return hooks{}
+}
+
+// setHook changes the hooks with set.
+func (s *Service) setHook(set func(*hooks)) {
+	s.hooksMu.Lock()
+	defer s.hooksMu.Unlock()
+	h := s.getHooks()
+	set(&h)
+	s.hooks.Store(&h)
 }
 
 // SetKick sets the functions that ask the pool monitor to recompute the node's request: kick
 // soon (changes coalesce), and now, for an ADD that waits for an address (Monitor.Kick and
 // Monitor.KickNow).
 func (s *Service) SetKick(kick, now func()) {
-	s.mu.Lock()
-	s.kickFn, s.kickNowFn = kick, now
-	s.mu.Unlock()
+	s.setHook(func(h *hooks) { h.kick, h.kickNow = kick, now })
 }
 
 func (s *Service) kick() {
-	s.mu.Lock()
-	f := s.kickFn
-	s.mu.Unlock()
-	f()
+	if f := s.getHooks().kick; f != nil {
+		f()
+	}
 }
 
 func (s *Service) kickNow() {
-	s.mu.Lock()
-	f := s.kickNowFn
-	s.mu.Unlock()
-	f()
+	if f := s.getHooks().kickNow; f != nil {
+		f()
+	}
 }
 
 // SetReady marks the service as serving (after the start-up reconciliation).
@@ -180,7 +206,7 @@ func (s *Service) releaseRound() (roundResult, error) {
 	plan := s.st.Release(now)
 	s.mu.Unlock()
 	if !plan.Change.IsEmpty() {
-		if err := s.commit(plan); err != nil {
+		if err := s.commit(plan, "release"); err != nil {
 			return roundResult{}, fmt.Errorf("journal the addresses to release: %w", err)
 		}
 	}
@@ -240,39 +266,59 @@ func (s *Service) Spec() []ipam.PoolRequest {
 }
 
 // commit runs the one commit protocol (package ipam, plan.go) for a plan made under the lock:
-// journal it outside the lock, then apply it, or abort it when the journal refused it.
-func (s *Service) commit(p ipam.Plan) error {
-	err := s.journal.Commit(p.Changes())
+// journal it outside the lock, then apply it, or abort it when the journal refused it (counted
+// by change, what). A plan that changes something wakes the waiting ADDs.
+func (s *Service) commit(p ipam.Plan, what string) error {
+	return s.commitThen(p, what, nil)
+}
+
+// commitThen is commit, running applied (when set) under the same hold of the lock once the plan
+// is applied.
+func (s *Service) commitThen(p ipam.Plan, what string, applied func()) error {
+	ch := p.Changes()
+	err := s.journal.Commit(ch)
 	s.mu.Lock()
 	if err != nil {
 		s.st.Abort(p)
 	} else {
 		s.st.Apply(p)
+		if applied != nil {
+			applied()
+		}
 	}
-	s.notifyLocked()
+	if !ch.IsEmpty() {
+		s.notifyLocked()
+	}
 	s.mu.Unlock()
+	if err != nil {
+		s.metrics.JournalRefused.WithLabelValues(what).Inc()
+	}
 	return err
 }
 
-// commitBestEffort journals a change whose loss a restart repairs (pool settings, holdings, and
-// forgetting releasing or cooling addresses the controller took back).
-func (s *Service) commitBestEffort(ch ipam.Change, what string) {
-	if ch.IsEmpty() {
-		return
+// commitFact commits the plan of a fact read from the API server, or of a rebuild, and logs a
+// refusal: the state is as it was, and the caller's next reading retries.
+func (s *Service) commitFact(p ipam.Plan, what string) error {
+	err := s.commit(p, what)
+	if err != nil {
+		s.log.Error(err, "the journal refused a change of the node's state; the state is unchanged and the change is retried", "change", what)
 	}
-	if err := s.journal.Commit(ch); err != nil {
-		s.log.Error(err, "cannot journal "+what+"; a restart recomputes it")
-	}
+	return err
 }
 
-// SetPools hands the service the pools' settings and the pools that select the node.
-func (s *Service) SetPools(pools []ipam.Pool, served []string) {
+// SetPools hands the service the pools' settings and the pools that select the node. When the
+// journal refuses them the state keeps the settings it had, and the error is returned.
+func (s *Service) SetPools(pools []ipam.Pool, served []string) error {
+	s.factMu.Lock()
+	defer s.factMu.Unlock()
 	s.mu.Lock()
-	ch := s.st.SetPools(pools, served)
-	s.notifyLocked()
+	plan := s.st.PlanPools(pools, served)
 	s.mu.Unlock()
-	s.commitBestEffort(ch, "pool settings")
+	if err := s.commitFact(plan, "pools"); err != nil {
+		return fmt.Errorf("journal the pools' settings: %w", err)
+	}
 	s.kick()
+	return nil
 }
 
 // RecordOf identifies the NodeIPAllocation a holding was read from: its UID and generation,
@@ -305,57 +351,56 @@ func (s *Service) SetRecordMissing(missing bool) {
 }
 
 // NoteSpecWritten records that the agent wrote its spec to the object uid, producing
-// generation: the record mark that later reads are compared with.
+// generation: the record mark that later reads are compared with. When the journal refuses it
+// the mark stays where it was (logged and counted); the next reading of the record
+// (SetHoldings) or spec write moves it.
 func (s *Service) NoteSpecWritten(uid string, generation int64) {
+	s.factMu.Lock()
+	defer s.factMu.Unlock()
 	s.mu.Lock()
-	ch := ipam.Change{}
-	if m := s.st.Mark(); m.UID != uid || generation > m.Generation {
-		ch = s.st.SetMark(ipam.RecordMark{UID: uid, Generation: generation})
+	m, moves := ipam.NextMarkOnWrite(s.st.Mark(), uid, generation)
+	var plan ipam.MarkPlan
+	if moves {
+		plan = s.st.PlanMark(m)
 	}
 	s.mu.Unlock()
-	s.commitBestEffort(ch, "record mark")
+	if !moves {
+		return
+	}
+	_ = s.commitFact(plan, "mark")
 }
 
 // SetHoldings hands the service what the controller reports the node holds, per pool; pools
 // missing from holdings but known to the state hold nothing. rec says which object it came
-// from: a rewound one's extra addresses are distrusted first (ipam.State.Distrust), and the
-// record mark moves to it.
-func (s *Service) SetHoldings(holdings map[string]addr.Set, rec RecordOf) {
+// from: a rewound one's extra addresses are distrusted first (ipam.State.PlanHoldings), and the
+// record mark moves to it. Holdings and mark are journaled together, then applied; when the
+// journal refuses them the state is as it was and the error is returned.
+func (s *Service) SetHoldings(holdings map[string]addr.Set, rec RecordOf) error {
+	s.factMu.Lock()
+	defer s.factMu.Unlock()
 	s.mu.Lock()
-	var ch ipam.Change
-	now := s.now()
+	plan := s.st.PlanHoldings(holdings, rec.Rewound, s.now())
+	batch := ipam.Batch{plan}
+	if m, moves := ipam.NextMarkOnRead(s.st.Mark(), rec.UID, rec.Generation, rec.Rewound); moves {
+		batch = append(batch, s.st.PlanMark(m))
+	}
+	s.mu.Unlock()
+	if err := s.commitFact(batch, "holdings"); err != nil {
+		return fmt.Errorf("journal the node's holdings: %w", err)
+	}
 	if rec.Rewound {
-		dch, marked := s.st.Distrust(holdings, now)
-		ch.Merge(dch)
-		ch.Merge(s.st.SetMark(ipam.RecordMark{UID: rec.UID, Generation: rec.Generation}))
 		s.metrics.RecordRewinds.Inc()
 		s.log.Info("the node's NodeIPAllocation is older than this node's last write (etcd restored, or the object re-created): "+
 			"addresses it shows that the node had given back are released again, and addresses its pods use are claimed",
-			"uid", rec.UID, "generation", rec.Generation, "released", fmtSets(marked))
-	} else if m := s.st.Mark(); rec.UID != "" && (m.UID == "" || (m.UID == rec.UID && rec.Generation > m.Generation)) {
-		ch.Merge(s.st.SetMark(ipam.RecordMark{UID: rec.UID, Generation: rec.Generation}))
+			"uid", rec.UID, "generation", rec.Generation, "released", fmtSets(plan.Distrusted))
 	}
-	names := slices.Sorted(func(yield func(string) bool) {
-		for n := range holdings {
-			if !yield(n) {
-				return
-			}
-		}
-	})
-	for _, st := range s.st.Stats(s.now()) {
-		if _, ok := holdings[st.Pool]; !ok {
-			names = append(names, st.Pool)
-		}
-	}
-	for _, n := range names {
-		ch.Merge(s.st.SetHolding(n, holdings[n]))
-	}
+	s.mu.Lock()
 	s.st.SetRecordMissing(false)
 	s.reportConflictsLocked()
 	s.notifyLocked()
 	s.mu.Unlock()
-	s.commitBestEffort(ch, "holdings")
 	s.kick()
+	return nil
 }
 
 // reportConflictsLocked logs attachments whose addresses the node no longer holds, once each.
@@ -434,9 +479,7 @@ func (s *Service) SetWantedElsewhere(m map[string]addr.Set) {
 
 // SetPodMeta sets how an ADD reads its pod's annotations and namespace (Kube.PodMeta).
 func (s *Service) SetPodMeta(f func(ctx context.Context, namespace, name, uid string) (ipam.PodMeta, error)) {
-	s.mu.Lock()
-	s.podMeta = f
-	s.mu.Unlock()
+	s.setHook(func(h *hooks) { h.podMeta = f })
 }
 
 // ReasonHoldExpired is the Warning event on the node's NodeIPAllocation when the hold after a
@@ -445,9 +488,7 @@ const ReasonHoldExpired = "UnattributedHoldExpired"
 
 // SetPodLookup sets how CNI GC reads a pod from the API server before it frees an attachment.
 func (s *Service) SetPodLookup(f func(context.Context, gc.Name) gc.Lookup) {
-	s.mu.Lock()
-	s.lookup = f
-	s.mu.Unlock()
+	s.setHook(func(h *hooks) { h.lookup = f })
 }
 
 // StartHold begins the unattributed hold after a rebuild of a lost or damaged journal (see
@@ -549,10 +590,13 @@ func (s *Service) Rebuild(pods []ipam.Pod) (int, error) {
 }
 
 // rebuild is Rebuild with its problems logged at verbosity v (the hold repeats it on every pod
-// event, so it logs them only at debug level).
+// event, so it logs them only at debug level). It plans the rebuild (reserving what it touches),
+// journals it, then applies it; when the journal refuses it nothing was recorded.
 func (s *Service) rebuild(pods []ipam.Pod, v int) (int, error) {
+	s.factMu.Lock()
+	defer s.factMu.Unlock()
 	s.mu.Lock()
-	ch, problems := s.st.RebuildSeeing(pods, s.now(), func(netns string) ipam.Sandbox {
+	plan := s.st.PlanRebuild(pods, s.now(), func(netns string) ipam.Sandbox {
 		switch lookSandbox(netns, s.netnsDirs) {
 		case gc.SandboxExists:
 			return ipam.SandboxExists
@@ -562,20 +606,20 @@ func (s *Service) rebuild(pods []ipam.Pod, v int) (int, error) {
 		return ipam.SandboxUnknown
 	})
 	s.mu.Unlock()
-	for _, p := range problems {
+	for _, p := range plan.Problems {
 		s.log.V(v).Info("rebuild: " + p)
 	}
-	if err := s.journal.Commit(ch); err != nil {
+	if err := s.commitFact(plan, "rebuild"); err != nil {
 		return 0, fmt.Errorf("journal rebuilt attachments: %w", err)
 	}
-	for _, a := range ch.PutAttachments {
+	for _, a := range plan.Change.PutAttachments {
 		if !a.Key.IsRebuilt() {
 			continue // an attachment of another pod that lost an address the pod's report won
 		}
 		s.log.Info("recorded an attachment from the pod's status.podIPs (a pod the journal did not know: taken over from the previous IPAM, or a lost journal)",
 			"pod", a.Pod.String(), "podUID", a.Pod.UID, "addresses", fmtAddresses(a.Addresses))
 	}
-	return len(ch.PutAttachments), nil
+	return len(plan.Change.PutAttachments), nil
 }
 
 func fmtAddresses(as []ipam.Address) string {
@@ -724,24 +768,26 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 
 	areq := ipam.AddRequest{Key: key, Network: req.Network, Netns: req.Netns, Pools: req.Pools, PoolNetwork: req.PoolNetwork,
 		Pod: ipam.PodRef{Namespace: req.Pod.Namespace, Name: req.Pod.Name, UID: req.Pod.UID}}
+	// A plain ADD holds s.mu three times: to see whether it is a repeated ADD (only a new one
+	// reads the pod's annotations, outside the lock), to plan, and to apply (commitThen). A
+	// repeated ADD plans under the first hold.
+	readMeta := s.getHooks().podMeta
 	s.mu.Lock()
-	readMeta := s.podMeta
 	_, known := s.st.Attachment(key)
-	s.mu.Unlock()
 	if readMeta != nil && !known && req.Pod.Namespace != "" && req.Pod.Name != "" {
+		s.mu.Unlock()
 		rctx, cancel := context.WithTimeout(ctx, podMetaTimeout)
 		meta, err := readMeta(rctx, req.Pod.Namespace, req.Pod.Name, req.Pod.UID)
 		cancel()
+		s.mu.Lock()
 		if err != nil {
 			// The watch does not know the pod and the API server cannot be asked. Choosing pools
 			// as if it had no annotations would silently ignore its (or its namespace's) pools,
 			// static and sticky addresses. A pod whose earlier sandbox this node served gets its
 			// addresses back without them (the node keeps serving restarted sandboxes through an
 			// outage); any other waits for the API server: the runtime retries.
-			s.mu.Lock()
-			adopts := req.Pod.UID != "" && s.st.HasPod(req.Pod.UID)
-			s.mu.Unlock()
-			if !adopts {
+			if adopts := req.Pod.UID != "" && s.st.HasPod(req.Pod.UID); !adopts {
+				s.mu.Unlock()
 				s.metrics.PodUnknown.Inc()
 				return errResp(cniproto.CodeTryAgainLater,
 					fmt.Sprintf("ipwarden: the agent on node %s cannot read pod %s/%s's annotations: its watch has not seen the pod and the API server did not answer: %s",
@@ -752,6 +798,7 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 		}
 		areq.Meta = meta
 	}
+	// s.mu is held at the top of every turn of the loop.
 	start := s.now()
 	deadline := start.Add(s.addressWait)
 	waiting := false
@@ -764,7 +811,6 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 		}
 	}()
 	for {
-		s.mu.Lock()
 		now := s.now()
 		att, ch, err := s.st.Add(areq, now)
 		var short *ipam.ShortError
@@ -783,7 +829,8 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 				if on, _ := s.st.Hold(); on {
 					s.mu.Unlock()
 					s.evaluateHold() // a pod with an ADD here settles the hold
-					continue         // which may have ended it: try again at once
+					s.mu.Lock()
+					continue // which may have ended it: try again at once
 				}
 			}
 			changed := s.changed
@@ -800,6 +847,21 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 			case <-ctx.Done():
 			}
 			timer.Stop()
+			s.mu.Lock()
+			continue
+		}
+		var inFlight *ipam.InFlightError
+		if errors.As(err, &inFlight) {
+			// A rebuild is recording the pod's addresses (ipam.PlanRebuild): wait for its
+			// journal write, then adopt them.
+			changed := s.changed
+			s.mu.Unlock()
+			select {
+			case <-changed:
+			case <-ctx.Done():
+				return errResp(cniproto.CodeTryAgainLater, "ipwarden: "+inFlight.Error(), "the runtime retries"), nil
+			}
+			s.mu.Lock()
 			continue
 		}
 		if err == nil && waiting {
@@ -816,22 +878,20 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 			return addError(err), nil
 		}
 		s.metrics.IPWait.Observe(s.now().Sub(start).Seconds())
-		if !ch.IsEmpty() {
-			if err := s.commit(ipam.AddPlan{Key: key, Change: ch}); err != nil {
-				return errResp(cniproto.CodeTryAgainLater, "ipwarden: cannot record the attachment in the journal: "+cniproto.Truncate(err.Error(), 300),
-					"nothing was handed out; check the agent's --state-dir disk"), nil
-			}
-			s.mu.Lock()
-			on, _ := s.st.Hold()
-			s.mu.Unlock()
-			s.log.V(1).Info("ADD", "attachment", cniproto.Truncate(key.String(), logIDBytes), "pod", att.Pod.String(), "addresses", fmtAddresses(att.Addresses))
-			if on {
-				s.evaluateHold()
-			}
-			s.kick()
-			return result(att, cfgs), &att
+		if ch.IsEmpty() {
+			return result(att, cfgs), nil // a repeated ADD
 		}
-		return result(att, cfgs), nil
+		var holdOn bool
+		if err := s.commitThen(ipam.AddPlan{Key: key, Change: ch}, "add", func() { holdOn, _ = s.st.Hold() }); err != nil {
+			return errResp(cniproto.CodeTryAgainLater, "ipwarden: cannot record the attachment in the journal: "+cniproto.Truncate(err.Error(), 300),
+				"nothing was handed out; check the agent's --state-dir disk"), nil
+		}
+		s.log.V(1).Info("ADD", "attachment", cniproto.Truncate(key.String(), logIDBytes), "pod", att.Pod.String(), "addresses", fmtAddresses(att.Addresses))
+		if holdOn {
+			s.evaluateHold()
+		}
+		s.kick()
+		return result(att, cfgs), &att
 	}
 }
 
@@ -920,21 +980,37 @@ func (s *Service) delKey(key ipam.Key) error {
 func (s *Service) delKeyIf(key ipam.Key, accept func(ipam.Attachment) bool) (ipam.Attachment, bool, error) {
 	unlock := s.keys.lock(key)
 	defer unlock()
-	s.mu.Lock()
-	att, found := s.st.Attachment(key)
-	if found && accept != nil && (s.st.Pending(key) || !accept(att)) {
+	var att ipam.Attachment
+	var plan ipam.DelPlan
+	for {
+		s.mu.Lock()
+		var found bool
+		att, found = s.st.Attachment(key)
+		if found && accept != nil && (s.st.Pending(key) || !accept(att)) {
+			s.mu.Unlock()
+			return ipam.Attachment{}, false, nil
+		}
+		var err error
+		plan, err = s.st.PlanDel(key, s.now())
+		var inFlight *ipam.InFlightError
+		if errors.As(err, &inFlight) {
+			// A rebuild moving one of its addresses to a pod that reports it holds it
+			// (ipam.PlanRebuild): wait for its journal write, then decide again.
+			changed := s.changed
+			s.mu.Unlock()
+			<-changed
+			continue
+		}
 		s.mu.Unlock()
-		return ipam.Attachment{}, false, nil
-	}
-	plan, err := s.st.PlanDel(key, s.now())
-	s.mu.Unlock()
-	if err != nil {
-		return ipam.Attachment{}, false, err
+		if err != nil {
+			return ipam.Attachment{}, false, err
+		}
+		break
 	}
 	if !plan.Found {
 		return ipam.Attachment{}, false, nil
 	}
-	if err := s.commit(plan); err != nil {
+	if err := s.commit(plan, "del"); err != nil {
 		return ipam.Attachment{}, false, err
 	}
 	s.log.V(1).Info("DEL", "attachment", key.String(), "pod", att.Pod.String(), "addresses", fmtAddresses(att.Addresses))
@@ -1002,8 +1078,8 @@ func (s *Service) gc(ctx context.Context, req cniproto.Request) *cniproto.Respon
 			cands = append(cands, gc.Candidate{Attachment: gcAttachment(att, false)})
 		}
 	}
-	lookup := s.lookup
 	s.mu.Unlock()
+	lookup := s.getHooks().lookup
 	freed := 0
 	var errs []string
 	why := "the container runtime no longer lists the attachment (CNI GC, network " + req.Network + ") and "

@@ -139,7 +139,11 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 	var ph *Attachment
 	if uid := req.Pod.UID; uid != "" {
 		for _, k := range s.PodAttachments(uid) {
-			if a := s.atts[k]; a.Rebuilt && s.pending[k] == nil {
+			if a := s.atts[k]; a.Rebuilt {
+				if s.pending[k] != nil {
+					// A rebuild is recording the pod's addresses: adopt them once it is done.
+					return Attachment{}, Change{}, &InFlightError{Key: k}
+				}
 				ph = a
 				break
 			}
@@ -396,26 +400,13 @@ func (s *State) AddWaiter(k Key, uid string, pools []string, static ...Address) 
 // RemoveWaiter forgets the waiting ADD of k.
 func (s *State) RemoveWaiter(k Key) { delete(s.waiters, k) }
 
-// Rebuild records, for pods bound to the node whose status.podIPs hold addresses of the node's
-// pools that no attachment accounts for, an attachment under RebuiltKey(uid), so those addresses
-// are never handed out twice. It is meant for start-up, after Restore and the first holdings:
-// with a lost journal it rebuilds everything; with an intact one it finds nothing. Releasing
-// addresses are skipped and reported.
-//
-// The journal may also have rewound (the node's disk restored from an older snapshot): then it
-// records addresses for pods that ended since, and running pods report addresses it shows as
-// cooling or as another pod's. A running pod's report is the runtime's word that its sandbox
-// has the address; the journal's older record is not. So (see ReportWins):
-//   - an address the journal attaches to another pod moves to the reporting pod when that pod
-//     is gone or no longer reports it (and reports something), else it is a problem reported;
-//   - a cooling address moves to a reporting pod that has no attachment at all (a pod whose
-//     sandbox was deleted and whose status still shows its old address has its new attachment,
-//     or gets the same address back at its next ADD).
-//
-// A pod an attachment of which a DEL freed (since it last left the node's pods) is skipped: its
-// addresses came from this agent, and its status may still show the freed ones.
+// Rebuild plans (PlanRebuild) and applies at once, for callers with no journal that could
+// refuse the change (the simulator, tests); the agent journals the plan before it applies it. It
+// returns the plan's Change and problems.
 func (s *State) Rebuild(pods []Pod, now time.Time) (Change, []string) {
-	return s.RebuildSeeing(pods, now, nil)
+	plan := s.PlanRebuild(pods, now, nil)
+	s.Apply(plan)
+	return plan.Change, plan.Problems
 }
 
 // Sandbox is what the agent can tell of an attachment's sandbox from the network namespace path
@@ -432,12 +423,67 @@ const (
 	SandboxExists
 )
 
-// RebuildSeeing is Rebuild for an agent that can look at sandboxes: sandbox(netns) says what it
-// can tell of the network namespace an attachment recorded at ADD (nil: nothing).
-func (s *State) RebuildSeeing(pods []Pod, now time.Time, sandbox func(netns string) Sandbox) (Change, []string) {
+// RebuildPlan is a rebuild planned by PlanRebuild: the attachments it records or changes are
+// reserved (pending) until it is applied or aborted.
+type RebuildPlan struct {
+	Change Change
+	// Problems are the pods' reports the rebuild could not record, and addresses it moved.
+	Problems []string
+	// keys are the attachments the plan records, changes or drops, in the order it touched
+	// them; prior holds each as it was (nil: new).
+	keys  []Key
+	prior map[Key]*Attachment
+	// fromCooling are the addresses the plan took from cooling; fromUnattributed those it took
+	// from the unattributed hold.
+	fromCooling      []Cooling
+	fromUnattributed []Address
+	observed         []ObservedPool
+}
+
+// Changes implements Plan.
+func (p RebuildPlan) Changes() Change { return p.Change }
+
+// PlanRebuild plans recording, for pods bound to the node whose status.podIPs hold addresses of
+// the node's pools that no attachment accounts for, an attachment under RebuiltKey(uid), so those
+// addresses are never handed out twice. It is meant for start-up, after Restore and the first
+// holdings: with a lost journal it rebuilds everything; with an intact one it finds nothing; the
+// agent also runs it on every change of the node's pods (adopting pods of a previous IPAM).
+// Releasing addresses are skipped and reported. sandbox(netns) says what the caller can tell of
+// the network namespace an attachment recorded at ADD (nil: nothing).
+//
+// The journal may also have rewound (the node's disk restored from an older snapshot): then it
+// records addresses for pods that ended since, and running pods report addresses it shows as
+// cooling or as another pod's. A running pod's report is the runtime's word that its sandbox
+// has the address; the journal's older record is not. So (see ReportWins):
+//   - an address the journal attaches to another pod moves to the reporting pod when that pod
+//     is gone or no longer reports it (and reports something), else it is a problem reported;
+//   - a cooling address moves to a reporting pod that has no attachment at all (a pod whose
+//     sandbox was deleted and whose status still shows its old address has its new attachment,
+//     or gets the same address back at its next ADD).
+//
+// A pod an attachment of which a DEL freed (since it last left the node's pods) is skipped: its
+// addresses came from this agent, and its status may still show the freed ones. An address of an
+// attachment in flight (pending) is left alone: the next rebuild looks again.
+//
+// Like an ADD, the plan reserves what it touches in memory: every attachment it records, changes
+// or drops is pending until Apply (journaled) or Abort (refused: everything is put back as it
+// was), so no ADD hands out or adopts its addresses, no DEL or collector frees them meanwhile,
+// and the pools it observed are published only once it is applied.
+func (s *State) PlanRebuild(pods []Pod, now time.Time, sandbox func(netns string) Sandbox) RebuildPlan {
 	s.observe(now)
-	var ch Change
-	var problems []string
+	plan := RebuildPlan{prior: map[Key]*Attachment{}}
+	touch := func(k Key) {
+		if _, seen := plan.prior[k]; seen {
+			return
+		}
+		plan.keys = append(plan.keys, k)
+		if a := s.atts[k]; a != nil {
+			plan.prior[k] = a.clone()
+		} else {
+			plan.prior[k] = nil
+		}
+	}
+	ch := &plan.Change
 	bound := make(map[string]Pod, len(pods))
 	for _, pod := range pods {
 		if pod.Ref.UID != "" {
@@ -471,25 +517,29 @@ func (s *State) RebuildSeeing(pods []Pod, now time.Time, sandbox func(netns stri
 				if a == nil || a.Pod.UID == pod.Ref.UID || a.Pod.UID == "" {
 					continue
 				}
+				if _, inFlight := s.pending[owner]; inFlight {
+					continue // an ADD or DEL in flight: the next rebuild looks again
+				}
 				ownerPod, ownerBound := bound[a.Pod.UID]
 				sb := SandboxUnknown
 				if sandbox != nil && a.Netns != "" {
 					sb = sandbox(a.Netns)
 				}
 				if !ReportWins(ip, ownerPod, ownerBound, sb) {
-					problems = append(problems, fmt.Sprintf("pod %s shows address %s, which the journal records for %s of pod %s",
+					plan.Problems = append(plan.Problems, fmt.Sprintf("pod %s shows address %s, which the journal records for %s of pod %s",
 						pod.Ref, ip, owner, a.Pod))
 					continue
 				}
 				// The journal's owner ended or moved on: the journal is older than the pods.
-				problems = append(problems, fmt.Sprintf("pod %s shows address %s, which the journal records for %s of pod %s, "+
+				plan.Problems = append(plan.Problems, fmt.Sprintf("pod %s shows address %s, which the journal records for %s of pod %s, "+
 					"which is gone or no longer shows it: the journal is older than the pods (a restored disk?); the address moves to %s",
 					pod.Ref, ip, owner, a.Pod, pod.Ref))
+				touch(owner)
 				a.Addresses = slices.DeleteFunc(a.Addresses, func(ad Address) bool { return ad.Addr == ip })
 				delete(p.inUse, ip)
 				changed[owner] = true
 			} else if _, rel := p.releasing[ip]; rel {
-				problems = append(problems, fmt.Sprintf("pod %s shows address %s of pool %s, which the node is releasing; not recorded",
+				plan.Problems = append(plan.Problems, fmt.Sprintf("pod %s shows address %s of pool %s, which the node is releasing; not recorded",
 					pod.Ref, ip, name))
 				continue
 			} else if _, cool := p.cooling[ip]; cool && len(s.byPod[pod.Ref.UID]) > 0 {
@@ -500,8 +550,14 @@ func (s *State) RebuildSeeing(pods []Pod, now time.Time, sandbox func(netns stri
 		if len(picks) == 0 {
 			continue
 		}
+		touch(k)
 		for _, ad := range picks {
-			if c := s.pools[ad.Pool].take(ad.Addr, k); c != nil {
+			p := s.pools[ad.Pool]
+			if p.unattributed.Contains(ad.Addr) {
+				plan.fromUnattributed = append(plan.fromUnattributed, ad)
+			}
+			if c := p.take(ad.Addr, k); c != nil {
+				plan.fromCooling = append(plan.fromCooling, *c)
 				ch.DeleteCooling = append(ch.DeleteCooling, ad)
 			}
 		}
@@ -518,12 +574,65 @@ func (s *State) RebuildSeeing(pods []Pod, now time.Time, sandbox func(netns stri
 		}
 		ch.PutAttachments = append(ch.PutAttachments, *a.clone())
 	}
-	s.observed = s.observed[:0]
+	for _, k := range plan.keys {
+		s.pending[k] = &undo{}
+	}
 	for _, name := range s.poolNames() {
 		cfg := s.pools[name].cfg
-		s.observed = append(s.observed, ObservedPool{Pool: name, UID: cfg.UID, Generation: cfg.Generation})
+		plan.observed = append(plan.observed, ObservedPool{Pool: name, UID: cfg.UID, Generation: cfg.Generation})
 	}
-	return ch, problems
+	return plan
+}
+
+func isUsed(p *poolState, a netip.Addr) bool { _, used := p.inUse[a]; return used }
+
+// applyRebuild confirms a journaled rebuild: its attachments are no longer pending, and the
+// pools it looked at are observed.
+func (s *State) applyRebuild(plan RebuildPlan) {
+	for _, k := range plan.keys {
+		delete(s.pending, k)
+	}
+	s.observed = plan.observed
+}
+
+// abortRebuild undoes a rebuild the journal refused: the attachments it recorded are gone,
+// those it changed or dropped are back, and the addresses it took from cooling or from the
+// unattributed hold are there again.
+func (s *State) abortRebuild(plan RebuildPlan) {
+	pools := map[string]bool{}
+	for _, k := range plan.keys {
+		delete(s.pending, k)
+		if a := s.atts[k]; a != nil {
+			for _, ad := range a.Addresses {
+				if p := s.pools[ad.Pool]; p.inUse[ad.Addr] == k {
+					delete(p.inUse, ad.Addr)
+				}
+				pools[ad.Pool] = true
+			}
+			s.dropAttachment(k)
+		}
+	}
+	for _, k := range plan.keys {
+		if a := plan.prior[k]; a != nil {
+			s.putAttachment(a)
+			for _, ad := range a.Addresses {
+				s.pools[ad.Pool].inUse[ad.Addr] = k
+				pools[ad.Pool] = true
+			}
+		}
+	}
+	for _, c := range plan.fromCooling {
+		if p := s.pools[c.Pool]; !isUsed(p, c.Addr) {
+			p.uncool(c)
+		}
+	}
+	for _, ad := range plan.fromUnattributed {
+		p := s.pools[ad.Pool]
+		p.unattributed = p.unattributed.Union(setOf(ad.Addr))
+	}
+	for name := range pools {
+		s.pools[name].recompute()
+	}
 }
 
 // Observed lists the pools the last Rebuild looked at the pods' addresses with (sorted by name):

@@ -62,7 +62,7 @@ func TestRebuildAfterTheJournalRewound(t *testing.T) {
 		{Ref: PodRef{"ns", "squat", "uid-squat"}, IPs: []netip.Addr{ip("10.0.0.3")}},
 	}
 	gone := func(string) Sandbox { return SandboxGone } // the ended pods' namespaces are gone
-	ch, problems := h.s.RebuildSeeing(pods, h.now, gone)
+	ch, problems := h.rebuildSeeing(pods, gone)
 	h.commit(ch)
 	if len(ch.DeleteAttachments) != 1 || ch.DeleteAttachments[0] != key("old") {
 		t.Fatalf("the ended pod's attachment was not dropped: %+v", ch)
@@ -113,13 +113,20 @@ func TestRebuildNeverTakesFromALiveSandbox(t *testing.T) {
 		}
 		return SandboxGone
 	}
-	ch, problems := h.s.RebuildSeeing(pods, h.now, exists)
+	ch, problems := h.rebuildSeeing(pods, exists)
 	if !ch.IsEmpty() || len(problems) != 1 || !strings.Contains(problems[0], "pod ns/stale shows address 10.0.0.2") {
-		t.Fatalf("RebuildSeeing = %+v, %v", ch, problems)
+		t.Fatalf("rebuild = %+v, %v", ch, problems)
 	}
 	// Once the sandbox is gone, the report wins.
-	ch, _ = h.s.RebuildSeeing(pods, h.now, func(string) Sandbox { return SandboxGone })
+	ch, _ = h.rebuildSeeing(pods, func(string) Sandbox { return SandboxGone })
 	if len(ch.DeleteAttachments) != 1 || len(ch.PutAttachments) != 1 || ch.PutAttachments[0].Pod.UID != "uid-stale" {
-		t.Fatalf("RebuildSeeing after the sandbox went = %+v", ch)
+		t.Fatalf("rebuild after the sandbox went = %+v", ch)
 	}
+}
+
+// rebuildSeeing plans a rebuild with sandbox readings and applies it.
+func (h *harness) rebuildSeeing(pods []Pod, sandbox func(string) Sandbox) (Change, []string) {
+	plan := h.s.PlanRebuild(pods, h.now, sandbox)
+	h.s.Apply(plan)
+	return plan.Change, plan.Problems
 }

@@ -19,12 +19,16 @@
 //
 // # Protocol with the caller
 //
-// ADD reserves in memory first (Add), then the caller journals the returned Change and calls
-// ConfirmAdd, or AbortAdd if the journal write failed; the reservation keeps concurrent ADDs from
-// taking the same address while the journal write is in flight. DEL is the other way round:
-// PlanDel returns the Change without touching memory, and ApplyDel frees the addresses after the
-// journal write, so a failed write never lets an address be handed out twice. Scale-down marks
-// addresses releasing in memory (Release), the caller journals that and only then publishes the
-// lower request; UnmarkReleasing undoes a failed journal write. Calls for one attachment Key must
-// be serialized by the caller; calls on a State must not run concurrently.
+// Every change follows one commit protocol (plan.go): plan, reserving what the plan touches;
+// the caller journals Plan.Changes(); then Apply, or Abort when the journal refused it, which
+// leaves the state as it was. ADD reserves in memory first (Add: the attachment is pending, so
+// concurrent ADDs cannot take its addresses), then ConfirmAdd or AbortAdd. DEL is the other way
+// round: PlanDel returns the Change without touching memory, and ApplyDel frees the addresses
+// after the journal write, so a failed write never lets an address be handed out twice.
+// Scale-down marks addresses releasing in memory (Release), the caller journals that and only
+// then publishes the lower request; UnmarkReleasing undoes a failed journal write. Facts read
+// from the API server (PlanPools, PlanHoldings, PlanMark) reserve nothing and change nothing
+// until applied; a rebuild from the pods' status (PlanRebuild) reserves its attachments as
+// pending, like an ADD. Calls for one attachment Key must be serialized by the caller; calls on
+// a State must not run concurrently, and fact plans and rebuilds must not be in flight together.
 package ipam

@@ -1,5 +1,7 @@
 package ipam
 
+import "fmt"
+
 // The one commit protocol of the agent's state: plan, journal, then apply or abort.
 //
 //  1. Under the caller's lock the state plans a change and reserves what it touches, so that
@@ -11,10 +13,14 @@ package ipam
 //     when the journal refused it (the reservation is undone; nothing was handed out or
 //     published).
 //
-// Every change that hands out or frees an address (the CNI verbs, the pool monitor, the leak
-// collector) goes through it (Service.commit). Facts read from the API server (pool settings,
-// holdings, the record mark) and attachments rebuilt from pods' status.podIPs are applied first
-// and journaled best-effort: a restart reads them again.
+// Every change of the state goes through it (Service.commit in the agent): the CNI verbs, the
+// pool monitor and the leak collector (AddPlan, DelPlan, ReleasePlan), the facts read from the
+// API server (PoolsPlan, HoldingsPlan, MarkPlan; facts.go) and the attachments rebuilt from pods'
+// status.podIPs (RebuildPlan). So the state never holds what the journal refused: after a
+// refusal it is as it was, and a restart finds in the journal what the state held.
+//
+// SetPools, SetHolding and Rebuild plan and apply at once, for callers that have no journal to
+// refuse a change (the simulator, tests).
 
 // Plan is a planned change to the state.
 type Plan interface {
@@ -46,6 +52,20 @@ func (s *State) Apply(p Plan) {
 		s.ApplyDel(p)
 	case ReleasePlan:
 		// The marks made when it was planned are the change.
+	case PoolsPlan:
+		s.applyPools(p)
+	case HoldingsPlan:
+		s.applyHoldings(p)
+	case MarkPlan:
+		s.mark = p.mark
+	case RebuildPlan:
+		s.applyRebuild(p)
+	case Batch:
+		for _, q := range p {
+			s.Apply(q)
+		}
+	default:
+		panic(fmt.Sprintf("ipam: Apply of an unknown plan %T", p))
 	}
 }
 
@@ -58,5 +78,15 @@ func (s *State) Abort(p Plan) {
 		// A DEL reserves nothing.
 	case ReleasePlan:
 		s.UnmarkReleasing(p)
+	case PoolsPlan, HoldingsPlan, MarkPlan:
+		// They reserve nothing: the state is as it was.
+	case RebuildPlan:
+		s.abortRebuild(p)
+	case Batch:
+		for i := len(p) - 1; i >= 0; i-- {
+			s.Abort(p[i])
+		}
+	default:
+		panic(fmt.Sprintf("ipam: Abort of an unknown plan %T", p))
 	}
 }

@@ -1,8 +1,11 @@
 package ipam
 
 import (
+	"net/netip"
 	"reflect"
 	"testing"
+
+	"github.com/ipwarden/ipwarden/internal/addr"
 )
 
 // Every kind of plan, aborted, leaves the state as it was; applied, makes its change.
@@ -38,13 +41,32 @@ func TestPlanAbortAndApply(t *testing.T) {
 			}
 			return plan
 		}, func(h *harness) bool { return len(h.s.Spec()) == 1 && !h.s.Spec()[0].Releasing.IsEmpty() }},
+		{"pools", func(h *harness) {}, func(h *harness) Plan {
+			return h.s.PlanPools([]Pool{poolV4, poolV6}, []string{"v4", "v6"})
+		}, func(h *harness) bool { return len(h.s.Served()) == 2 }},
+		{"holdings", func(h *harness) {}, func(h *harness) Plan {
+			return h.s.PlanHoldings(map[string]addr.Set{"v4": set(t, "10.0.0.8/30")}, true, h.now)
+		}, func(h *harness) bool { held, _ := h.s.Holding("v4"); return held.Equal(set(t, "10.0.0.8/30")) }},
+		{"mark", func(h *harness) {}, func(h *harness) Plan {
+			return h.s.PlanMark(RecordMark{UID: "u", Generation: 1})
+		}, func(h *harness) bool { return h.s.Mark().UID == "u" }},
+		{"rebuild", func(h *harness) {}, func(h *harness) Plan {
+			return h.s.PlanRebuild([]Pod{{Ref: PodRef{"ns", "w", "uid-w"}, IPs: []netip.Addr{ip("10.0.0.9")}}}, h.now, nil)
+		}, func(h *harness) bool {
+			_, ok := h.s.Attachment(RebuiltKey("uid-w"))
+			return ok && !h.s.Pending(RebuiltKey("uid-w"))
+		}},
+		{"batch", func(h *harness) {}, func(h *harness) Plan {
+			return Batch{h.s.PlanHoldings(map[string]addr.Set{"v4": set(t, "10.0.0.8/30")}, false, h.now),
+				h.s.PlanMark(RecordMark{UID: "u", Generation: 1})}
+		}, func(h *harness) bool { return h.s.Mark().UID == "u" }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			for _, apply := range []bool{false, true} {
 				h := newHarness(t, poolV4)
 				h.hold("v4", "10.0.0.8/29")
 				tc.setup(h)
-				before := h.s.Stats(h.now)
+				before, full := h.s.Stats(h.now), dumpOf(h.s)
 				p := tc.plan(h)
 				if apply {
 					h.commit(p.Changes())
@@ -57,6 +79,9 @@ func TestPlanAbortAndApply(t *testing.T) {
 				h.s.Abort(p)
 				if after := h.s.Stats(h.now); !reflect.DeepEqual(before, after) {
 					t.Fatalf("aborted %s plan changed the state:\nbefore %+v\nafter  %+v", tc.name, before, after)
+				}
+				if after := dumpOf(h.s); !reflect.DeepEqual(full, after) {
+					t.Fatalf("aborted %s plan changed the state:\nbefore %+v\nafter  %+v", tc.name, full, after)
 				}
 			}
 		})

@@ -3,7 +3,6 @@ package ipam
 import (
 	"fmt"
 	"slices"
-	"time"
 
 	"github.com/ipwarden/ipwarden/internal/addr"
 )
@@ -18,7 +17,7 @@ import (
 //   - remembers which object it last wrote and the generation of that write (RecordMark, in the
 //     journal). A status on an object with another UID, or with a lower generation than the
 //     agent's own last spec write, comes from a rewound or re-created record: the addresses it
-//     shows that the node's last trusted holding lacked are suspect. Distrust marks them
+//     shows that the node's last trusted holding lacked are suspect. PlanHoldings marks them
 //     releasing: never handed out, given back;
 //   - hands nothing out of the free set while its object is missing (SetRecordMissing).
 
@@ -48,49 +47,7 @@ func (s *State) Rewound(uid string, generation int64) bool {
 	return IsRewound(s.mark, uid, generation)
 }
 
-// SetMark records the object the node last wrote (or, after a rewind, the object it now trusts
-// as its record); the caller journals the change.
-func (s *State) SetMark(m RecordMark) Change {
-	if m == s.mark {
-		return Change{}
-	}
-	s.mark = m
-	return Change{PutMark: &m}
-}
-
-// Distrust handles a status from a rewound or re-created record before it is applied with
-// SetHolding: in each pool, the addresses holdings shows that the node's last trusted holding
-// (the one it journaled) lacks and no attachment uses are marked releasing. The node gave them
-// back after the record's snapshot, and another node may use them now; the controller takes
-// them back. Addresses in use stay (claims cover those the status lacks). It returns the change
-// to journal and the addresses marked per pool.
-func (s *State) Distrust(holdings map[string]addr.Set, now time.Time) (Change, map[string]addr.Set) {
-	s.observe(now)
-	var ch Change
-	marked := map[string]addr.Set{}
-	for _, name := range sortedNames(holdings) {
-		p := s.pool(name)
-		suspect := SuspectAddresses(holdings[name], p.held, p.heldKnown, p.inUseSet(), p.relSet)
-		if suspect.IsEmpty() {
-			continue
-		}
-		for _, a := range suspect.Addrs(count(suspect)) {
-			p.releasing[a] = now
-			if _, cool := p.cooling[a]; cool {
-				delete(p.cooling, a)
-				ch.DeleteCooling = append(ch.DeleteCooling, Address{Pool: name, Addr: a})
-			}
-			ch.PutReleasing = append(ch.PutReleasing, Releasing{Pool: name, Addr: a, Since: now})
-		}
-		p.coolq = deleteCooling(p.coolq, suspect)
-		p.relSet = p.relSet.Union(suspect)
-		p.recompute()
-		marked[name] = suspect
-	}
-	return ch, marked
-}
-
-// SuspectAddresses is Distrust's rule for one pool: what a rewound status shows beyond the last
+// SuspectAddresses is the distrust rule for one pool (PlanHoldings with distrust): what a rewound status shows beyond the last
 // trusted holding, not in use and not already releasing. Without a trusted holding (never
 // journaled one) every free address the status shows is suspect.
 func SuspectAddresses(status, trusted addr.Set, trustedKnown bool, inUse, releasing addr.Set) addr.Set {

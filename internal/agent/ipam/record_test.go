@@ -56,7 +56,9 @@ func TestSuspectAddresses(t *testing.T) {
 func TestDistrustAndClaimsAfterARewind(t *testing.T) {
 	h := newHarness(t, poolV4)
 	h.hold("v4", "10.0.0.2-10.0.0.5", "10.0.0.10")
-	h.commit(h.s.SetMark(RecordMark{UID: "u1", Generation: 4}))
+	mark := h.s.PlanMark(RecordMark{UID: "u1", Generation: 4})
+	h.commit(mark.Changes())
+	h.s.Apply(mark)
 	h.mustAdd("c1") // .2
 	h.s.SetHolding("v4", set(t, "10.0.0.2-10.0.0.5", "10.0.0.10"))
 	// A pod takes .10 (the lowest free after .2 is .3: force .10 by taking .3-.5 first).
@@ -71,9 +73,10 @@ func TestDistrustAndClaimsAfterARewind(t *testing.T) {
 	if !h.s.Rewound("u1", 3) {
 		t.Fatal("an older generation was not seen as a rewind")
 	}
-	ch, marked := h.s.Distrust(map[string]addr.Set{"v4": rewound}, h.now)
-	h.commit(ch)
-	h.commit(h.s.SetHolding("v4", rewound))
+	plan := h.s.PlanHoldings(map[string]addr.Set{"v4": rewound}, true, h.now)
+	h.commit(plan.Changes())
+	h.s.Apply(plan)
+	marked := plan.Distrusted
 	if !marked["v4"].Equal(set(t, "10.0.0.6-10.0.0.9")) {
 		t.Fatalf("distrusted %v, want 10.0.0.6-10.0.0.9", marked["v4"])
 	}

@@ -332,54 +332,18 @@ func (s *State) dropAttachment(k Key) {
 	}
 }
 
-// SetPools replaces the pools' configuration with those from the API and sets the pools that
-// select the node (served), which ADD draws from by default: IPv4 pools first, then by name.
-// Pools that no longer serve the node drain: their free addresses are released and nothing new
-// is handed out from them. The returned Change journals the configuration, so a restart while
-// the API server is away still knows prefix lengths, gateways and cooldowns.
+// SetPools plans (PlanPools) and applies at once, for callers with no journal that could refuse
+// the change (the simulator, tests); the agent journals the plan before it applies it. It
+// returns the plan's Change.
 func (s *State) SetPools(pools []Pool, served []string) Change {
-	var ch Change
-	seen := map[string]bool{}
-	for _, pc := range pools {
-		seen[pc.Name] = true
-		pc.Served = slices.Contains(served, pc.Name)
-		p := s.pool(pc.Name)
-		if !p.known || !poolEqual(p.cfg, pc) {
-			ch.PutPools = append(ch.PutPools, pc)
-		}
-		p.setConfig(pc)
-		p.gone = false
-		p.recompute()
-	}
-	for name, p := range s.pools {
-		if !seen[name] && p.known {
-			p.gone = true
-			// The IPPool is gone: keep its last configuration for the addresses still in use,
-			// but forget it from the journal once nothing refers to it.
-			if p.empty() {
-				delete(s.pools, name)
-				ch.DeletePools = append(ch.DeletePools, name)
-			}
-		}
-	}
-	s.setServed(served)
-	return ch
+	plan := s.PlanPools(pools, served)
+	s.Apply(plan)
+	return plan.Change
 }
 
 // setServed sets the pools ADD draws from by default: IPv4 pools first, then by name.
 func (s *State) setServed(served []string) {
-	srv := slices.Clone(served)
-	slices.SortFunc(srv, func(a, b string) int {
-		a4, b4 := s.pool(a).cfg.Is4(), s.pool(b).cfg.Is4()
-		if a4 != b4 {
-			if a4 {
-				return -1
-			}
-			return 1
-		}
-		return cmp.Compare(a, b)
-	})
-	s.served = slices.Compact(srv)
+	s.served = servedOrder(served, func(name string) bool { return s.pool(name).cfg.Is4() })
 }
 
 func poolEqual(a, b Pool) bool {
@@ -418,41 +382,16 @@ func (s *State) PoolConfig(name string) (Pool, bool) {
 	return p.cfg, true
 }
 
-// SetHolding records what the controller reports the node holds from pool. Releasing addresses
-// the controller has taken back are forgotten, as are cooling addresses no longer held.
-// Attachments whose addresses are not held are kept (a running pod never loses its address) and
-// show as conflicts.
+// SetHolding plans (PlanHoldings) what the controller reports the node holds from pool, and
+// applies it at once, for callers with no journal that could refuse the change (the simulator,
+// tests); the agent journals the plan before it applies it. It returns the plan's Change.
 func (s *State) SetHolding(pool string, held addr.Set) Change {
-	var ch Change
-	p := s.pool(pool)
-	if p.heldKnown && p.held.Equal(held) {
-		return ch
-	}
-	p.held, p.heldKnown = held, true
-	for a := range p.releasing {
-		if !held.Contains(a) {
-			delete(p.releasing, a)
-			ch.DeleteReleasing = append(ch.DeleteReleasing, Address{pool, a})
-		}
-	}
-	if len(p.cooling) > 0 {
-		kept := p.coolq[:0]
-		for _, c := range p.coolq {
-			if held.Contains(c.Addr) {
-				kept = append(kept, c)
-				continue
-			}
-			delete(p.cooling, c.Addr)
-			ch.DeleteCooling = append(ch.DeleteCooling, Address{pool, c.Addr})
-		}
-		clear(p.coolq[len(kept):])
-		p.coolq = kept
-	}
-	p.recompute()
-	sortAddresses(ch.DeleteReleasing)
-	sortAddresses(ch.DeleteCooling)
-	ch.PutHoldings = append(ch.PutHoldings, Holding{Pool: pool, Addresses: held})
-	return ch
+	plan := newHoldingsPlan(s.clock)
+	s.planHolding(&plan, pool, held, false)
+	sortAddresses(plan.Change.DeleteReleasing)
+	sortAddresses(plan.Change.DeleteCooling)
+	s.Apply(plan)
+	return plan.Change
 }
 
 // SetPods records the pods bound to the node; those that need an address and have none yet
