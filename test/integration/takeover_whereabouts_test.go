@@ -38,7 +38,7 @@ func TestTakeoverFromWhereabouts(t *testing.T) {
 	if err != nil {
 		t.Fatalf("build Whereabouts %s: %v", localcluster.WhereaboutsVersion, err)
 	}
-	if err := controlplane.InstallCRDs(ctx, restConfig, filepath.Dir(wb.Plugin)); err != nil {
+	if err := controlplane.InstallCRDs(ctx, restConfig, wb.CRDDir()); err != nil {
 		t.Fatal(err)
 	}
 	// CNI_PATH holds both plugins under their CNI types, as /opt/cni/bin would.
@@ -50,8 +50,7 @@ func TestTakeoverFromWhereabouts(t *testing.T) {
 	}
 	scratch := t.TempDir()
 	flat := filepath.Join(scratch, "whereabouts.conf")
-	fb, _ := json.Marshal(map[string]any{"datastore": "kubernetes", "kubernetes": map[string]string{"kubeconfig": kubeconfigPath},
-		"log_file": filepath.Join(scratch, "whereabouts.log"), "log_level": "debug"})
+	fb := localcluster.WhereaboutsFlatConfig(kubeconfigPath, filepath.Join(scratch, "whereabouts.log"), "debug")
 	if err := os.WriteFile(flat, fb, 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -175,8 +174,11 @@ func whereaboutsReservations(t *testing.T) int {
 	}
 	n := 0
 	for _, p := range list.Items {
-		allocs, _, _ := unstructured.NestedMap(p.Object, "spec", "allocations")
-		n += len(allocs)
+		rs, err := localcluster.WhereaboutsPoolReservations(p.Object)
+		if err != nil {
+			t.Fatal(err)
+		}
+		n += len(rs)
 	}
 	return n
 }

@@ -3,11 +3,9 @@ package node
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"net/netip"
 	"os"
-	"path/filepath"
 	"sort"
 	"strings"
 	"sync"
@@ -137,39 +135,12 @@ func perPod(writes map[string]float64, match func(string) bool, pods int) float6
 	return sum / float64(pods)
 }
 
-// installWhereabouts puts Whereabouts on the node: its CRDs in the API server, the plugin in
-// the CNI bin directory, its flat config file (the plugin runs on the node as root: the test
-// control plane's admin kubeconfig) and the bridge config with it as IPAM.
+// installWhereabouts puts Whereabouts on the node (installWhereaboutsPlugin) and the bridge
+// config with it as IPAM.
 func (n *realNode) installWhereabouts(ctx context.Context) {
-	t := n.t
-	w := prep.Whereabouts
-	args := []string{"apply"}
-	for _, c := range w.CRDs {
-		args = append(args, "-f", c)
-	}
-	n.kubectl(args...)
-	n.kubectl("wait", "--for=condition=Established", "--timeout=1m",
-		"crd/ippools.whereabouts.cni.cncf.io", "crd/overlappingrangeipreservations.whereabouts.cni.cncf.io")
-	if err := copyFile(w.Plugin, "/opt/cni/bin/whereabouts"); err != nil {
-		t.Fatal(err)
-	}
-	flat, err := json.Marshal(map[string]any{
-		"datastore":  "kubernetes",
-		"kubernetes": map[string]string{"kubeconfig": n.cp.Kubeconfig},
-		"log_file":   filepath.Join(n.dir, "whereabouts.log"),
-		"log_level":  "error",
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := os.MkdirAll("/etc/cni/net.d/whereabouts.d", 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile("/etc/cni/net.d/whereabouts.d/whereabouts.conf", flat, 0o600); err != nil {
-		t.Fatal(err)
-	}
+	n.installWhereaboutsPlugin(ctx, "error")
 	if err := os.WriteFile("/etc/cni/net.d/10-ipwarden.conflist", []byte(whereaboutsConf), 0o644); err != nil {
-		t.Fatal(err)
+		n.t.Fatal(err)
 	}
 }
 

@@ -37,7 +37,8 @@ type prepared struct {
 	Node     controlplane.NodeBinaries
 	CNIDir   string // bridge, host-local, loopback, portmap (the node's own plugins)
 	Images   []string
-	// Whereabouts is built for the pod-startup bench only (IPWARDEN_NODE_BENCH).
+	// Whereabouts is the previous IPAM of TestRealNodeTakeoverFromWhereabouts and one the
+	// pod-startup bench compares: built once, cached in BinDir.
 	Whereabouts localcluster.Whereabouts
 	Scratch     string // the suite's scratch directory (removed by the parent)
 	Prepared    time.Duration
@@ -227,10 +228,9 @@ func prepare() (prepared, error) {
 		return p, err
 	}
 	p.CNIDir, p.Ipwarden = lc.CNIDir, lc.Ipwarden
-	if os.Getenv(benchEnv) != "" {
-		if p.Whereabouts, err = localcluster.EnsureWhereabouts(p.BinDir, os.Stderr); err != nil {
-			return p, err
-		}
+	// Downloaded and built here: the tests run without a network.
+	if p.Whereabouts, err = localcluster.EnsureWhereabouts(p.BinDir, os.Stderr); err != nil {
+		return p, err
 	}
 	if err := localcluster.InstallPlugins(p.CNIDir, os.Stderr, "main/loopback", "meta/portmap"); err != nil {
 		return p, err

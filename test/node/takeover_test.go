@@ -16,10 +16,13 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/dynamic"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/cniproto"
+	"github.com/ipwarden/ipwarden/internal/controlplane"
 	"github.com/ipwarden/ipwarden/internal/localcluster"
 )
 
@@ -37,6 +40,24 @@ const (
 	takeoverConflist = "10-containerd-net.conflist"
 )
 
+// previousIPAM is the IPAM a node runs before ipwarden takes it over: the takeover tests differ
+// only in it.
+type previousIPAM struct {
+	typ     string // its CNI type, the plugin's name in /opt/cni/bin
+	dir, fs string // the node's scratch directories (startNodeIn)
+	// install puts it on the node and returns its ipam object, which hands out
+	// takeoverOldRange (10.244.0.10-12 of 10.244.0.0/24, gateway 10.244.0.1).
+	install func(ctx context.Context, n *realNode) string
+	// reservations compares what it holds with want, the pods it handed addresses to (their
+	// addresses and sandboxes): nil when it must hold nothing.
+	reservations func(ctx context.Context, n *realNode, want []pod) error
+}
+
+// takeoverOldRange is the previous IPAM's range: takeoverOld addresses, inside the pool to come.
+var takeoverOldRange = map[netip.Addr]bool{
+	netip.MustParseAddr("10.244.0.10"): true, netip.MustParseAddr("10.244.0.11"): true, netip.MustParseAddr("10.244.0.12"): true,
+}
+
 // TestRealNodeTakeover takes a running node over from host-local without draining it, as an
 // operator would: pods run with host-local's addresses (the real bridge and host-local plugins
 // called by containerd), then ipwarden is installed from deploy/kustomize with host-local's ipam
@@ -47,24 +68,54 @@ const (
 // delegated through "previous") and gives their addresses to new pods. Every poll scans every
 // pod network namespace for an address on two.
 func TestRealNodeTakeover(t *testing.T) {
+	testTakeover(t, previousIPAM{
+		typ: "host-local", dir: "takeover", fs: "takeover-fs",
+		// host-local keeps its reservations as files in dataDir, which the test reads.
+		install: func(ctx context.Context, n *realNode) string {
+			return fmt.Sprintf(`{"type": "host-local", "ranges": [[{"subnet": "10.244.0.0/24", "rangeStart": "10.244.0.10", "rangeEnd": "10.244.0.12", "gateway": "10.244.0.1"}]], "dataDir": %q}`,
+				filepath.Join(n.dir, "host-local"))
+		},
+		reservations: func(ctx context.Context, n *realNode, want []pod) error {
+			return hostLocalReservations(filepath.Join(n.dir, "host-local"), want)
+		},
+	})
+}
+
+// TestRealNodeTakeoverFromWhereabouts is TestRealNodeTakeover with Whereabouts
+// (localcluster.WhereaboutsVersion) as the previous IPAM: its CRDs in the node's API server,
+// the plugin in /opt/cni/bin reaching the API server through its flat config file's kubeconfig.
+// Its reservations (IPPool allocations and OverlappingRangeIPReservations) are exactly the old
+// pods' until they are deleted, then none are left.
+func TestRealNodeTakeoverFromWhereabouts(t *testing.T) {
+	testTakeover(t, previousIPAM{
+		typ: "whereabouts", dir: "takeover-wb", fs: "takeover-wb-fs",
+		install: func(ctx context.Context, n *realNode) string {
+			n.installWhereaboutsPlugin(ctx, "debug")
+			return `{"type": "whereabouts", "range": "10.244.0.0/24", "range_start": "10.244.0.10", "range_end": "10.244.0.12", "gateway": "10.244.0.1"}`
+		},
+		reservations: whereaboutsReservations,
+	})
+}
+
+// testTakeover runs the takeover from prev (TestRealNodeTakeover).
+func testTakeover(t *testing.T, prev previousIPAM) {
 	ctx, cancel := context.WithTimeout(context.Background(), 12*time.Minute)
 	defer cancel()
 	began := time.Now()
-	n := startNodeIn(t, ctx, "takeover", "takeover-fs")
+	n := startNodeIn(t, ctx, prev.dir, prev.fs)
 
-	// 1. The node before ipwarden: bridge with host-local, whose reservations (dataDir) the test
-	// reads. The range is 10.244.0.10-12, inside the pool to come.
-	dataDir := filepath.Join(n.dir, "host-local")
-	hostLocal := fmt.Sprintf(`{"type": "host-local", "ranges": [[{"subnet": "10.244.0.0/24", "rangeStart": "10.244.0.10", "rangeEnd": "10.244.0.12", "gateway": "10.244.0.1"}]], "dataDir": %q}`, dataDir)
+	// 1. The node before ipwarden: bridge with the previous IPAM, whose reservations the test
+	// reads. Its range is 10.244.0.10-12, inside the pool to come.
+	previous := prev.install(ctx, n)
 	conflist := func(ipam string) string {
 		return fmt.Sprintf(`{"cniVersion": "1.0.0", "name": %q, "plugins": [{"type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": true, "ipam": %s}, {"type": "portmap", "capabilities": {"portMappings": true}}]}`,
 			takeoverNetwork, ipam)
 	}
 	oldConf := filepath.Join("/etc/cni/net.d", takeoverConflist)
-	if err := os.WriteFile(oldConf, []byte(conflist(hostLocal)), 0o644); err != nil {
+	if err := os.WriteFile(oldConf, []byte(conflist(previous)), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	n.waitRuntimeIPAM(ctx, "host-local")
+	n.waitRuntimeIPAM(ctx, prev.typ)
 	n.waitNodeReady(ctx)
 	if _, err := n.kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: testNamespace}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
@@ -74,14 +125,10 @@ func TestRealNodeTakeover(t *testing.T) {
 		t.Fatal(err)
 	}
 	old := n.waitPods(ctx, takeoverOld)
-	hostLocalRange := map[netip.Addr]bool{}
-	for _, a := range []string{"10.244.0.10", "10.244.0.11", "10.244.0.12"} {
-		hostLocalRange[netip.MustParseAddr(a)] = true
-	}
 	for i := range old {
 		p := &old[i]
-		if !hostLocalRange[p.ip] {
-			t.Fatalf("old pod %s has %s, outside host-local's range", p.name, p.ip)
+		if !takeoverOldRange[p.ip] {
+			t.Fatalf("old pod %s has %s, outside %s's range", p.name, p.ip, prev.typ)
 		}
 		sb, netns, err := n.podSandbox(ctx, p.uid)
 		if err != nil {
@@ -92,16 +139,17 @@ func TestRealNodeTakeover(t *testing.T) {
 		}
 		p.sandbox = sb
 	}
-	if err := hostLocalReservations(dataDir, old); err != nil {
+	if err := prev.reservations(ctx, n, old); err != nil {
 		t.Fatal(err)
 	}
-	n.logf("takeover: %d pods run with host-local's addresses: %s", len(old), podIPs(old))
+	n.logf("takeover: %d pods run with %s's addresses: %s", len(old), prev.typ, podIPs(old))
 
 	// 2. Install ipwarden. Its conflist is the old one with ipam {"type": "ipwarden", "previous":
-	// <host-local's ipam object>}, under the old network name. The pool overlaps host-local's
-	// range: 10.244.0.10-15 and nothing else, the old pods' three addresses and three for new
-	// pods (the /24 with everything else excluded, so pods get the old prefix and gateway).
-	ipwardenIPAM := fmt.Sprintf(`{"type": "ipwarden", "socket": %q, "previous": %s}`, cniproto.DefaultSocket, hostLocal)
+	// <the previous IPAM's ipam object>}, under the old network name. The pool overlaps the
+	// previous range: 10.244.0.10-15 and nothing else, the old pods' three addresses and three
+	// for new pods (the /24 with everything else excluded, so pods get the old prefix and
+	// gateway).
+	ipwardenIPAM := fmt.Sprintf(`{"type": "ipwarden", "socket": %q, "previous": %s}`, cniproto.DefaultSocket, previous)
 	ipwardenConf := conflist(ipwardenIPAM)
 	ipwardenConf = strings.Replace(ipwardenConf, `"cniVersion": "1.0.0",`, `"cniVersion": "1.0.0", "cniVersions": ["1.0.0", "1.1.0"],`, 1)
 	n.overlayPatches = fmt.Sprintf(`- patch: |
@@ -136,7 +184,7 @@ func TestRealNodeTakeover(t *testing.T) {
 	if _, err := os.Stat("/etc/cni/net.d/10-ipwarden.conflist"); err != nil {
 		t.Fatalf("the agent's init container installed no conflist: %v", err)
 	}
-	n.waitRuntimeIPAM(ctx, "host-local") // still the old config, until it is moved aside
+	n.waitRuntimeIPAM(ctx, prev.typ) // still the old config, until it is moved aside
 	if err := os.Rename(oldConf, oldConf+".pre-ipwarden"); err != nil {
 		t.Fatal(err)
 	}
@@ -161,7 +209,7 @@ func TestRealNodeTakeover(t *testing.T) {
 		all := n.waitPods(ctx, takeoverOld+takeoverNew)
 		fresh = newPods(all)
 		for _, p := range fresh {
-			if !poolAddrs[p.ip] || hostLocalRange[p.ip] {
+			if !poolAddrs[p.ip] || takeoverOldRange[p.ip] {
 				t.Fatalf("new pod %s has %s: want one of the pool's addresses no old pod has (10.244.0.13-15)", p.name, p.ip)
 			}
 		}
@@ -170,25 +218,25 @@ func TestRealNodeTakeover(t *testing.T) {
 		// An old pod first: checkPing pings between it and every other pod, both ways.
 		n.checkPing(ctx, append(append([]pod(nil), old...), fresh...))
 		n.checkAttachments(ctx, all)
-		// ADD never goes to host-local: its reservations are still exactly the old pods'.
-		if err := hostLocalReservations(dataDir, old); err != nil {
+		// ADD never goes to the previous IPAM: its reservations are still exactly the old pods'.
+		if err := prev.reservations(ctx, n, old); err != nil {
 			t.Fatal(err)
 		}
 		n.waitAdopted(ctx, old)
 		n.checkClean(ctx)
 	})
 
-	t.Run("deleting the old pods frees host-local's reservations and returns their addresses", func(t *testing.T) {
+	t.Run("deleting the old pods frees the previous IPAM's reservations and returns their addresses", func(t *testing.T) {
 		n.t = t
 		n.logf("takeover: deleting the old pods")
 		n.kubectl("scale", "-n", testNamespace, "deployment/old", "--replicas=0")
 		n.waitPods(ctx, takeoverNew)
-		// The runtime's DEL went to the agent, then to host-local through "previous".
+		// The runtime's DEL went to the agent, then to the previous IPAM through "previous".
 		if err := localcluster.WaitFor(ctx, time.Minute, 250*time.Millisecond, func() error {
 			n.scanNoDuplicates()
-			return hostLocalReservations(dataDir, nil)
+			return prev.reservations(ctx, n, nil)
 		}); err != nil {
-			t.Fatalf("host-local's reservations after the old pods were deleted: %v", err)
+			t.Fatalf("%s's reservations after the old pods were deleted: %v", prev.typ, err)
 		}
 		// The adopted attachments are freed once the pods are gone.
 		n.checkAttachments(ctx, fresh)
@@ -207,13 +255,13 @@ func TestRealNodeTakeover(t *testing.T) {
 		n.checkFromIpwarden(ctx, all)
 		n.checkPing(ctx, all)
 		n.checkAttachments(ctx, all)
-		if err := hostLocalReservations(dataDir, nil); err != nil {
+		if err := prev.reservations(ctx, n, nil); err != nil {
 			t.Fatal(err)
 		}
 		n.checkClean(ctx)
 	})
 	n.t = t
-	n.logf("takeover test body took %s (preparation %s)", time.Since(began).Round(time.Second), prep.Prepared.Round(time.Second))
+	n.logf("takeover from %s: test body took %s (preparation %s)", prev.typ, time.Since(began).Round(time.Second), prep.Prepared.Round(time.Second))
 }
 
 // newPods are the pods of the Deployment "new".
@@ -426,4 +474,78 @@ func hostLocalReservations(dataDir string, want []pod) error {
 		return fmt.Errorf("host-local's reservations in %s: %v, want %v", dir, got, exp)
 	}
 	return nil
+}
+
+// whereaboutsReservations compares Whereabouts' reservations, the allocations of its IPPool
+// objects and its OverlappingRangeIPReservations, with want: each pod's address held for the pod
+// in both, and for its sandbox in the IPPool.
+func whereaboutsReservations(ctx context.Context, n *realNode, want []pod) error {
+	dyn, err := dynamic.NewForConfig(n.cp.Config)
+	if err != nil {
+		return err
+	}
+	gv := schema.GroupVersion{Group: "whereabouts.cni.cncf.io", Version: "v1alpha1"}
+	var got, exp []string
+	pools, err := dyn.Resource(gv.WithResource("ippools")).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return fmt.Errorf("list Whereabouts IPPools: %w", err)
+	}
+	for _, p := range pools.Items {
+		rs, err := localcluster.WhereaboutsPoolReservations(p.Object)
+		if err != nil {
+			return err
+		}
+		for _, r := range rs {
+			got = append(got, "IPPool "+r.String())
+		}
+	}
+	orips, err := dyn.Resource(gv.WithResource("overlappingrangeipreservations")).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return fmt.Errorf("list Whereabouts OverlappingRangeIPReservations: %w", err)
+	}
+	for _, o := range orips.Items {
+		r, err := localcluster.WhereaboutsOverlappingReservation(o.Object)
+		if err != nil {
+			return err
+		}
+		got = append(got, "OverlappingRangeIPReservation "+r.String())
+	}
+	for _, p := range want {
+		r := localcluster.WhereaboutsReservation{IP: p.ip, ContainerID: p.sandbox, PodRef: testNamespace + "/" + p.name}
+		exp = append(exp, "IPPool "+r.String())
+		// Whereabouts v0.9.4 records no container ID in its OverlappingRangeIPReservations.
+		r.ContainerID = ""
+		exp = append(exp, "OverlappingRangeIPReservation "+r.String())
+	}
+	sort.Strings(got)
+	sort.Strings(exp)
+	if strings.Join(got, " ") != strings.Join(exp, " ") {
+		return fmt.Errorf("Whereabouts' reservations: %v, want %v", got, exp)
+	}
+	return nil
+}
+
+// installWhereaboutsPlugin puts Whereabouts (prep.Whereabouts) on the node: its CRDs in the API
+// server, the plugin in the CNI bin directory and its flat config file in its default place
+// (/etc/cni/net.d/whereabouts.d/whereabouts.conf), naming the test control plane's admin
+// kubeconfig: the plugin runs on the node as root. Its log goes to the node's directory.
+func (n *realNode) installWhereaboutsPlugin(ctx context.Context, logLevel string) {
+	t := n.t
+	w := prep.Whereabouts
+	if w.Plugin == "" {
+		t.Fatal("prepare built no Whereabouts")
+	}
+	if err := controlplane.InstallCRDs(ctx, n.cp.Config, w.CRDDir()); err != nil {
+		t.Fatal(err)
+	}
+	if err := copyFile(w.Plugin, "/opt/cni/bin/whereabouts"); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.MkdirAll("/etc/cni/net.d/whereabouts.d", 0o755); err != nil {
+		t.Fatal(err)
+	}
+	flat := localcluster.WhereaboutsFlatConfig(n.cp.Kubeconfig, filepath.Join(n.dir, "whereabouts.log"), logLevel)
+	if err := os.WriteFile("/etc/cni/net.d/whereabouts.d/whereabouts.conf", flat, 0o600); err != nil {
+		t.Fatal(err)
+	}
 }
