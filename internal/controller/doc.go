@@ -3,8 +3,11 @@
 // selected Node, returns a deleted Node's addresses to their pools, and reports pool usage.
 //
 // The decisions are pure functions in this package (plan.go, priority.go, exhaustion.go,
-// lifecycle.go, pools.go) and the scheduler (scheduler.go) is a clock-driven data structure; the
-// Controller type is the thin shell that reads informers, calls them, and writes the API.
+// lifecycle.go, pools.go, steps.go) and the scheduler (scheduler.go) is a clock-driven data
+// structure. Machine (machine.go) owns all of it on one goroutine, in the style of etcd's raft:
+// informer events, the clock and the outcomes of its operations go in; Ready says what to do.
+// Controller (controller.go) is its thin driver on the API server; internal/sim is its other
+// driver, on a virtual clock.
 //
 // Safety rests on three rules:
 //   - the in-memory allocation state is rebuilt from a fresh LIST on gaining leadership, and
