@@ -134,9 +134,6 @@ type Ready struct {
 	Fenced error
 }
 
-// Empty says whether there is nothing to do.
-func (r Ready) Empty() bool { return len(r.Ops) == 0 && len(r.Events) == 0 && r.Fenced == nil }
-
 type taskPhase int
 
 const (
@@ -1429,18 +1426,23 @@ func normalOp(op Op) opWrite {
 		w.Owners = op.Alloc.OwnerReferences
 		if op.Kind == OpNodeStatus {
 			st := op.Alloc.Status.DeepCopy()
-			for i := range st.Conditions {
-				st.Conditions[i].LastTransitionTime = metav1.Time{}
-			}
+			st.Conditions = withoutTransitionTimes(st.Conditions)
 			w.AllocStatus = st
 		}
 	}
 	if op.Pool != nil {
 		st := op.Pool.Status.DeepCopy()
-		for i := range st.Conditions {
-			st.Conditions[i].LastTransitionTime = metav1.Time{}
-		}
+		st.Conditions = withoutTransitionTimes(st.Conditions)
 		w.PoolStatus = st
 	}
 	return w
+}
+
+// withoutTransitionTimes clears the conditions' transition times (the API's helpers stamp them
+// from the wall clock), in place.
+func withoutTransitionTimes(cs []metav1.Condition) []metav1.Condition {
+	for i := range cs {
+		cs[i].LastTransitionTime = metav1.Time{}
+	}
+	return cs
 }

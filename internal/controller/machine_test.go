@@ -265,7 +265,7 @@ func (w *world) perform(op Op) {
 	w.m.Done(r, w.now)
 }
 
-func (w *world) held_(node string) addr.Set {
+func (w *world) statusHeldBy(node string) addr.Set {
 	var out addr.Set
 	for _, p := range w.allocs[node].Status.Pools {
 		s, _ := addr.ParseSet(p.Addresses)
@@ -346,10 +346,10 @@ func TestMachineClaimsBeforeFills(t *testing.T) {
 			w.addNode("b", spec("p", 4))
 			w.lead("leader")
 			w.run()
-			if got := w.held_("a"); !got.Equal(set(t, "10.0.0.7")) {
+			if got := w.statusHeldBy("a"); !got.Equal(set(t, "10.0.0.7")) {
 				t.Fatalf("before the acknowledgements a holds %v, want its claim 10.0.0.7 only", got)
 			}
-			if got := w.held_("b"); !got.IsEmpty() {
+			if got := w.statusHeldBy("b"); !got.IsEmpty() {
 				t.Fatalf("before the acknowledgements b was filled: %v", got)
 			}
 			if tc.ack {
@@ -361,8 +361,8 @@ func TestMachineClaimsBeforeFills(t *testing.T) {
 				w.now = w.now.Add(time.Minute)
 			}
 			w.run()
-			if count(w.held_("a")) != 4 || count(w.held_("b")) != 4 {
-				t.Fatalf("after the settle a holds %v, b %v; want 4 each", w.held_("a"), w.held_("b"))
+			if count(w.statusHeldBy("a")) != 4 || count(w.statusHeldBy("b")) != 4 {
+				t.Fatalf("after the settle a holds %v, b %v; want 4 each", w.statusHeldBy("a"), w.statusHeldBy("b"))
 			}
 			if got := slices.Contains(w.eventReasons(), "LeaderNotAcknowledged"); got != (tc.wantEvent != "") {
 				t.Fatalf("events %v", w.eventReasons())
@@ -392,7 +392,7 @@ func TestMachinePoolSettle(t *testing.T) {
 			w.pools["p"] = &p
 			w.m.PoolChanged(&p, w.now)
 			w.run()
-			if got := w.held_("a"); !got.IsEmpty() {
+			if got := w.statusHeldBy("a"); !got.IsEmpty() {
 				t.Fatalf("a was filled from a pool it has not observed: %v", got)
 			}
 			if tc.observe {
@@ -404,8 +404,8 @@ func TestMachinePoolSettle(t *testing.T) {
 				w.now = w.now.Add(time.Minute)
 			}
 			w.run()
-			if count(w.held_("a")) != 4 {
-				t.Fatalf("after the settle a holds %v", w.held_("a"))
+			if count(w.statusHeldBy("a")) != 4 {
+				t.Fatalf("after the settle a holds %v", w.statusHeldBy("a"))
 			}
 			if !slices.Contains(w.eventReasons(), tc.wantEvent) {
 				t.Fatalf("events %v, want %s", w.eventReasons(), tc.wantEvent)
@@ -550,7 +550,7 @@ func TestMachinePoolWriteCarriesTheCoolingRecord(t *testing.T) {
 			if !slices.Equal(got, tc.want) {
 				t.Fatalf("operations %v, want %v", got, tc.want)
 			}
-			if held := count(w.held_("n")); (held == 2) != tc.committed {
+			if held := count(w.statusHeldBy("n")); (held == 2) != tc.committed {
 				t.Fatalf("n holds %d, committed %v", held, tc.committed)
 			}
 		})
@@ -581,7 +581,7 @@ func TestMachineRefillsAStarvedNodeWhoseFillWasInFlight(t *testing.T) {
 	w.release()
 	w.now = w.now.Add(time.Second)
 	w.run()
-	if got := w.held_("a"); !got.Equal(set(t, "10.0.0.13-10.0.0.14")) {
+	if got := w.statusHeldBy("a"); !got.Equal(set(t, "10.0.0.13-10.0.0.14")) {
 		t.Fatalf("a holds %v, want what b gave back", got)
 	}
 }
@@ -607,7 +607,7 @@ func TestMachineBoundsTasks(t *testing.T) {
 		w.run()
 	}
 	for i := range 6 {
-		if n := count(w.held_(fmt.Sprintf("n%d", i))); n != 4 {
+		if n := count(w.statusHeldBy(fmt.Sprintf("n%d", i))); n != 4 {
 			t.Fatalf("n%d holds %d", i, n)
 		}
 	}
@@ -632,7 +632,7 @@ func TestMachineAuditWhileFillsAreInFlight(t *testing.T) {
 	}
 	w.release()
 	w.run()
-	if a, b := w.held_("a"), w.held_("b"); count(a) != 4 || count(b) != 4 || a.Overlaps(b) {
+	if a, b := w.statusHeldBy("a"), w.statusHeldBy("b"); count(a) != 4 || count(b) != 4 || a.Overlaps(b) {
 		t.Fatalf("a holds %v, b %v", a, b)
 	}
 }
