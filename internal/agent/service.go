@@ -27,6 +27,12 @@ type Committer interface {
 	Commit(ipam.Change) error
 }
 
+// lazyCommitter is a Committer that can let a change wait briefly for company
+// (journal.Journal.CommitLazy).
+type lazyCommitter interface {
+	CommitLazy(ipam.Change) error
+}
+
 // Service answers the CNI plugin's requests from the node's state: it owns the ipam.State, writes
 // every change to the journal before it answers, serializes requests per attachment, and lets an
 // ADD wait a bounded time for addresses. The Kubernetes side feeds it pools, holdings and pods.
@@ -276,8 +282,13 @@ func (s *Service) commit(p ipam.Plan, what string) error {
 // commitThen is commit, running applied (when set) under the same hold of the lock once the plan
 // is applied.
 func (s *Service) commitThen(p ipam.Plan, what string, applied func()) error {
+	return s.commitVia(p, what, applied, s.journal.Commit)
+}
+
+// commitVia is commitThen writing the journal with write.
+func (s *Service) commitVia(p ipam.Plan, what string, applied func(), write func(ipam.Change) error) error {
 	ch := p.Changes()
-	err := s.journal.Commit(ch)
+	err := write(ch)
 	s.mu.Lock()
 	if err != nil {
 		s.st.Abort(p)
@@ -991,7 +1002,7 @@ func (s *Service) del(req cniproto.Request) *cniproto.Response {
 			s.rel.finish(id)
 			s.metrics.ReleasesInFlight.Dec()
 		}()
-		if err := s.finishDel(key, att, plan); err != nil {
+		if err := s.finishDel(key, att, plan, true); err != nil {
 			s.log.Error(err, "the journal refused a DEL already answered: its addresses stay assigned until the leak collector frees them",
 				"attachment", cniproto.Truncate(key.String(), logIDBytes), "pod", att.Pod.String(), "addresses", fmtAddresses(att.Addresses))
 		}
@@ -1015,7 +1026,7 @@ func (s *Service) delKeyIf(key ipam.Key, accept func(ipam.Attachment) bool) (ipa
 	if err != nil || !plan.Found {
 		return ipam.Attachment{}, false, err
 	}
-	if err := s.finishDel(key, att, plan); err != nil {
+	if err := s.finishDel(key, att, plan, false); err != nil {
 		return ipam.Attachment{}, false, err
 	}
 	return att, true, nil
@@ -1046,9 +1057,15 @@ func (s *Service) planDel(key ipam.Key, accept func(ipam.Attachment) bool) (ipam
 	}
 }
 
-// finishDel journals and applies a planned DEL; the caller holds the key's lock.
-func (s *Service) finishDel(key ipam.Key, att ipam.Attachment, plan ipam.DelPlan) error {
-	if err := s.commit(plan, "del"); err != nil {
+// finishDel journals and applies a planned DEL; the caller holds the key's lock. With lazy
+// (a DEL already answered) the journal write may wait briefly to share the next ADD's
+// transaction (journal.Linger).
+func (s *Service) finishDel(key ipam.Key, att ipam.Attachment, plan ipam.DelPlan, lazy bool) error {
+	write := s.journal.Commit
+	if lc, ok := s.journal.(lazyCommitter); ok && lazy {
+		write = lc.CommitLazy
+	}
+	if err := s.commitVia(plan, "del", nil, write); err != nil {
 		return err
 	}
 	s.log.V(1).Info("DEL", "attachment", key.String(), "pod", att.Pod.String(), "addresses", fmtAddresses(att.Addresses))

@@ -84,7 +84,13 @@ type Journal struct {
 type commitReq struct {
 	ch   ipam.Change
 	done chan error
+	// lazy: the change may wait up to Linger for company (CommitLazy).
+	lazy bool
 }
+
+// Linger is how long a lazy change (CommitLazy) waits for another change to share its
+// transaction before it is written alone.
+const Linger = 10 * time.Millisecond
 
 // Open opens (creating if needed) the journal in dir, which it creates with mode 0700.
 func Open(dir string, opts Options) (*Journal, error) {
@@ -199,11 +205,19 @@ func (j *Journal) Close() error {
 var ErrClosed = errors.New("journal is closed")
 
 // Commit writes ch durably, in one transaction, and returns once it is on disk.
-func (j *Journal) Commit(ch ipam.Change) error {
+func (j *Journal) Commit(ch ipam.Change) error { return j.commit(ch, false) }
+
+// CommitLazy writes ch durably and returns once it is on disk, like Commit, but lets it wait up
+// to Linger for another change to share its transaction (and its fsyncs): a change whose
+// caller does not wait on it, such as a DEL already answered, then costs the next ADD nothing.
+// Any Commit arriving meanwhile writes it at once, with the Commit's change.
+func (j *Journal) CommitLazy(ch ipam.Change) error { return j.commit(ch, true) }
+
+func (j *Journal) commit(ch ipam.Change, lazy bool) error {
 	if ch.IsEmpty() {
 		return nil
 	}
-	r := &commitReq{ch: ch, done: make(chan error, 1)}
+	r := &commitReq{ch: ch, done: make(chan error, 1), lazy: lazy}
 	j.mu.RLock()
 	if j.isClosed {
 		j.mu.RUnlock()
@@ -214,7 +228,8 @@ func (j *Journal) Commit(ch ipam.Change) error {
 	return <-r.done
 }
 
-// committer writes queued changes, as many as are waiting per transaction.
+// committer writes queued changes, as many as are waiting per transaction. A group of lazy
+// changes only waits up to Linger for a change that is not lazy, which it then joins.
 func (j *Journal) committer() {
 	defer close(j.stopped)
 	for {
@@ -233,8 +248,11 @@ func (j *Journal) committer() {
 			}
 		}
 		group := []*commitReq{first}
+		if first.lazy {
+			group = j.linger(group)
+		}
 	gather:
-		for len(group) < 512 {
+		for len(group) < maxGroup {
 			select {
 			case r := <-j.reqs:
 				group = append(group, r)
@@ -244,6 +262,30 @@ func (j *Journal) committer() {
 		}
 		j.write(group)
 	}
+}
+
+// maxGroup bounds the changes written in one transaction.
+const maxGroup = 512
+
+// linger waits, up to Linger, for a change that is not lazy to join group (all lazy so far),
+// collecting the lazy ones that come meanwhile. Close ends the wait.
+func (j *Journal) linger(group []*commitReq) []*commitReq {
+	timer := time.NewTimer(Linger)
+	defer timer.Stop()
+	for len(group) < maxGroup {
+		select {
+		case r := <-j.reqs:
+			group = append(group, r)
+			if !r.lazy {
+				return group
+			}
+		case <-timer.C:
+			return group
+		case <-j.closed:
+			return group
+		}
+	}
+	return group
 }
 
 func (j *Journal) write(group []*commitReq) {

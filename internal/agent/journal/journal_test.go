@@ -6,7 +6,9 @@ import (
 	"net/netip"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/ipwarden/ipwarden/internal/addr"
@@ -162,4 +164,84 @@ func TestCommitAfterClose(t *testing.T) {
 	if err := j.Commit(ipam.Change{DeletePools: []string{"x"}}); err != ErrClosed {
 		t.Fatalf("Commit after Close = %v", err)
 	}
+}
+
+// A lazy change (a DEL already answered) waits up to Linger for a change that is not lazy and
+// shares its transaction; alone it is written once Linger has passed; Close writes it at once.
+func TestCommitLazy(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var txs atomic.Int32
+		dir := t.TempDir()
+		j, err := Open(dir, Options{Node: "n", ObserveWrite: func(time.Duration) { txs.Add(1) }})
+		if err != nil {
+			t.Fatal(err)
+		}
+		att := func(cid string) ipam.Change {
+			return ipam.Change{PutAttachments: []ipam.Attachment{{Key: ipam.Key{ContainerID: cid, IfName: "eth0"}, Created: t0}}}
+		}
+		lazy := func(cid string) <-chan error {
+			done := make(chan error, 1)
+			go func() { done <- j.CommitLazy(att(cid)) }()
+			synctest.Wait() // queued: the committer lingers
+			return done
+		}
+		pending := func(done <-chan error) bool {
+			select {
+			case err := <-done:
+				if err != nil {
+					t.Fatal(err)
+				}
+				return false
+			default:
+				return true
+			}
+		}
+
+		// Joined by a Commit: one transaction for both.
+		first := lazy("del-1")
+		if !pending(first) || txs.Load() != 0 {
+			t.Fatalf("the lazy change was written at once (%d transactions)", txs.Load())
+		}
+		if err := j.Commit(att("add-1")); err != nil {
+			t.Fatal(err)
+		}
+		synctest.Wait()
+		if pending(first) {
+			t.Fatal("the lazy change is still waiting after a Commit wrote its transaction")
+		}
+		if n := txs.Load(); n != 1 {
+			t.Fatalf("%d transactions for a lazy change joined by a Commit, want 1", n)
+		}
+
+		// Alone: written once Linger has passed, not before.
+		second := lazy("del-2")
+		time.Sleep(Linger - time.Millisecond)
+		synctest.Wait()
+		if !pending(second) {
+			t.Fatal("a lone lazy change was written before Linger")
+		}
+		time.Sleep(time.Millisecond)
+		synctest.Wait()
+		if pending(second) || txs.Load() != 2 {
+			t.Fatalf("a lone lazy change is not written once Linger passed (%d transactions)", txs.Load())
+		}
+
+		// Close writes a lingering change.
+		third := lazy("del-3")
+		if err := j.Close(); err != nil {
+			t.Fatal(err)
+		}
+		if err := <-third; err != nil {
+			t.Fatalf("a lazy change queued before Close: %v", err)
+		}
+		j = open(t, dir, "n")
+		defer j.Close()
+		snap, err := j.Load()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(snap.Attachments) != 4 {
+			t.Fatalf("%d attachments on disk, want 4: %+v", len(snap.Attachments), snap.Attachments)
+		}
+	})
 }
