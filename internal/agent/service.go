@@ -109,6 +109,11 @@ func NewService(st *ipam.State, journal Committer, opts ServiceOptions) *Service
 	if opts.NetnsDirs == nil {
 		opts.NetnsDirs = DefaultNetnsDirs
 	}
+	if m := st.HandedBack(); m != nil {
+		opts.Metrics.HandedBack.Set(1)
+		opts.Log.Info("the node is handed back: every ADD is refused until the handback is undone", "to", m.To, "network", m.Network,
+			"at", m.At.UTC().Format(time.RFC3339))
+	}
 	return &Service{
 		node:        opts.Node,
 		journal:     journal,
@@ -662,6 +667,9 @@ func (s *Service) addRequest(ctx context.Context, req cniproto.Request) (*cnipro
 	if bad := s.notReady(req); bad != nil {
 		return bad, nil
 	}
+	if r := s.handedBackError(); r != nil {
+		return r, nil
+	}
 	if r := s.gate.refuseAddNow(ctx); r != nil {
 		return r, nil
 	}
@@ -718,6 +726,8 @@ func (s *Service) handle(ctx context.Context, req cniproto.Request) *cniproto.Re
 			return r
 		}
 		return s.list()
+	case cniproto.OpHandback:
+		return s.handback(ctx, req)
 	}
 	return errResp(cniproto.CodeInternal, fmt.Sprintf("unknown operation %q", cniproto.Truncate(string(req.Op), 16)), "")
 }
@@ -912,7 +922,11 @@ func addError(err error) *cniproto.Response {
 	var np *ipam.NoPoolsError
 	var pc *ipam.PoolChoiceError
 	var su *ipam.StaticUnavailableError
+	var hb *ipam.HandedBackError
 	switch {
+	case errors.As(err, &hb):
+		return errResp(cniproto.CodeHandedBack, "ipwarden: "+hb.Error(),
+			"nothing was handed out; this refusal lasts until the handback is undone, retrying does not help")
 	case errors.As(err, &ce):
 		return errResp(cniproto.CodeInvalidConfig, "ipwarden: network configuration field "+ce.Error(),
 			"name pools that select this node, or leave \"pools\" out to use all of them")
@@ -1178,6 +1192,9 @@ func (s *Service) list() *cniproto.Response {
 		})
 	}
 	resp.Hold = s.holdStatusLocked()
+	if m := s.st.HandedBack(); m != nil {
+		resp.Handback = &cniproto.HandbackStatus{Marked: true, At: m.At, To: m.To, Network: m.Network, Dir: m.Dir}
+	}
 	return resp
 }
 
