@@ -162,7 +162,8 @@ func (s *Service) clearMark() {
 	}
 }
 
-// undoHandback clears the mark: ADD is served again. The reservation files written for the
+// undoHandback clears the mark: ADD is served again. It answers the mark it cleared, or an
+// empty status when there was none. The reservation files written for the
 // handback stay: they name live attachments (host-local frees each at its pod's DEL if the
 // node goes back later), and host-local may own some by now.
 func (s *Service) undoHandback() *cniproto.Response {
@@ -182,7 +183,8 @@ func (s *Service) undoHandback() *cniproto.Response {
 	s.log.Info("handback undone: ADD is served again", "to", cur.To, "network", cur.Network, "handedBackAt", cur.At.UTC().Format(time.RFC3339))
 	s.gcr.event(nil, corev1.EventTypeNormal, ReasonHandbackUndone, fmt.Sprintf(
 		"handback to %s (network %s, since %s) undone: ipwarden serves ADD on the node again", cur.To, cur.Network, cur.At.UTC().Format(time.RFC3339)))
-	return &cniproto.Response{Handback: &cniproto.HandbackStatus{}}
+	// The answer names the mark it cleared (Marked false).
+	return &cniproto.Response{Handback: &cniproto.HandbackStatus{At: cur.At, To: cur.To, Network: cur.Network, Dir: cur.Dir}}
 }
 
 // handbackStatus reports the mark and, with the network, its attachments.

@@ -90,7 +90,7 @@ func TestServiceHandbackRefusesAddUntilUndone(t *testing.T) {
 	}
 
 	undo := h.do(cniproto.Request{Op: cniproto.OpHandback, Handback: &cniproto.HandbackRequest{Undo: true}})
-	if undo.Error != nil || undo.Handback == nil || undo.Handback.Marked {
+	if undo.Error != nil || undo.Handback == nil || undo.Handback.Marked || !undo.Handback.At.Equal(at) {
 		t.Fatalf("undo: %+v %+v", undo.Error, undo.Handback)
 	}
 	if value(t, h.svc.metrics.HandedBack) != 0 || h.j.snapshot().Handback != nil {

@@ -57,11 +57,11 @@ type Metrics struct {
 	JournalRecovered *prometheus.CounterVec
 	HoldActive       prometheus.Gauge
 	// HandedBack is 1 while the node is handed back to host-local (`ipwarden agent handback`).
-	HandedBack prometheus.Gauge
-	Conns            prometheus.Gauge
-	Busy             prometheus.Counter
-	BadRequests      prometheus.Counter
-	AbandonedAdds    prometheus.Counter
+	HandedBack    prometheus.Gauge
+	Conns         prometheus.Gauge
+	Busy          prometheus.Counter
+	BadRequests   prometheus.Counter
+	AbandonedAdds prometheus.Counter
 	// PodUnknown counts ADDs refused because neither the pod watch nor the API server could say
 	// what the pod's annotations are.
 	PodUnknown prometheus.Counter

@@ -75,7 +75,7 @@ const (
 	// ADD on a node handed back to host-local (`ipwarden agent handback`): retrying does not
 	// help until the node's CNI configuration names host-local, or the handback is undone.
 	CodeHandedBack uint = 100
-	CodeInternal            uint = 999
+	CodeInternal   uint = 999
 )
 
 // Pod names the pod of an attachment (CNI_ARGS K8S_POD_NAMESPACE, K8S_POD_NAME, K8S_POD_UID).
