@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -119,6 +120,7 @@ func TestRealNodeHandback(t *testing.T) {
 		}
 	})
 
+	var refusedUID string // the pod started while the node was handed back
 	t.Run("handback writes host-local's reservations and refuses ADD", func(t *testing.T) {
 		n.t = t
 		out, err := handbackCLI("--to", hostLocal("10.244.0.10", "10.244.0.15"), "--network", takeoverNetwork)
@@ -140,9 +142,10 @@ func TestRealNodeHandback(t *testing.T) {
 			t.Fatalf("the agent reports the handback as %+v (%v)", resp.Handback, err)
 		}
 		// A pod started now, while the node's configuration still names ipwarden, gets no
-		// address: its sandbox fails with the agent's error.
+		// address: its sandbox fails with the agent's error (the first of the new pods; it
+		// starts once the configuration names host-local).
 		if _, err := n.kube.AppsV1().Deployments(testNamespace).Create(ctx,
-			sleeperDeployment("refused", 1, map[string]string{"app": "refused"}), metav1.CreateOptions{}); err != nil {
+			sleeperDeployment("new", 1, map[string]string{"app": "sleeper", "ipam": "new"}), metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
 		}
 		want := "handed back to host-local at " + resp.Handback.At.UTC().Format(time.RFC3339)
@@ -160,16 +163,11 @@ func TestRealNodeHandback(t *testing.T) {
 		}); err != nil {
 			t.Fatal(err)
 		}
-		n.kubectl("delete", "deployment", "-n", testNamespace, "refused", "--wait=true")
-		if err := localcluster.WaitFor(ctx, 2*time.Minute, 250*time.Millisecond, func() error {
-			pods, err := n.kube.CoreV1().Pods(testNamespace).List(ctx, metav1.ListOptions{LabelSelector: "app=refused"})
-			if err != nil || len(pods.Items) > 0 {
-				return fmt.Errorf("refused pods left: %v", err)
-			}
-			return nil
-		}); err != nil {
-			t.Fatal(err)
+		pending, err := n.kube.CoreV1().Pods(testNamespace).List(ctx, metav1.ListOptions{LabelSelector: "ipam=new"})
+		if err != nil || len(pending.Items) != 1 || pending.Items[0].Status.PodIP != "" {
+			t.Fatalf("the new pod while the node is handed back: %v %+v", err, pending)
 		}
+		refusedUID = string(pending.Items[0].UID)
 		n.checkOldPods(ctx, old)
 		n.checkAttachments(ctx, old)
 		// The handed-back attachments are still ipwarden's until their pods go.
@@ -190,12 +188,13 @@ func TestRealNodeHandback(t *testing.T) {
 			t.Fatal(err)
 		}
 		n.waitRuntimeIPAM(ctx, "host-local")
-		if _, err := n.kube.AppsV1().Deployments(testNamespace).Create(ctx,
-			sleeperDeployment("new", handbackNew, map[string]string{"app": "sleeper", "ipam": "new"}), metav1.CreateOptions{}); err != nil {
-			t.Fatal(err)
-		}
+		// The pod refused during the handback starts on the runtime's retry, through host-local.
+		n.kubectl("scale", "-n", testNamespace, "deployment/new", fmt.Sprintf("--replicas=%d", handbackNew))
 		all := n.waitPods(ctx, handbackOld+handbackNew)
 		fresh = newPods(all)
+		if !slices.ContainsFunc(fresh, func(p pod) bool { return p.uid == refusedUID }) {
+			t.Fatalf("the pod refused during the handback (uid %s) is not among the running new pods %s", refusedUID, podIPs(fresh))
+		}
 		oldIPs := map[netip.Addr]bool{}
 		for _, p := range old {
 			oldIPs[p.ip] = true
