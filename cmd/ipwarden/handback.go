@@ -180,6 +180,18 @@ func runHandback(ctx context.Context, out io.Writer, socket, to, network string,
 	for _, f := range written {
 		fmt.Fprintf(out, "wrote %s/%s  container %s %s  pod %s\n", dir, f.Addr, f.ContainerID, f.IfName, orDash(f.Pod))
 	}
+	// A pod deleted between the agent's answer and the write had its DEL freed by the agent
+	// before its file existed: remove the files of attachments gone since.
+	req.Mark = false
+	if now, err := callHandback(ctx, socket, req); err != nil {
+		fmt.Fprintf(out, "warning: cannot re-read the agent's attachments (%v): a file written for a pod deleted meanwhile would stay\n", err)
+	} else if removed, err := releaseGone(st, now, dir); err != nil {
+		fmt.Fprintf(out, "warning: cannot remove the files of pods deleted meanwhile: %v\n", err)
+	} else {
+		for _, ip := range removed {
+			fmt.Fprintf(out, "removed %s/%s again: its pod was deleted meanwhile\n", dir, ip)
+		}
+	}
 	fmt.Fprintf(out, "node handed back to %s at %s: %d attachments on network %s, %d reservation files written in %s (others were there already).\n"+
 		"The ipwarden agent refuses every ADD on this node from now on (undo: ipwarden agent handback --undo).\n"+
 		"Next: make the node's CNI configuration use host-local with these ranges again (for network %s), then delete the ipwarden-cni conflist.\n",
@@ -211,6 +223,25 @@ func writeHandback(st *cniproto.HandbackStatus, target handback.Target, dir stri
 		return nil, fmt.Errorf("write host-local's reservations (none of this run's files were left): %w", err)
 	}
 	return files, nil
+}
+
+// releaseGone removes host-local's files naming attachments of before that now lacks.
+func releaseGone(before, now *cniproto.HandbackStatus, dir string) ([]netip.Addr, error) {
+	still := map[cniproto.AttachmentID]bool{}
+	for _, a := range now.Attachments {
+		still[cniproto.AttachmentID{ContainerID: a.ContainerID, IfName: a.IfName}] = true
+	}
+	gone := &cniproto.HandbackStatus{}
+	for _, a := range before.Attachments {
+		if !still[cniproto.AttachmentID{ContainerID: a.ContainerID, IfName: a.IfName}] {
+			gone.Attachments = append(gone.Attachments, a)
+		}
+	}
+	atts, err := attachmentsOf(gone)
+	if err != nil || len(atts) == 0 {
+		return nil, err
+	}
+	return handback.Release(dir, atts)
 }
 
 func runHandbackUndo(ctx context.Context, out io.Writer, socket string) error {

@@ -177,3 +177,25 @@ func TestAgentHandbackCommand(t *testing.T) {
 		t.Fatalf("second undo: %v %s", err, out.String())
 	}
 }
+
+// A file written for an attachment the agent no longer lists after the write (its pod was
+// deleted between the agent's answer and the write) is removed again; the others stay.
+func TestReleaseGone(t *testing.T) {
+	dir := t.TempDir()
+	for name, c := range map[string]string{"10.1.0.10": "c1\r\neth0", "10.1.0.11": "c2\r\neth0"} {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(c), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	before := &cniproto.HandbackStatus{Attachments: []cniproto.HandbackAttachment{
+		{ContainerID: "c1", IfName: "eth0", Addresses: []string{"10.1.0.10"}},
+		{ContainerID: "c2", IfName: "eth0", Addresses: []string{"10.1.0.11"}}}}
+	now := &cniproto.HandbackStatus{Attachments: before.Attachments[1:]}
+	removed, err := releaseGone(before, now, dir)
+	if err != nil || len(removed) != 1 || removed[0].String() != "10.1.0.10" {
+		t.Fatalf("removed %v, %v", removed, err)
+	}
+	if got := files(t, dir); got != `10.1.0.11=c2\r\neth0 lock=` {
+		t.Fatalf("left %s", got)
+	}
+}

@@ -221,3 +221,29 @@ func (s *Service) handedBackError() *cniproto.Response {
 	}
 	return addError(&ipam.HandedBackError{Mark: *m})
 }
+
+// releaseHandedBack removes host-local's reservation files that name att, freed while the node is
+// handed back (handback.Release): a pod deleted before the node's CNI configuration names
+// host-local sends its DEL here, not to host-local, so without this its file would hold its
+// address in host-local for good. After the switch host-local's own DEL removed the file first,
+// or host-local handed the address to another container, whose file stays. The agent sees the
+// directory only where its container mounts it (deploy/ mounts /var/lib/cni/networks).
+func (s *Service) releaseHandedBack(att ipam.Attachment) {
+	s.mu.Lock()
+	m := s.st.HandedBack()
+	s.mu.Unlock()
+	if m == nil || m.Dir == "" {
+		return
+	}
+	mine, _ := handbackAttachments([]ipam.Attachment{att}, m.Network)
+	removed, err := handback.Release(m.Dir, mine)
+	if err != nil {
+		s.log.Error(err, "cannot remove host-local's reservation of an attachment freed while the node is handed back; remove its file by hand",
+			"dir", m.Dir, "attachment", cniproto.Truncate(att.Key.String(), logIDBytes), "pod", att.Pod.String(), "addresses", fmtAddresses(att.Addresses))
+		return
+	}
+	for _, ip := range removed {
+		s.log.Info("removed host-local's reservation of an attachment freed while the node is handed back",
+			"dir", m.Dir, "address", ip.String(), "attachment", cniproto.Truncate(att.Key.String(), logIDBytes), "pod", att.Pod.String())
+	}
+}

@@ -1,6 +1,8 @@
 package agent
 
 import (
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -142,5 +144,44 @@ func TestServiceHandbackRefusals(t *testing.T) {
 				t.Fatalf("ADD after a refused handback: %v", r.Error)
 			}
 		})
+	}
+}
+
+// A DEL while the node is handed back (its configuration still names ipwarden) removes the
+// reservation file naming that attachment, so host-local does not hold the address for good; a
+// file host-local gave another container is kept.
+func TestServiceDelWhileHandedBackReleasesTheFile(t *testing.T) {
+	h := newSvc(t, 100*time.Millisecond, testV4)
+	h.hold(map[string]string{"v4": "10.1.0.10-10.1.0.20"})
+	for _, c := range []string{"c1", "c2"} {
+		if resp := h.do(addReq(c)); resp.Error != nil {
+			t.Fatal(resp.Error)
+		}
+	}
+	dir := filepath.Join(t.TempDir(), "net")
+	req := handbackReq(hostLocalV4, true)
+	req.Handback.Dir = dir
+	if resp := h.do(req); resp.Error != nil {
+		t.Fatal(resp.Error)
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	files := map[string]string{"10.1.0.10": "c1\r\neth0", "10.1.0.11": "someone-else\r\neth0"}
+	for name, c := range files {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(c), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, c := range []string{"c1", "c2"} {
+		if r := h.do(cniproto.Request{Op: cniproto.OpDel, ContainerID: c, IfName: "eth0"}); r.Error != nil {
+			t.Fatal(r.Error)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(dir, "10.1.0.10")); !os.IsNotExist(err) {
+		t.Fatalf("the file of the deleted c1 is still there: %v", err)
+	}
+	if b, err := os.ReadFile(filepath.Join(dir, "10.1.0.11")); err != nil || string(b) != "someone-else\r\neth0" {
+		t.Fatalf("another container's file: %q %v", b, err)
 	}
 }

@@ -1028,6 +1028,7 @@ func (s *Service) delKeyIf(key ipam.Key, accept func(ipam.Attachment) bool) (ipa
 		return ipam.Attachment{}, false, err
 	}
 	s.log.V(1).Info("DEL", "attachment", key.String(), "pod", att.Pod.String(), "addresses", fmtAddresses(att.Addresses))
+	s.releaseHandedBack(att)
 	s.kick()
 	return att, true, nil
 }

@@ -132,3 +132,34 @@ func syncDir(dir string) error {
 	defer d.Close()
 	return d.Sync()
 }
+
+// Release removes host-local's reservation files in dir that name freed attachments (Stale),
+// under host-local's lock, and returns the addresses it removed. A missing dir holds none (it is
+// not created).
+func Release(dir string, freed []Attachment) ([]netip.Addr, error) {
+	if _, err := os.Stat(dir); errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	unlock, err := Lock(dir)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	existing, err := ReadExisting(dir)
+	if err != nil {
+		return nil, err
+	}
+	var removed []netip.Addr
+	for _, ip := range Stale(freed, existing) {
+		if err := os.Remove(filepath.Join(dir, ip.String())); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return removed, err
+		}
+		removed = append(removed, ip)
+	}
+	if len(removed) > 0 {
+		if err := syncDir(dir); err != nil {
+			return removed, err
+		}
+	}
+	return removed, nil
+}

@@ -362,3 +362,26 @@ func Plan(atts []Attachment, target Target, existing map[netip.Addr]string) ([]F
 	slices.SortFunc(files, func(x, y File) int { return x.Addr.Compare(y.Addr) })
 	return files, nil
 }
+
+// Stale decides which of host-local's reservation files name attachments that are gone: the
+// addresses of freed whose file holds exactly that attachment's container ID and interface.
+// Those files are the handback's (or host-local's own) for a container that no longer exists:
+// host-local would never free them, since no DEL for that container will reach it. A file naming
+// another container (host-local handed the address out again) is kept. Sorted by address.
+func Stale(freed []Attachment, existing map[netip.Addr]string) []netip.Addr {
+	var out []netip.Addr
+	for _, a := range freed {
+		if a.Rebuilt {
+			continue // its container ID is unknown: its file is host-local's own, freed by the pod's DEL
+		}
+		want := strings.TrimSpace(Content(a.ContainerID, a.IfName))
+		for _, ip := range a.Addresses {
+			ip = ip.Unmap()
+			if have, ok := existing[ip]; ok && strings.TrimSpace(have) == want && !slices.Contains(out, ip) {
+				out = append(out, ip)
+			}
+		}
+	}
+	slices.SortFunc(out, func(x, y netip.Addr) int { return x.Compare(y) })
+	return out
+}

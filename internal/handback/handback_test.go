@@ -2,6 +2,7 @@ package handback
 
 import (
 	"errors"
+	"fmt"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -187,5 +188,52 @@ func TestWriteAndReadExisting(t *testing.T) {
 	missing, err := ReadExisting(filepath.Join(dir, "none"))
 	if err != nil || len(missing) != 0 {
 		t.Fatalf("missing dir: %v %v", missing, err)
+	}
+}
+
+func TestStale(t *testing.T) {
+	a := Attachment{ContainerID: "aaaa", IfName: "eth0", Addresses: ips("10.244.0.10", "fd00::10")}
+	b := Attachment{ContainerID: "bbbb", IfName: "eth0", Addresses: ips("10.244.0.11")}
+	r := Attachment{ContainerID: "rebuilt:u", IfName: "-", Addresses: ips("10.244.0.12"), Rebuilt: true}
+	existing := map[netip.Addr]string{
+		netip.MustParseAddr("10.244.0.10"): "aaaa\r\neth0",
+		netip.MustParseAddr("fd00::10"):    "aaaa\r\neth0",
+		netip.MustParseAddr("10.244.0.11"): "cccc\r\neth0", // host-local handed it to another container
+		netip.MustParseAddr("10.244.0.12"): "sandbox\r\neth0",
+	}
+	got := Stale([]Attachment{b, a, r}, existing)
+	if fmt.Sprint(got) != "[10.244.0.10 fd00::10]" {
+		t.Fatalf("stale %v, want [10.244.0.10 fd00::10]", got)
+	}
+	if got := Stale(nil, existing); len(got) != 0 {
+		t.Fatalf("stale without freed attachments: %v", got)
+	}
+}
+
+// Release removes only the files naming the freed attachment, and creates nothing.
+func TestRelease(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "net")
+	if got, err := Release(dir, []Attachment{{ContainerID: "a", IfName: "eth0", Addresses: ips("10.244.0.10")}}); err != nil || len(got) != 0 {
+		t.Fatalf("release in a missing directory: %v %v", got, err)
+	}
+	if _, err := os.Stat(dir); !os.IsNotExist(err) {
+		t.Fatalf("Release created %s", dir)
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for name, c := range map[string]string{"10.244.0.10": "aaaa\r\neth0", "10.244.0.11": "other\r\neth0"} {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(c), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got, err := Release(dir, []Attachment{{ContainerID: "aaaa", IfName: "eth0", Addresses: ips("10.244.0.10")},
+		{ContainerID: "bbbb", IfName: "eth0", Addresses: ips("10.244.0.11")}})
+	if err != nil || fmt.Sprint(got) != "[10.244.0.10]" {
+		t.Fatalf("released %v %v", got, err)
+	}
+	left, _ := ReadExisting(dir)
+	if len(left) != 1 || left[netip.MustParseAddr("10.244.0.11")] != "other\r\neth0" {
+		t.Fatalf("left %q", left)
 	}
 }
