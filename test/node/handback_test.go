@@ -21,21 +21,24 @@ import (
 )
 
 const (
-	// handbackOld pods start through ipwarden; after the handback handbackNew pods start
-	// through host-local beside them. host-local's range holds exactly handbackOld+handbackNew
-	// addresses.
+	// handbackOld pods start through ipwarden; one of them is deleted after the handback,
+	// before the switch; then handbackNew pods start through host-local beside the others.
+	// host-local's range holds exactly handbackOld-1+handbackNew addresses: the deleted pod's
+	// address must be free in host-local again.
 	handbackOld = 3
-	handbackNew = 3
+	handbackNew = 4
 )
 
 // TestRealNodeHandback is TestRealNodeTakeover in reverse: a node runs pods through ipwarden and
-// goes back to bridge + host-local without draining, as docs/operations.md ("Going back") says.
-// A handback whose host-local range misses a pod's address, or to Whereabouts, is refused and
-// writes nothing. `ipwarden agent handback` then writes host-local's reservation files for the
-// running pods, and the agent refuses every ADD with CNI error 100. The operator switches the
-// conflist to host-local; new pods get host-local's other addresses (the range is exactly as
-// large as old and new pods together), and deleting the old pods makes host-local free their
-// files (DEL, ReleaseByID) and ipwarden's leak collector free its attachments. Every poll scans
+// goes back to bridge + host-local without draining, as docs/operations.md ("Going back to
+// host-local") says. A handback whose host-local range misses a pod's address, or to
+// Whereabouts, is refused and writes nothing. `ipwarden agent handback` then writes host-local's
+// reservation files for the running pods, and the agent refuses every ADD with CNI error 100. An
+// old pod deleted before the switch has its DEL go to the agent, which removes its file. The
+// operator switches the conflist to host-local; the refused pod starts on the runtime's retry and
+// new pods get host-local's other addresses (the range is exactly as large as old and new pods
+// together), and deleting the old pods makes host-local free their files (DEL, ReleaseByID) and
+// ipwarden's leak collector free its attachments. Every poll scans
 // every pod network namespace for an address on two.
 func TestRealNodeHandback(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 12*time.Minute)
@@ -63,7 +66,13 @@ func TestRealNodeHandback(t *testing.T) {
     metadata: {name: ipwarden-cni-config, namespace: ipwarden-system}
     data:
       10-ipwarden.conflist: '%s'
-`, ipwardenConf)
+# The agent sees host-local's dataDir where the CLI writes it, as deploy/ mounts
+# /var/lib/cni/networks: it removes the file of a pod deleted while the node is handed back.
+- target: {kind: DaemonSet, name: ipwarden-agent, namespace: ipwarden-system}
+  patch: |
+    - {op: add, path: /spec/template/spec/containers/0/volumeMounts/-, value: {name: test-host-local, mountPath: %s}}
+    - {op: add, path: /spec/template/spec/volumes/-, value: {name: test-host-local, hostPath: {path: %s, type: DirectoryOrCreate}}}
+`, ipwardenConf, dataDir, dataDir)
 	n.pool = ipwardenv1.IPPoolSpec{
 		CIDRs: []ipwardenv1.CIDR{poolCIDR},
 		Exclude: []ipwardenv1.IPOrCIDR{"10.244.0.0/29", "10.244.0.8/31", "10.244.0.16/28",
@@ -174,6 +183,46 @@ func TestRealNodeHandback(t *testing.T) {
 		n.checkClean(ctx)
 	})
 
+	t.Run("an old pod deleted before the switch frees its file", func(t *testing.T) {
+		n.t = t
+		// Its DEL goes to ipwarden (the configuration still names it), which frees the
+		// attachment and removes the file naming it: host-local may hand the address out again.
+		n.kubectl("scale", "-n", testNamespace, "deployment/old", fmt.Sprintf("--replicas=%d", handbackOld-1))
+		// (Not waitPods: the refused new pod has no address yet.)
+		var gone []pod
+		if err := localcluster.WaitFor(ctx, 2*time.Minute, 250*time.Millisecond, func() error {
+			n.scanNoDuplicates()
+			list, err := n.kube.CoreV1().Pods(testNamespace).List(ctx, metav1.ListOptions{LabelSelector: "ipam=old"})
+			if err != nil {
+				return err
+			}
+			if len(list.Items) != handbackOld-1 {
+				return fmt.Errorf("%d old pods, want %d", len(list.Items), handbackOld-1)
+			}
+			gone = gone[:0]
+			for _, p := range old {
+				if !slices.ContainsFunc(list.Items, func(q corev1.Pod) bool { return string(q.UID) == p.uid }) {
+					gone = append(gone, p)
+				}
+			}
+			return nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+		if len(gone) != 1 {
+			t.Fatalf("%d old pods gone, want 1", len(gone))
+		}
+		n.logf("handback: deleted old pod %s (%s) before the switch", gone[0].name, gone[0].ip)
+		old = slices.DeleteFunc(old, func(p pod) bool { return p.uid == gone[0].uid })
+		if err := localcluster.WaitFor(ctx, time.Minute, 250*time.Millisecond, func() error {
+			return hostLocalReservations(dataDir, old)
+		}); err != nil {
+			t.Fatalf("after the DEL of %s (%s): %v", gone[0].name, gone[0].ip, err)
+		}
+		n.checkAttachments(ctx, old)
+		n.checkOldPods(ctx, old)
+	})
+
 	var fresh []pod
 	t.Run("after the switch to host-local new pods get its other addresses", func(t *testing.T) {
 		n.t = t
@@ -190,7 +239,7 @@ func TestRealNodeHandback(t *testing.T) {
 		n.waitRuntimeIPAM(ctx, "host-local")
 		// The pod refused during the handback starts on the runtime's retry, through host-local.
 		n.kubectl("scale", "-n", testNamespace, "deployment/new", fmt.Sprintf("--replicas=%d", handbackNew))
-		all := n.waitPods(ctx, handbackOld+handbackNew)
+		all := n.waitPods(ctx, len(old)+handbackNew)
 		fresh = newPods(all)
 		if !slices.ContainsFunc(fresh, func(p pod) bool { return p.uid == refusedUID }) {
 			t.Fatalf("the pod refused during the handback (uid %s) is not among the running new pods %s", refusedUID, podIPs(fresh))
