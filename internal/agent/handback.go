@@ -148,6 +148,7 @@ func (s *Service) handback(ctx context.Context, req cniproto.Request) *cniproto.
 		s.gcr.event(nil, corev1.EventTypeNormal, ReasonHandedBack, fmt.Sprintf(
 			"node handed back to %s for network %s (%d attachments, reservation files in %s): ipwarden refuses every ADD on the node; undo with `ipwarden agent handback --undo`",
 			m.To, m.Network, len(m.Attachments), m.Dir))
+		s.kick() // the pool monitor shows the Node condition ipwarden.io/HandedBack
 	}
 	return resp
 }
@@ -183,6 +184,7 @@ func (s *Service) undoHandback() *cniproto.Response {
 	s.log.Info("handback undone: ADD is served again", "to", cur.To, "network", cur.Network, "handedBackAt", cur.At.UTC().Format(time.RFC3339))
 	s.gcr.event(nil, corev1.EventTypeNormal, ReasonHandbackUndone, fmt.Sprintf(
 		"handback to %s (network %s, since %s) undone: ipwarden serves ADD on the node again", cur.To, cur.Network, cur.At.UTC().Format(time.RFC3339)))
+	s.kick()
 	// The answer names the mark it cleared (Marked false).
 	return &cniproto.Response{Handback: &cniproto.HandbackStatus{At: cur.At, To: cur.To, Network: cur.Network, Dir: cur.Dir}}
 }

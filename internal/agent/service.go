@@ -199,6 +199,7 @@ type roundResult struct {
 	nextRelease time.Time // when a pool's release delay ends (zero: none runs)
 	stats       []ipam.PoolStats
 	attachments int
+	handback    *ipam.HandbackMark // the handback mark, nil when none
 }
 
 // releaseRound marks what is beyond each pool's target as releasing (plan, journal, then apply
@@ -224,6 +225,7 @@ func (s *Service) releaseRound() (roundResult, error) {
 		nextRelease: s.st.NextRelease(),
 		stats:       s.st.Stats(s.now()),
 		attachments: s.st.NumAttachments(),
+		handback:    s.st.HandedBack(),
 	}, nil
 }
 
