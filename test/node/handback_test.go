@@ -150,6 +150,22 @@ func TestRealNodeHandback(t *testing.T) {
 		if err != nil || resp.Handback == nil || !resp.Handback.Marked || resp.Handback.To != "host-local" {
 			t.Fatalf("the agent reports the handback as %+v (%v)", resp.Handback, err)
 		}
+		// The Node shows it (the pool monitor's next round).
+		if err := localcluster.WaitFor(ctx, time.Minute, 250*time.Millisecond, func() error {
+			node, err := n.kube.CoreV1().Nodes().Get(ctx, nodeName, metav1.GetOptions{})
+			if err != nil {
+				return err
+			}
+			for _, c := range node.Status.Conditions {
+				if c.Type == "ipwarden.io/HandedBack" && c.Status == corev1.ConditionTrue &&
+					strings.Contains(c.Message, "handed back to host-local at "+resp.Handback.At.UTC().Format(time.RFC3339)) {
+					return nil
+				}
+			}
+			return fmt.Errorf("Node %s shows no condition ipwarden.io/HandedBack True: %+v", nodeName, node.Status.Conditions)
+		}); err != nil {
+			t.Fatal(err)
+		}
 		// A pod started now, while the node's configuration still names ipwarden, gets no
 		// address: its sandbox fails with the agent's error (the first of the new pods; it
 		// starts once the configuration names host-local).
