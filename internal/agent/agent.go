@@ -263,7 +263,8 @@ func Run(ctx context.Context, cfg Config) error {
 	}()
 	err = <-served
 	stopGC()
-	<-collected // no free in flight when the journal closes
+	<-collected                                // no free in flight when the journal closes
+	_ = svc.WaitReleases(context.Background()) // nor a DEL already answered: it finishes (the journal is open)
 	if berr := j.BrokenErr(); berr != nil {
 		return berr
 	}

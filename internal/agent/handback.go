@@ -82,6 +82,11 @@ func (s *Service) handback(ctx context.Context, req cniproto.Request) *cniproto.
 	if err != nil {
 		return errResp(cniproto.CodeInvalidConfig, "ipwarden: "+err.Error(), "")
 	}
+	// A DEL is answered before its journal write lands (del): wait for those answered so far,
+	// as LIST does, so the attachments read are the ones that still exist.
+	if err := s.rel.wait(ctx); err != nil {
+		return errResp(cniproto.CodeTryAgainLater, "ipwarden: HANDBACK waited for DELs being journaled: "+err.Error(), "")
+	}
 	// The fact lock keeps two handbacks (or a handback and its undo) from interleaving.
 	s.factMu.Lock()
 	defer s.factMu.Unlock()
@@ -114,6 +119,12 @@ func (s *Service) handback(ctx context.Context, req cniproto.Request) *cniproto.
 	wctx, cancel := context.WithTimeout(ctx, handbackWait)
 	defer cancel()
 	for {
+		if err := s.rel.wait(wctx); err != nil {
+			if set {
+				s.clearMark()
+			}
+			return errResp(cniproto.CodeTryAgainLater, "ipwarden: HANDBACK waited for DELs being journaled: "+err.Error(), "the handback is not marked; try again")
+		}
 		s.mu.Lock()
 		n, changed := s.st.NumPending(), s.changed
 		var atts []ipam.Attachment

@@ -62,6 +62,8 @@ type Metrics struct {
 	Busy          prometheus.Counter
 	BadRequests   prometheus.Counter
 	AbandonedAdds prometheus.Counter
+	// ReleasesInFlight counts DELs answered whose release is not yet journaled.
+	ReleasesInFlight prometheus.Gauge
 	// PodUnknown counts ADDs refused because neither the pod watch nor the API server could say
 	// what the pod's annotations are.
 	PodUnknown prometheus.Counter
@@ -117,10 +119,12 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Requests refused before handling: too large, undecodable, a field too long, or not sent in time."}),
 		AbandonedAdds: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "abandoned_adds_total",
 			Help: "ADDs rolled back because the plugin went away before the agent answered."}),
+		ReleasesInFlight: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "releases_in_flight",
+			Help: "DELs answered whose release the journal has not written yet; their addresses stay assigned until it has (about a millisecond each)."}),
 		PodUnknown: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "add_pod_unreadable_total",
 			Help: "ADDs refused (CNI error 11, the runtime retries) because the pod watch had not seen the pod and the API server did not answer: pools are never chosen without the pod's annotations."}),
 		JournalRefused: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "journal_refused_total",
-			Help: "Changes of the node's state the journal refused, by change (add, del, release, pools, holdings, mark, rebuild); the state was left as it was and the change is retried: by the runtime (add, del), the next pool monitor round (release), the next reading of the node's objects (pools, holdings, mark) or the next pod event (rebuild)."}, []string{"change"}),
+			Help: "Changes of the node's state the journal refused, by change (add, del, release, pools, holdings, mark, rebuild); the state was left as it was and the change is retried: by the runtime (add), the leak collector (del: a DEL is answered before its write), the next pool monitor round (release), the next reading of the node's objects (pools, holdings, mark) or the next pod event (rebuild)."}, []string{"change"}),
 		Outside: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Name: "addresses_outside_pool",
 			Help: "Addresses the node holds or uses that the pool's current spec no longer covers (a shrunk pool, a new exclusion): never handed out, released as they are freed."}, pool),
 
@@ -183,7 +187,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		reg.MustRegister(m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict, m.Outside, m.Adopted,
 			m.Attachments, m.OpDuration, m.IPWait, m.JournalWrite, m.Errors, m.SpecWrites, m.Conflicts, m.RecordRewinds, m.RecordRecreated, m.LeaderAcks,
 			m.GCCandidates, m.GCCollected, m.GCKept, m.GCFailed, m.GCDryRun, m.GCDeleteToFree, m.GCFullChecks, m.GCQueueDepth,
-			m.Unattributed, m.JournalRecovered, m.HoldActive, m.HandedBack, m.Conns, m.Busy, m.BadRequests, m.AbandonedAdds, m.PodUnknown, m.JournalRefused,
+			m.Unattributed, m.JournalRecovered, m.HoldActive, m.HandedBack, m.Conns, m.Busy, m.BadRequests, m.AbandonedAdds, m.ReleasesInFlight, m.PodUnknown, m.JournalRefused,
 			m.GCSandboxHeld, m.GCSandboxOutlived)
 	}
 	return m

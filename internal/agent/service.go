@@ -60,6 +60,7 @@ type Service struct {
 	hooksMu sync.Mutex
 
 	keys  keyLocks
+	rel   releases // DELs answered before their journal write finished
 	ready atomic.Bool
 	gate  gate
 	// conflicts remembers reported conflicts so each is logged once.
@@ -727,6 +728,9 @@ func (s *Service) handle(ctx context.Context, req cniproto.Request) *cniproto.Re
 		if r := s.gate.refuseList(); r != nil {
 			return r
 		}
+		if err := s.rel.wait(ctx); err != nil {
+			return errResp(cniproto.CodeTryAgainLater, "ipwarden: LIST waited for DELs being journaled: "+err.Error(), "")
+		}
 		return s.list()
 	case cniproto.OpHandback:
 		return s.handback(ctx, req)
@@ -972,42 +976,78 @@ func result(att ipam.Attachment, cfgs map[string]ipam.Pool) *cniproto.Response {
 }
 
 // del frees an attachment: journal first, then memory. Unknown attachments succeed.
+//
+// The answer does not wait for the journal write (about a millisecond of fsync, a tenth of a
+// pod's ADD+DEL): the addresses stay assigned, in memory and on disk, until the write lands, so
+// nothing can hand them out before. The attachment's lock is held until then, so a request for
+// the same attachment (a repeated DEL, an ADD, a CHECK) waits for it, and LIST waits for every
+// DEL answered before it. If the write fails or the agent dies first, the journal still holds
+// the attachment: the leak collector frees it once its pod or sandbox is confirmed gone, as for
+// a DEL that never came. Nothing is ever freed early; at worst it is freed late.
 func (s *Service) del(req cniproto.Request) *cniproto.Response {
 	key, bad := validKey(req)
 	if bad != nil {
 		return bad
 	}
-	if err := s.delKey(key); err != nil {
-		return errResp(cniproto.CodeTryAgainLater, "ipwarden: cannot record the release in the journal: "+err.Error(),
-			"the addresses stay assigned; the runtime retries DEL")
+	unlock := s.keys.lock(key)
+	att, plan, err := s.planDel(key, nil)
+	if err != nil || !plan.Found {
+		unlock()
+		if err != nil {
+			return errResp(cniproto.CodeTryAgainLater, "ipwarden: cannot release the attachment: "+err.Error(),
+				"the addresses stay assigned; the runtime retries DEL")
+		}
+		return &cniproto.Response{}
 	}
+	id := s.rel.start()
+	s.metrics.ReleasesInFlight.Inc()
+	go func() {
+		defer func() {
+			unlock()
+			s.rel.finish(id)
+			s.metrics.ReleasesInFlight.Dec()
+		}()
+		if err := s.finishDel(key, att, plan); err != nil {
+			s.log.Error(err, "the journal refused a DEL already answered: its addresses stay assigned until the leak collector frees them",
+				"attachment", cniproto.Truncate(key.String(), logIDBytes), "pod", att.Pod.String(), "addresses", fmtAddresses(att.Addresses))
+		}
+	}()
 	return &cniproto.Response{}
 }
 
-func (s *Service) delKey(key ipam.Key) error {
-	_, _, err := s.delKeyIf(key, nil)
-	return err
-}
+// WaitReleases returns once every DEL answered before the call is journaled and applied, or
+// with ctx's error.
+func (s *Service) WaitReleases(ctx context.Context) error { return s.rel.wait(ctx) }
 
-// delKeyIf frees the attachment key as DEL does: journal first, then its addresses go to the back
-// of their cooling queues. With accept set, it frees only a confirmed (not in-flight) attachment
-// that accept approves, decided under the attachment's lock, so a request racing the caller's
-// decision is never undone. It returns the freed attachment and whether it freed one.
+// delKeyIf frees the attachment key as DEL does, and returns once it is journaled: journal
+// first, then its addresses go to the back of their cooling queues. With accept set, it frees
+// only a confirmed (not in-flight) attachment that accept approves, decided under the
+// attachment's lock, so a request racing the caller's decision is never undone. It returns the
+// freed attachment and whether it freed one.
 func (s *Service) delKeyIf(key ipam.Key, accept func(ipam.Attachment) bool) (ipam.Attachment, bool, error) {
 	unlock := s.keys.lock(key)
 	defer unlock()
-	var att ipam.Attachment
-	var plan ipam.DelPlan
+	att, plan, err := s.planDel(key, accept)
+	if err != nil || !plan.Found {
+		return ipam.Attachment{}, false, err
+	}
+	if err := s.finishDel(key, att, plan); err != nil {
+		return ipam.Attachment{}, false, err
+	}
+	return att, true, nil
+}
+
+// planDel decides the DEL of key; the caller holds the key's lock. With accept set, it plans
+// nothing (an empty plan) unless the attachment is confirmed and accept approves it.
+func (s *Service) planDel(key ipam.Key, accept func(ipam.Attachment) bool) (ipam.Attachment, ipam.DelPlan, error) {
 	for {
 		s.mu.Lock()
-		var found bool
-		att, found = s.st.Attachment(key)
+		att, found := s.st.Attachment(key)
 		if found && accept != nil && (s.st.Pending(key) || !accept(att)) {
 			s.mu.Unlock()
-			return ipam.Attachment{}, false, nil
+			return ipam.Attachment{}, ipam.DelPlan{}, nil
 		}
-		var err error
-		plan, err = s.st.PlanDel(key, s.now())
+		plan, err := s.st.PlanDel(key, s.now())
 		var inFlight *ipam.InFlightError
 		if errors.As(err, &inFlight) {
 			// A rebuild moving one of its addresses to a pod that reports it holds it
@@ -1018,21 +1058,19 @@ func (s *Service) delKeyIf(key ipam.Key, accept func(ipam.Attachment) bool) (ipa
 			continue
 		}
 		s.mu.Unlock()
-		if err != nil {
-			return ipam.Attachment{}, false, err
-		}
-		break
+		return att, plan, err
 	}
-	if !plan.Found {
-		return ipam.Attachment{}, false, nil
-	}
+}
+
+// finishDel journals and applies a planned DEL; the caller holds the key's lock.
+func (s *Service) finishDel(key ipam.Key, att ipam.Attachment, plan ipam.DelPlan) error {
 	if err := s.commit(plan, "del"); err != nil {
-		return ipam.Attachment{}, false, err
+		return err
 	}
 	s.log.V(1).Info("DEL", "attachment", key.String(), "pod", att.Pod.String(), "addresses", fmtAddresses(att.Addresses))
 	s.releaseHandedBack(att)
 	s.kick()
-	return att, true, nil
+	return nil
 }
 
 // check verifies that the attachment exists and holds the addresses of prevResult.

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/ipwarden/ipwarden/internal/addr"
 	"github.com/ipwarden/ipwarden/internal/agent/gc"
@@ -28,9 +29,19 @@ type memJournal struct {
 	snap ipam.Snapshot
 	fail error
 	n    int
+	// block, when set, holds every write until it is closed.
+	block chan struct{}
+	// twice records an address that two journaled attachments held at once.
+	twice []string
 }
 
 func (j *memJournal) Commit(ch ipam.Change) error {
+	j.mu.Lock()
+	block := j.block
+	j.mu.Unlock()
+	if block != nil {
+		<-block
+	}
 	j.mu.Lock()
 	defer j.mu.Unlock()
 	if j.fail != nil {
@@ -38,7 +49,22 @@ func (j *memJournal) Commit(ch ipam.Change) error {
 	}
 	j.snap = j.snap.Apply(ch)
 	j.n++
+	owner := map[ipam.Address]ipam.Key{}
+	for _, a := range j.snap.Attachments {
+		for _, ad := range a.Addresses {
+			if o, ok := owner[ad]; ok {
+				j.twice = append(j.twice, fmt.Sprintf("%s held by %s and %s", ad.Addr, o, a.Key))
+			}
+			owner[ad] = a.Key
+		}
+	}
 	return nil
+}
+
+func (j *memJournal) setBlock(c chan struct{}) {
+	j.mu.Lock()
+	j.block = c
+	j.mu.Unlock()
 }
 
 func (j *memJournal) setFail(err error) {
@@ -272,13 +298,25 @@ func TestServiceJournalFailures(t *testing.T) {
 	if resp := h.do(addReq("c2")); resp.Error != nil || resp.IPs[0].Address != "10.1.0.5/16" {
 		t.Fatalf("the address of the failed ADD is not free again: %+v", resp)
 	}
+	// A DEL is answered before its journal write: when the write fails, the attachment keeps
+	// its address (the leak collector frees it once its pod is gone), and nothing else gets it.
 	h.j.setFail(errors.New("disk full"))
-	if resp := h.do(cniproto.Request{Op: cniproto.OpDel, ContainerID: "c2", IfName: "eth0"}); resp.Error == nil {
-		t.Fatal("DEL succeeded though the journal failed")
+	refused := testutil.ToFloat64(h.svc.metrics.JournalRefused.WithLabelValues("del"))
+	if resp := h.do(cniproto.Request{Op: cniproto.OpDel, ContainerID: "c2", IfName: "eth0"}); resp.Error != nil {
+		t.Fatalf("DEL: %v", resp.Error)
+	}
+	if err := h.svc.WaitReleases(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got := testutil.ToFloat64(h.svc.metrics.JournalRefused.WithLabelValues("del")); got != refused+1 {
+		t.Fatalf("journal_refused_total{change=del} = %v, want %v", got, refused+1)
 	}
 	h.j.setFail(nil)
+	if resp := h.do(addReq("c3")); resp.Error == nil {
+		t.Fatalf("ADD c3 got %+v: the address of a DEL the journal refused was handed out", resp.IPs)
+	}
 	if resp := h.do(addReq("c2")); resp.Error != nil || resp.IPs[0].Address != "10.1.0.5/16" {
-		t.Fatalf("after a failed DEL the attachment must still hold its address: %+v", resp)
+		t.Fatalf("after a refused DEL the attachment must still hold its address: %+v", resp)
 	}
 	for range 2 { // DEL is idempotent
 		if resp := h.do(cniproto.Request{Op: cniproto.OpDel, ContainerID: "c2", IfName: "eth0"}); resp.Error != nil {
@@ -287,6 +325,70 @@ func TestServiceJournalFailures(t *testing.T) {
 	}
 	if resp := h.do(cniproto.Request{Op: cniproto.OpDel, ContainerID: "never", IfName: "eth0"}); resp.Error != nil {
 		t.Fatal(resp.Error)
+	}
+}
+
+// A DEL is answered before its journal write lands, but its address stays assigned until then:
+// an ADD that needs it waits, LIST waits, and the journal never records it held twice.
+func TestDelAnsweredBeforeItsJournalWrite(t *testing.T) {
+	pool := testV4
+	pool.Cooldown = 0
+	h := newSvc(t, 10*time.Second, pool)
+	h.hold(map[string]string{"v4": "10.1.0.5"})
+	if r := h.do(addReq("c1")); r.Error != nil || r.IPs[0].Address != "10.1.0.5/16" {
+		t.Fatalf("ADD c1: %+v", r)
+	}
+	block := make(chan struct{})
+	h.j.setBlock(block)
+	del := make(chan *cniproto.Response, 1)
+	go func() { del <- h.do(cniproto.Request{Op: cniproto.OpDel, ContainerID: "c1", IfName: "eth0"}) }()
+	select {
+	case r := <-del:
+		if r.Error != nil {
+			t.Fatalf("DEL: %v", r.Error)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the DEL waited for its journal write")
+	}
+	if got := testutil.ToFloat64(h.svc.metrics.ReleasesInFlight); got != 1 {
+		t.Fatalf("releases_in_flight = %v while the write is held, want 1", got)
+	}
+	add := make(chan *cniproto.Response, 1)
+	go func() { add <- h.do(addReq("c2")) }()
+	list := make(chan *cniproto.Response, 1)
+	go func() { list <- h.do(cniproto.Request{Op: cniproto.OpList}) }()
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	err := h.svc.WaitReleases(ctx)
+	cancel()
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("WaitReleases while the write is held: %v, want the deadline", err)
+	}
+	if snap := h.j.snapshot(); len(snap.Attachments) != 1 || snap.Attachments[0].Key.ContainerID != "c1" {
+		t.Fatalf("journal while the write is held: %+v, want c1 only", snap.Attachments)
+	}
+	h.j.setBlock(nil)
+	close(block)
+	if r := <-add; r.Error != nil || r.IPs[0].Address != "10.1.0.5/16" {
+		t.Fatalf("ADD c2 after the DEL landed: %+v", r)
+	}
+	if r := <-list; r.Error != nil {
+		t.Fatalf("LIST: %v", r.Error)
+	} else if len(r.Attachments) > 1 || len(r.Attachments) == 1 && r.Attachments[0].ContainerID != "c2" {
+		t.Fatalf("LIST answered %+v: it must wait for the DEL answered before it", r.Attachments)
+	}
+	if err := h.svc.WaitReleases(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got := testutil.ToFloat64(h.svc.metrics.ReleasesInFlight); got != 0 {
+		t.Fatalf("releases_in_flight = %v after the write, want 0", got)
+	}
+	h.j.mu.Lock()
+	defer h.j.mu.Unlock()
+	if len(h.j.twice) > 0 {
+		t.Fatalf("the journal recorded an address held twice: %v", h.j.twice)
+	}
+	if len(h.j.snap.Attachments) != 1 || h.j.snap.Attachments[0].Key.ContainerID != "c2" {
+		t.Fatalf("journal at the end: %+v, want c2 only", h.j.snap.Attachments)
 	}
 }
 
@@ -573,6 +675,9 @@ func TestServiceDoesNotAdoptAddressesItsDelFreed(t *testing.T) {
 		if r := h.do(del); r.Error != nil {
 			t.Fatalf("DEL %s: %v", cid, r.Error)
 		}
+	}
+	if err := h.svc.WaitReleases(context.Background()); err != nil {
+		t.Fatal(err)
 	}
 	h.svc.SetPods(pods)
 	if snap := h.j.snapshot(); len(snap.Attachments) != 0 {

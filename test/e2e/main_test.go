@@ -40,6 +40,7 @@ var (
 )
 
 func TestMain(m *testing.M) {
+	localcluster.QuickRaceExit() // libcni runs the plugin with this process's environment
 	os.Exit(run(m))
 }
 

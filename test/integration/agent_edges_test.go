@@ -29,6 +29,7 @@ import (
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/cniproto"
+	"github.com/ipwarden/ipwarden/internal/localcluster"
 )
 
 // edgeSetup makes a pool only node uses (batch 4, no reuse cooldown, so a wrongly freed address
@@ -314,7 +315,7 @@ func TestAgentDropsADDWhosePluginWentAway(t *testing.T) {
 
 	cmd := exec.Command(cniBinary(t))
 	cmd.Env = []string{"CNI_COMMAND=ADD", "CNI_CONTAINERID=abandoned", "CNI_NETNS=/var/run/netns/none", "CNI_IFNAME=eth0",
-		"CNI_PATH=/opt/cni/bin", "CNI_ARGS=" + podArgs("default", "pod-abandoned", "uid-abandoned")}
+		"CNI_PATH=/opt/cni/bin", "CNI_ARGS=" + podArgs("default", "pod-abandoned", "uid-abandoned"), localcluster.RaceEnv}
 	cmd.Stdin = strings.NewReader(conf)
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)

@@ -200,7 +200,7 @@ func cniIn(t *testing.T, verb, conf, containerID, podArgs, netns string) (*cniRe
 	t.Helper()
 	cmd := exec.Command(cniBinary(t))
 	cmd.Env = []string{"CNI_COMMAND=" + verb, "CNI_CONTAINERID=" + containerID, "CNI_NETNS=" + netns,
-		"CNI_NETNS_OVERRIDE=1", "CNI_IFNAME=eth0", "CNI_PATH=/opt/cni/bin", "CNI_ARGS=" + podArgs}
+		"CNI_NETNS_OVERRIDE=1", "CNI_IFNAME=eth0", "CNI_PATH=/opt/cni/bin", "CNI_ARGS=" + podArgs, localcluster.RaceEnv}
 	cmd.Stdin = strings.NewReader(conf)
 	var out, errOut bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errOut

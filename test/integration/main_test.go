@@ -16,6 +16,7 @@ import (
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/controlplane"
+	"github.com/ipwarden/ipwarden/internal/localcluster"
 )
 
 var (
@@ -32,6 +33,7 @@ var (
 )
 
 func TestMain(m *testing.M) {
+	localcluster.QuickRaceExit()
 	os.Exit(run(m))
 }
 

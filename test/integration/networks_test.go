@@ -19,6 +19,7 @@ import (
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/check"
+	"github.com/ipwarden/ipwarden/internal/localcluster"
 )
 
 // cniIf runs the real plugin for one verb on interface ifname.
@@ -26,7 +27,7 @@ func cniIf(t *testing.T, verb, conf, containerID, ifname, podArgs string) (*cniR
 	t.Helper()
 	cmd := exec.Command(cniBinary(t))
 	cmd.Env = []string{"CNI_COMMAND=" + verb, "CNI_CONTAINERID=" + containerID, "CNI_NETNS=" + filepath.Join(netnsDir, "none"),
-		"CNI_NETNS_OVERRIDE=1", "CNI_IFNAME=" + ifname, "CNI_PATH=/opt/cni/bin", "CNI_ARGS=" + podArgs}
+		"CNI_NETNS_OVERRIDE=1", "CNI_IFNAME=" + ifname, "CNI_PATH=/opt/cni/bin", "CNI_ARGS=" + podArgs, localcluster.RaceEnv}
 	cmd.Stdin = strings.NewReader(conf)
 	var out bytes.Buffer
 	cmd.Stdout = &out

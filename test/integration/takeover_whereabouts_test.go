@@ -150,7 +150,7 @@ func runPlugin(t *testing.T, bin, cniPath, verb, conf, containerID, podArgs stri
 	t.Helper()
 	cmd := exec.Command(bin)
 	cmd.Env = []string{"CNI_COMMAND=" + verb, "CNI_CONTAINERID=" + containerID, "CNI_NETNS=" + filepath.Join(netnsDir, "none"),
-		"CNI_NETNS_OVERRIDE=1", "CNI_IFNAME=eth0", "CNI_PATH=" + cniPath, "CNI_ARGS=" + podArgs}
+		"CNI_NETNS_OVERRIDE=1", "CNI_IFNAME=eth0", "CNI_PATH=" + cniPath, "CNI_ARGS=" + podArgs, localcluster.RaceEnv}
 	cmd.Stdin = strings.NewReader(conf)
 	var out, errOut bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errOut
