@@ -108,7 +108,7 @@ pod, or on the node's NodeIPAllocation when the pod object is gone from the agen
 	gofs := goflag.NewFlagSet("zap", goflag.ContinueOnError)
 	f.zap.BindFlags(gofs)
 	fs.AddGoFlagSet(gofs)
-	cmd.AddCommand(newAgentListCommand())
+	cmd.AddCommand(newAgentListCommand(), newAgentHandbackCommand())
 	return cmd
 }
 
@@ -213,6 +213,10 @@ func newAgentListCommand() *cobra.Command {
 func printList(w io.Writer, resp *cniproto.Response) error {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintf(tw, "NODE %s\n\n", resp.Node)
+	if h := resp.Handback; h != nil && h.Marked {
+		fmt.Fprintf(tw, "HANDED BACK to %s at %s (network %s, reservation files in %s): every ADD is refused; undo: ipwarden agent handback --undo\n\n",
+			h.To, h.At.UTC().Format(time.RFC3339), h.Network, orDash(h.Dir))
+	}
 	fmt.Fprintln(tw, "POOL\tSERVED\tHELD\tIN USE\tADOPTED\tFREE\tCOOLING\tRELEASING\tREQUESTED\tCONFLICTS\tUNATTRIBUTED\tEXHAUSTED")
 	for _, p := range resp.Pools {
 		fmt.Fprintf(tw, "%s\t%v\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%v\n", p.Pool, p.Served, p.Held, p.InUse, p.Adopted, p.Free, p.Cooling,

@@ -33,3 +33,23 @@ func TestPrintListShowsTheHold(t *testing.T) {
 		t.Fatalf("a hold shown without one:\n%s", b.String())
 	}
 }
+
+// `ipwarden agent list` shows a handback: to what, since when, and how to undo it.
+func TestPrintListShowsTheHandback(t *testing.T) {
+	resp := &cniproto.Response{Node: "n1", Handback: &cniproto.HandbackStatus{Marked: true, At: time.Date(2026, 1, 1, 0, 5, 0, 0, time.UTC),
+		To: "host-local", Network: "net", Dir: "/var/lib/cni/networks/net"}}
+	var b bytes.Buffer
+	if err := printList(&b, resp); err != nil {
+		t.Fatal(err)
+	}
+	want := "HANDED BACK to host-local at 2026-01-01T00:05:00Z (network net, reservation files in /var/lib/cni/networks/net): every ADD is refused; undo: ipwarden agent handback --undo"
+	if !strings.Contains(b.String(), want) {
+		t.Fatalf("output lacks %q:\n%s", want, b.String())
+	}
+	b.Reset()
+	resp.Handback = nil
+	_ = printList(&b, resp)
+	if strings.Contains(b.String(), "HANDED BACK") {
+		t.Fatalf("a handback shown without one:\n%s", b.String())
+	}
+}

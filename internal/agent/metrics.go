@@ -56,10 +56,12 @@ type Metrics struct {
 	// The agent's IO edges: journal recovery, the hold, the socket.
 	JournalRecovered *prometheus.CounterVec
 	HoldActive       prometheus.Gauge
-	Conns            prometheus.Gauge
-	Busy             prometheus.Counter
-	BadRequests      prometheus.Counter
-	AbandonedAdds    prometheus.Counter
+	// HandedBack is 1 while the node is handed back to host-local (`ipwarden agent handback`).
+	HandedBack    prometheus.Gauge
+	Conns         prometheus.Gauge
+	Busy          prometheus.Counter
+	BadRequests   prometheus.Counter
+	AbandonedAdds prometheus.Counter
 	// ReleasesInFlight counts DELs answered whose release is not yet journaled.
 	ReleasesInFlight prometheus.Gauge
 	// PodUnknown counts ADDs refused because neither the pod watch nor the API server could say
@@ -107,6 +109,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Damaged journals moved aside at start (the attachments were rebuilt from the pods), by reason: truncated, corrupt, incompatible_version."}, []string{"reason"}),
 		HoldActive: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "unattributed_hold_active",
 			Help: "1 while held addresses of unknown owner are kept out of use after a rebuild of the journal, else 0."}),
+		HandedBack: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "handed_back",
+			Help: "1 while the node is handed back to host-local (`ipwarden agent handback`): every ADD is refused with CNI error 100, else 0."}),
 		Conns: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "socket_connections",
 			Help: "Plugin connections being served."}),
 		Busy: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "socket_busy_total",
@@ -183,7 +187,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		reg.MustRegister(m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict, m.Outside, m.Adopted,
 			m.Attachments, m.OpDuration, m.IPWait, m.JournalWrite, m.Errors, m.SpecWrites, m.Conflicts, m.RecordRewinds, m.RecordRecreated, m.LeaderAcks,
 			m.GCCandidates, m.GCCollected, m.GCKept, m.GCFailed, m.GCDryRun, m.GCDeleteToFree, m.GCFullChecks, m.GCQueueDepth,
-			m.Unattributed, m.JournalRecovered, m.HoldActive, m.Conns, m.Busy, m.BadRequests, m.AbandonedAdds, m.ReleasesInFlight, m.PodUnknown, m.JournalRefused,
+			m.Unattributed, m.JournalRecovered, m.HoldActive, m.HandedBack, m.Conns, m.Busy, m.BadRequests, m.AbandonedAdds, m.ReleasesInFlight, m.PodUnknown, m.JournalRefused,
 			m.GCSandboxHeld, m.GCSandboxOutlived)
 	}
 	return m

@@ -153,7 +153,7 @@ func (m *Monitor) Round(ctx context.Context) error {
 	}
 	if m.signal != nil {
 		// A failed Node write is retried at the next round; it never holds up the request.
-		if err := m.signal.Update(ctx, r.stats); err != nil {
+		if err := m.signal.Update(ctx, r.stats, r.handback); err != nil {
 			m.log.Error(err, "cannot show the scheduler signal on the Node; retrying at the next round")
 		}
 	}

@@ -43,6 +43,9 @@ type NodeSignal struct {
 	// The takeover condition as the Node shows it (nodesignal.DecideTakeover).
 	takeoverShown, takeoverComplete bool
 	takeoverMessage                 string
+	// The handback condition as the Node shows it (nodesignal.DecideHandback).
+	handbackShown, handbackOn bool
+	handbackMessage           string
 }
 
 // Event reasons on the Node.
@@ -61,8 +64,9 @@ func NewNodeSignal(api client.Client, node string, taint bool, params nodesignal
 	return &NodeSignal{api: client.WithFieldOwner(api, string(fieldOwner)), node: node, taint: taint, params: params, log: log, now: metav1.Now}
 }
 
-// Update decides from the pool stats and writes the Node if the decision changed.
-func (n *NodeSignal) Update(ctx context.Context, stats []ipam.PoolStats) error {
+// Update decides from the pool stats and the handback mark (nil: none) and writes the Node if
+// the decision changed.
+func (n *NodeSignal) Update(ctx context.Context, stats []ipam.PoolStats, handback *ipam.HandbackMark) error {
 	if !n.known {
 		var node corev1.Node
 		if err := n.api.Get(ctx, client.ObjectKey{Name: n.node}, &node); apierrors.IsNotFound(err) {
@@ -76,6 +80,8 @@ func (n *NodeSignal) Update(ctx context.Context, stats []ipam.PoolStats) error {
 				n.shown, n.reason = c.Status == corev1.ConditionTrue, c.Reason
 			case nodesignal.TakeoverConditionType:
 				n.takeoverShown, n.takeoverComplete, n.takeoverMessage = true, c.Status == corev1.ConditionTrue, c.Message
+			case nodesignal.HandbackConditionType:
+				n.handbackShown, n.handbackOn, n.handbackMessage = true, c.Status == corev1.ConditionTrue, c.Message
 			}
 		}
 		n.tainted = slices.ContainsFunc(node.Spec.Taints, isSignalTaint)
@@ -114,6 +120,10 @@ func (n *NodeSignal) Update(ctx context.Context, stats []ipam.PoolStats) error {
 		n.gauge.Set(map[bool]float64{false: 0, true: 1}[n.shown])
 	}
 	if err := n.updateTakeover(ctx, stats); err != nil {
+		n.known = false
+		return err
+	}
+	if err := n.updateHandback(ctx, handback); err != nil {
 		n.known = false
 		return err
 	}
@@ -160,6 +170,36 @@ func (n *NodeSignal) updateTakeover(ctx context.Context, stats []ipam.PoolStats)
 		}
 	}
 	n.takeoverShown, n.takeoverComplete, n.takeoverMessage = true, d.Complete, d.Message
+	return nil
+}
+
+// updateHandback shows on the Node whether it is handed back to host-local (condition
+// ipwarden.io/HandedBack, nodesignal.DecideHandback).
+func (n *NodeSignal) updateHandback(ctx context.Context, mark *ipam.HandbackMark) error {
+	var hb *nodesignal.Handback
+	if mark != nil {
+		hb = &nodesignal.Handback{At: mark.At, To: mark.To, Network: mark.Network}
+	}
+	d := nodesignal.DecideHandback(hb, n.handbackShown, n.handbackOn, n.handbackMessage)
+	if !d.Write {
+		return nil
+	}
+	status := corev1.ConditionFalse
+	if d.On {
+		status = corev1.ConditionTrue
+	}
+	now := n.now()
+	cond := corev1.NodeCondition{Type: nodesignal.HandbackConditionType, Status: status, Reason: d.Reason, Message: d.Message, LastHeartbeatTime: now}
+	if !n.handbackShown || d.On != n.handbackOn {
+		cond.LastTransitionTime = now
+	}
+	if err := n.patchCondition(ctx, cond); err != nil {
+		return err
+	}
+	if d.On != n.handbackOn || !n.handbackShown {
+		n.log.Info("handback condition changed", "condition", nodesignal.HandbackConditionType, "handedBack", d.On, "message", d.Message)
+	}
+	n.handbackShown, n.handbackOn, n.handbackMessage = true, d.On, d.Message
 	return nil
 }
 

@@ -116,6 +116,11 @@ func NewService(st *ipam.State, journal Committer, opts ServiceOptions) *Service
 	if opts.NetnsDirs == nil {
 		opts.NetnsDirs = DefaultNetnsDirs
 	}
+	if m := st.HandedBack(); m != nil {
+		opts.Metrics.HandedBack.Set(1)
+		opts.Log.Info("the node is handed back: every ADD is refused until the handback is undone", "to", m.To, "network", m.Network,
+			"at", m.At.UTC().Format(time.RFC3339))
+	}
 	return &Service{
 		node:        opts.Node,
 		journal:     journal,
@@ -201,6 +206,7 @@ type roundResult struct {
 	nextRelease time.Time // when a pool's release delay ends (zero: none runs)
 	stats       []ipam.PoolStats
 	attachments int
+	handback    *ipam.HandbackMark // the handback mark, nil when none
 }
 
 // releaseRound marks what is beyond each pool's target as releasing (plan, journal, then apply
@@ -226,6 +232,7 @@ func (s *Service) releaseRound() (roundResult, error) {
 		nextRelease: s.st.NextRelease(),
 		stats:       s.st.Stats(s.now()),
 		attachments: s.st.NumAttachments(),
+		handback:    s.st.HandedBack(),
 	}, nil
 }
 
@@ -674,6 +681,9 @@ func (s *Service) addRequest(ctx context.Context, req cniproto.Request) (*cnipro
 	if bad := s.notReady(req); bad != nil {
 		return bad, nil
 	}
+	if r := s.handedBackError(); r != nil {
+		return r, nil
+	}
 	if r := s.gate.refuseAddNow(ctx); r != nil {
 		return r, nil
 	}
@@ -733,6 +743,8 @@ func (s *Service) handle(ctx context.Context, req cniproto.Request) *cniproto.Re
 			return errResp(cniproto.CodeTryAgainLater, "ipwarden: LIST waited for DELs being journaled: "+err.Error(), "")
 		}
 		return s.list()
+	case cniproto.OpHandback:
+		return s.handback(ctx, req)
 	}
 	return errResp(cniproto.CodeInternal, fmt.Sprintf("unknown operation %q", cniproto.Truncate(string(req.Op), 16)), "")
 }
@@ -927,7 +939,11 @@ func addError(err error) *cniproto.Response {
 	var np *ipam.NoPoolsError
 	var pc *ipam.PoolChoiceError
 	var su *ipam.StaticUnavailableError
+	var hb *ipam.HandedBackError
 	switch {
+	case errors.As(err, &hb):
+		return errResp(cniproto.CodeHandedBack, "ipwarden: "+hb.Error(),
+			"nothing was handed out; this refusal lasts until the handback is undone, retrying does not help")
 	case errors.As(err, &ce):
 		return errResp(cniproto.CodeInvalidConfig, "ipwarden: network configuration field "+ce.Error(),
 			"name pools that select this node, or leave \"pools\" out to use all of them")
@@ -1069,6 +1085,7 @@ func (s *Service) finishDel(key ipam.Key, att ipam.Attachment, plan ipam.DelPlan
 		return err
 	}
 	s.log.V(1).Info("DEL", "attachment", key.String(), "pod", att.Pod.String(), "addresses", fmtAddresses(att.Addresses))
+	s.releaseHandedBack(att)
 	s.kick()
 	return nil
 }
@@ -1233,6 +1250,9 @@ func (s *Service) list() *cniproto.Response {
 		})
 	}
 	resp.Hold = s.holdStatusLocked()
+	if m := s.st.HandedBack(); m != nil {
+		resp.Handback = &cniproto.HandbackStatus{Marked: true, At: m.At, To: m.To, Network: m.Network, Dir: m.Dir}
+	}
 	return resp
 }
 

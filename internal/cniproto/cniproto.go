@@ -45,7 +45,8 @@ const (
 // Op is a request's operation.
 type Op string
 
-// Operations: the CNI verbs, and LIST for `ipwarden agent list`.
+// Operations: the CNI verbs, LIST for `ipwarden agent list` and HANDBACK for `ipwarden agent
+// handback`.
 const (
 	OpAdd    Op = "ADD"
 	OpDel    Op = "DEL"
@@ -53,6 +54,8 @@ const (
 	OpGC     Op = "GC"
 	OpStatus Op = "STATUS"
 	OpList   Op = "LIST"
+	// OpHandback plans, marks or undoes handing the node back to host-local (HandbackRequest).
+	OpHandback Op = "HANDBACK"
 )
 
 // CNI error codes the agent answers with (see the CNI specification). CodeUnknownContainer is
@@ -68,7 +71,11 @@ const (
 	CodeInvalidConfig       uint = 7
 	CodeTryAgainLater       uint = 11
 	CodeNotAvailable        uint = 50
-	CodeInternal            uint = 999
+	// CodeHandedBack, in the CNI specification's plugin-specific range (100 and up), refuses an
+	// ADD on a node handed back to host-local (`ipwarden agent handback`): retrying does not
+	// help until the node's CNI configuration names host-local, or the handback is undone.
+	CodeHandedBack uint = 100
+	CodeInternal   uint = 999
 )
 
 // Pod names the pod of an attachment (CNI_ARGS K8S_POD_NAMESPACE, K8S_POD_NAME, K8S_POD_UID).
@@ -109,6 +116,49 @@ type Request struct {
 	NonKubernetes bool `json:"nonKubernetes,omitempty"`
 	// PrevAddresses are the addresses of CHECK's prevResult (CIDR notation).
 	PrevAddresses []string `json:"prevAddresses,omitempty"`
+	// Handback is HANDBACK's request.
+	Handback *HandbackRequest `json:"handback,omitempty"`
+}
+
+// MaxHandbackConfig bounds HandbackRequest.To (handback.MaxConfig).
+const MaxHandbackConfig = 16 << 10
+
+// HandbackRequest is `ipwarden agent handback`'s request to its node's agent.
+type HandbackRequest struct {
+	// To is the ipam object of the CNI configuration the node goes back to (host-local's).
+	To string `json:"to,omitempty"`
+	// Network is the CNI network name whose attachments are handed back.
+	Network string `json:"network,omitempty"`
+	// Dir is host-local's directory the reservation files go to, recorded in the mark.
+	Dir string `json:"dir,omitempty"`
+	// Mark: set the handback mark (ADD refused from then on) and answer the attachments as
+	// they are once no ADD is in flight. Without it the agent only answers the attachments
+	// (and whether the handback could be done), changing nothing.
+	Mark bool `json:"mark,omitempty"`
+	// Undo clears the mark.
+	Undo bool `json:"undo,omitempty"`
+}
+
+// HandbackAttachment is one attachment HANDBACK answers.
+type HandbackAttachment struct {
+	ContainerID string `json:"containerID"`
+	IfName      string `json:"ifname"`
+	Pod         Pod    `json:"pod,omitzero"`
+	// Addresses are bare addresses (no prefix length).
+	Addresses []string `json:"addresses"`
+	Rebuilt   bool     `json:"rebuilt,omitempty"`
+}
+
+// HandbackStatus is HANDBACK's answer, and LIST's report of the mark.
+type HandbackStatus struct {
+	// Marked: the node is handed back (since At, to To, for Network, files in Dir).
+	Marked  bool      `json:"marked"`
+	At      time.Time `json:"at,omitzero"`
+	To      string    `json:"to,omitempty"`
+	Network string    `json:"network,omitempty"`
+	Dir     string    `json:"dir,omitempty"`
+	// Attachments are the network's attachments (not for Undo or LIST).
+	Attachments []HandbackAttachment `json:"attachments,omitempty"`
 }
 
 // IP is one address of an ADD result.
@@ -200,6 +250,8 @@ type Response struct {
 	Pools       []PoolStatus `json:"pools,omitempty"`
 	// Hold is set while the unattributed hold is on (LIST).
 	Hold *Hold `json:"hold,omitempty"`
+	// Handback answers HANDBACK; LIST sets it while the node is handed back.
+	Handback *HandbackStatus `json:"handback,omitempty"`
 }
 
 // UnreachableError says the agent's socket could not be reached.
@@ -407,6 +459,17 @@ func (r *Request) Validate() *Error {
 	for _, p := range r.Pools {
 		if n := len(p); n > MaxName {
 			return &Error{Code: CodeInvalidConfig, Msg: fmt.Sprintf("ipwarden: pool name too long (%d bytes, at most %d)", n, MaxName)}
+		}
+	}
+	if h := r.Handback; h != nil {
+		if n := len(h.To); n > MaxHandbackConfig {
+			return &Error{Code: CodeInvalidConfig, Msg: fmt.Sprintf("ipwarden: handback ipam configuration too long (%d bytes, at most %d)", n, MaxHandbackConfig)}
+		}
+		if n := len(h.Dir); n > 4096 {
+			return &Error{Code: CodeInvalidConfig, Msg: fmt.Sprintf("ipwarden: handback directory too long (%d bytes, at most 4096)", n)}
+		}
+		if n := len(h.Network); n > MaxName {
+			return tooLong("handback network name", n, MaxName)
 		}
 	}
 	for _, a := range r.ValidAttachments {

@@ -350,8 +350,10 @@ func TestDeployManifests(t *testing.T) {
 		}
 		return nil
 	})
-	if err := condition(agentA, "vap-a", "ipwarden.io/AddressesExhausted"); err != nil {
-		t.Errorf("agent cannot write its Node's AddressesExhausted condition: %v", err)
+	for _, typ := range []string{"ipwarden.io/AddressesExhausted", "ipwarden.io/TakeoverComplete", "ipwarden.io/HandedBack"} {
+		if err := condition(agentA, "vap-a", typ); err != nil {
+			t.Errorf("agent cannot write its Node's %s condition: %v", typ, err)
+		}
 	}
 	if err := condition(agentA, "vap-a", "Ready"); err == nil || !strings.Contains(err.Error(), "may change only its Node's condition ipwarden.io/AddressesExhausted") {
 		t.Errorf("agent wrote its Node's Ready condition: %v", err)

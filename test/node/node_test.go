@@ -41,7 +41,7 @@ const (
 // unchanged and the host's own directories are never touched.
 var hostDirs = []string{
 	"/run/netns", "/run/containerd", "/run/ipwarden", "/var/lib/ipwarden", "/var/lib/kubelet",
-	"/var/lib/containerd", "/var/log/pods", "/var/log/containers", "/opt/cni/bin", "/etc/cni/net.d",
+	"/var/lib/containerd", "/var/log/pods", "/var/log/containers", "/opt/cni/bin", "/etc/cni/net.d", "/var/lib/cni/networks",
 }
 
 // realNode is a control plane, containerd, kubelet, kube-controller-manager and kube-scheduler

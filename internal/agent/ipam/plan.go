@@ -58,6 +58,8 @@ func (s *State) Apply(p Plan) {
 		s.applyHoldings(p)
 	case MarkPlan:
 		s.mark = p.mark
+	case HandbackPlan:
+		s.handback = p.mark
 	case RebuildPlan:
 		s.applyRebuild(p)
 	case Batch:
@@ -78,7 +80,7 @@ func (s *State) Abort(p Plan) {
 		// A DEL reserves nothing.
 	case ReleasePlan:
 		s.UnmarkReleasing(p)
-	case PoolsPlan, HoldingsPlan, MarkPlan:
+	case PoolsPlan, HoldingsPlan, MarkPlan, HandbackPlan:
 		// They reserve nothing: the state is as it was.
 	case RebuildPlan:
 		s.abortRebuild(p)

@@ -65,6 +65,14 @@ func (snap Snapshot) Apply(ch Change) Snapshot {
 	if ch.PutConfigPools != nil {
 		out.ConfigPools = slices.Clone(*ch.PutConfigPools)
 	}
+	out.Handback = snap.Handback
+	if ch.ClearHandback {
+		out.Handback = nil
+	}
+	if ch.PutHandback != nil {
+		m := *ch.PutHandback
+		out.Handback = &m
+	}
 	for _, a := range atts {
 		out.Attachments = append(out.Attachments, a)
 	}

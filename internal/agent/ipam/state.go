@@ -50,6 +50,8 @@ type State struct {
 	mark RecordMark
 	// recordMissing: the NodeIPAllocation is gone; nothing is handed out of the free set.
 	recordMissing bool
+	// handback is the handback mark (handback.go): while set, every ADD is refused.
+	handback *HandbackMark
 }
 
 // observe advances the state's clock to now.
@@ -209,6 +211,11 @@ func (s *State) ClampFuture(now time.Time) int {
 func (s *State) Restore(snap Snapshot) (problems []string) {
 	s.mark = snap.Mark
 	s.configPools = slices.Clone(snap.ConfigPools)
+	s.handback = nil
+	if snap.Handback != nil {
+		m := *snap.Handback
+		s.handback = &m
+	}
 	var served []string
 	for _, pc := range snap.Pools {
 		p := s.pool(pc.Name)

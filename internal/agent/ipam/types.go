@@ -205,6 +205,9 @@ type Change struct {
 	PutMark *RecordMark
 	// PutConfigPools replaces the pod network configuration's "pools" (podWants) when set.
 	PutConfigPools *[]string
+	// PutHandback sets the handback mark (handback.go); ClearHandback clears it.
+	PutHandback   *HandbackMark
+	ClearHandback bool
 }
 
 // IsEmpty reports whether c records nothing.
@@ -212,7 +215,7 @@ func (c *Change) IsEmpty() bool {
 	return len(c.PutAttachments) == 0 && len(c.DeleteAttachments) == 0 && len(c.PutCooling) == 0 &&
 		len(c.DeleteCooling) == 0 && len(c.PutReleasing) == 0 && len(c.DeleteReleasing) == 0 &&
 		len(c.PutHoldings) == 0 && len(c.DeleteHoldings) == 0 && len(c.PutPools) == 0 && len(c.DeletePools) == 0 &&
-		c.PutMark == nil && c.PutConfigPools == nil
+		c.PutMark == nil && c.PutConfigPools == nil && c.PutHandback == nil && !c.ClearHandback
 }
 
 // Merge appends o to c.
@@ -233,6 +236,12 @@ func (c *Change) Merge(o Change) {
 	if o.PutConfigPools != nil {
 		c.PutConfigPools = o.PutConfigPools
 	}
+	if o.ClearHandback {
+		c.PutHandback, c.ClearHandback = nil, true
+	}
+	if o.PutHandback != nil {
+		c.PutHandback, c.ClearHandback = o.PutHandback, false
+	}
 }
 
 // Snapshot is the durable part of a State, as the journal loads it.
@@ -246,6 +255,8 @@ type Snapshot struct {
 	Mark RecordMark
 	// ConfigPools is the pod network configuration's "pools" the last ADD on eth0 brought.
 	ConfigPools []string
+	// Handback is the handback mark (handback.go); nil when the node was not handed back.
+	Handback *HandbackMark
 }
 
 // IsEmpty reports whether s holds no record at all (a new or lost journal).

@@ -463,8 +463,22 @@ func apply(tx *bolt.Tx, ch ipam.Change) error {
 			return err
 		}
 	}
+	if ch.ClearHandback {
+		if err := tx.Bucket(bucketMeta).Delete(keyHandback); err != nil {
+			return err
+		}
+	}
+	if ch.PutHandback != nil {
+		if err := putJSON(tx.Bucket(bucketMeta), keyHandback, *ch.PutHandback); err != nil {
+			return err
+		}
+	}
 	return nil
 }
+
+// keyHandback (in the meta bucket) holds the ipam.HandbackMark while the node is handed back to
+// another IPAM. Journals without it load none.
+var keyHandback = []byte("handback")
 
 // keyConfigPools (in the meta bucket) holds the pod network configuration's "pools" the last
 // ADD brought (ipam.Snapshot.ConfigPools). Journals without it load none.
@@ -548,6 +562,13 @@ func (j *Journal) Load() (ipam.Snapshot, error) {
 			if err := json.Unmarshal(v, &snap.Mark); err != nil {
 				return fmt.Errorf("record mark: %w", err)
 			}
+		}
+		if v := tx.Bucket(bucketMeta).Get(keyHandback); v != nil {
+			var m ipam.HandbackMark
+			if err := json.Unmarshal(v, &m); err != nil {
+				return fmt.Errorf("handback mark: %w", err)
+			}
+			snap.Handback = &m
 		}
 		if v := tx.Bucket(bucketMeta).Get(keyConfigPools); v != nil {
 			if err := json.Unmarshal(v, &snap.ConfigPools); err != nil {

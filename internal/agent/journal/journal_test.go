@@ -2,6 +2,7 @@ package journal
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/netip"
 	"strings"
@@ -49,7 +50,8 @@ func canon(t testing.TB, s ipam.Snapshot) string {
 		P []ipam.Pool
 		M ipam.RecordMark
 		F []string
-	}{s.Attachments, s.Cooling, s.Releasing, hs, s.Pools, s.Mark, s.ConfigPools})
+		B *ipam.HandbackMark
+	}{s.Attachments, s.Cooling, s.Releasing, hs, s.Pools, s.Mark, s.ConfigPools, s.Handback})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -244,4 +246,41 @@ func TestCommitLazy(t *testing.T) {
 			t.Fatalf("%d attachments on disk, want 4: %+v", len(snap.Attachments), snap.Attachments)
 		}
 	})
+}
+
+// The handback mark survives a reopen of the journal, and so does its clearing; a node whose
+// journal holds it refuses ADD after a restart.
+func TestHandbackMarkSurvivesReopen(t *testing.T) {
+	dir := t.TempDir()
+	j := open(t, dir, "node-a")
+	at := t0.Add(time.Hour)
+	mark := ipam.HandbackMark{At: at, To: "host-local", Network: "net", Dir: "/var/lib/cni/networks/net"}
+	if err := j.Commit(ipam.Change{PutHandback: &mark}); err != nil {
+		t.Fatal(err)
+	}
+	j.Close()
+	j = open(t, dir, "node-a")
+	snap, err := j.Load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if snap.Handback == nil || !snap.Handback.At.Equal(at) || snap.Handback.To != "host-local" || snap.Handback.Network != "net" {
+		t.Fatalf("loaded handback mark %+v, want %+v", snap.Handback, mark)
+	}
+	st := ipam.New("node-a")
+	st.Restore(snap)
+	_, _, err = st.Add(ipam.AddRequest{Key: ipam.Key{ContainerID: "c1", IfName: "eth0"}}, at.Add(time.Minute))
+	var hb *ipam.HandedBackError
+	if !errors.As(err, &hb) || !strings.Contains(err.Error(), "handed back to host-local at 2025-01-01T01:00:00Z") {
+		t.Fatalf("ADD after a restart with the mark: %v, want a *HandedBackError naming the time", err)
+	}
+	if err := j.Commit(ipam.Change{ClearHandback: true}); err != nil {
+		t.Fatal(err)
+	}
+	j.Close()
+	j = open(t, dir, "node-a")
+	defer j.Close()
+	if snap, err = j.Load(); err != nil || snap.Handback != nil {
+		t.Fatalf("after clearing: mark %+v, err %v", snap.Handback, err)
+	}
 }

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"sort"
 	"strings"
+	"time"
 )
 
 // The Node condition and taint.
@@ -148,4 +149,47 @@ func DecideTakeover(adopted map[string]int, shown, complete bool, message string
 		return TakeoverDecision{}
 	}
 	return TakeoverDecision{Write: true, Reason: ReasonPreviousIPAMPods, Message: msg}
+}
+
+// The Node condition that shows a handback to host-local (docs/operations.md, "Going back to
+// host-local"): True while the node is handed back and ipwarden refuses every ADD on it.
+const (
+	HandbackConditionType = "ipwarden.io/HandedBack"
+
+	// Reasons of the handback condition.
+	ReasonHandedBack     = "HandedBack"     // True: handed back, ADD refused
+	ReasonHandbackUndone = "HandbackUndone" // False: the handback was undone
+)
+
+// Handback is the node's handback mark as the condition shows it.
+type Handback struct {
+	At          time.Time
+	To, Network string
+}
+
+// HandbackDecision is the handback condition to show; Write is false when the Node should be left
+// as it is.
+type HandbackDecision struct {
+	Write           bool
+	On              bool
+	Reason, Message string
+}
+
+// DecideHandback returns the handback condition given the node's mark (nil: not handed back) and
+// the condition the Node shows (shown: it has one; on: its status is True; message: its
+// message). A node never handed back gets no condition (no write per node); a handed-back one
+// shows True, saying since when and how to undo it, and False once undone.
+func DecideHandback(mark *Handback, shown, on bool, message string) HandbackDecision {
+	if mark == nil {
+		if !shown || !on {
+			return HandbackDecision{}
+		}
+		return HandbackDecision{Write: true, Reason: ReasonHandbackUndone, Message: "the handback was undone: ipwarden serves ADD on this node"}
+	}
+	msg := fmt.Sprintf("handed back to %s at %s (network %s): ipwarden refuses every ADD on this node; its CNI configuration should name %s, "+
+		"or undo with `ipwarden agent handback --undo` on the node", mark.To, mark.At.UTC().Format(time.RFC3339), mark.Network, mark.To)
+	if shown && on && msg == message {
+		return HandbackDecision{}
+	}
+	return HandbackDecision{Write: true, On: true, Reason: ReasonHandedBack, Message: msg}
 }

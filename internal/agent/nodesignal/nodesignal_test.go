@@ -3,6 +3,7 @@ package nodesignal
 import (
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestDecide(t *testing.T) {
@@ -67,5 +68,35 @@ func TestDecideTakeover(t *testing.T) {
 	}
 	if !strings.Contains(msg, "3 addresses") || !strings.Contains(msg, "pods: 3") {
 		t.Fatalf("message %q lacks the counts", msg)
+	}
+}
+
+func TestDecideHandback(t *testing.T) {
+	mark := &Handback{At: time.Date(2026, 1, 1, 0, 5, 0, 0, time.UTC), To: "host-local", Network: "net"}
+	msg := DecideHandback(mark, false, false, "").Message
+	for _, tc := range []struct {
+		name         string
+		mark         *Handback
+		shown, on    bool
+		message      string
+		write, state bool
+		reason       string
+	}{
+		{name: "never handed back: no condition", mark: nil},
+		{name: "handed back: True", mark: mark, write: true, state: true, reason: ReasonHandedBack},
+		{name: "shown as it is: no write", mark: mark, shown: true, on: true, message: msg},
+		{name: "shown False: True", mark: mark, shown: true, message: "the handback was undone", write: true, state: true, reason: ReasonHandedBack},
+		{name: "undone: False", mark: nil, shown: true, on: true, message: msg, write: true, reason: ReasonHandbackUndone},
+		{name: "undone and shown False: no write", mark: nil, shown: true, on: false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			d := DecideHandback(tc.mark, tc.shown, tc.on, tc.message)
+			if d.Write != tc.write || (d.Write && (d.On != tc.state || d.Reason != tc.reason)) {
+				t.Fatalf("decision %+v, want write %v on %v reason %s", d, tc.write, tc.state, tc.reason)
+			}
+		})
+	}
+	if !strings.Contains(msg, "handed back to host-local at 2026-01-01T00:05:00Z") || !strings.Contains(msg, "ipwarden agent handback --undo") {
+		t.Fatalf("message %q", msg)
 	}
 }
