@@ -23,6 +23,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/ipwarden/ipwarden/internal/localcluster"
@@ -259,6 +260,21 @@ func (cp *ControlPlane) RestartAPIServer(ctx context.Context) error {
 
 // StopAPIServer kills kube-apiserver (SIGKILL).
 func (cp *ControlPlane) StopAPIServer() error { return kill(cp.apiserver) }
+
+// PauseAPIServer stops kube-apiserver with SIGSTOP: its connections stay open and the kernel
+// still accepts new ones, but nothing is answered. The returned resume sends SIGCONT.
+func (cp *ControlPlane) PauseAPIServer() (resume func() error, err error) {
+	pid := cp.apiserver.Pid()
+	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
+		return nil, fmt.Errorf("pause kube-apiserver (pid %d): %w", pid, err)
+	}
+	return func() error {
+		if err := syscall.Kill(pid, syscall.SIGCONT); err != nil {
+			return fmt.Errorf("resume kube-apiserver (pid %d): %w", pid, err)
+		}
+		return nil
+	}, nil
+}
 
 // Stop terminates kube-apiserver and etcd and removes the scratch directory (unless Keep).
 // It is safe to call more than once.
