@@ -40,12 +40,15 @@ type NodeSignal struct {
 	tainted bool
 	uid     types.UID // the Node's, for events
 
-	// The takeover condition as the Node shows it (nodesignal.DecideTakeover).
-	takeoverShown, takeoverComplete bool
-	takeoverMessage                 string
-	// The handback condition as the Node shows it (nodesignal.DecideHandback).
-	handbackShown, handbackOn bool
-	handbackMessage           string
+	// The takeover and handback conditions as the Node shows them (nodesignal.DecideTakeover,
+	// nodesignal.DecideHandback).
+	takeover, handback shownCondition
+}
+
+// shownCondition is what the Node shows of one of the agent's True/False conditions.
+type shownCondition struct {
+	shown, on bool
+	message   string
 }
 
 // Event reasons on the Node.
@@ -79,9 +82,9 @@ func (n *NodeSignal) Update(ctx context.Context, stats []ipam.PoolStats, handbac
 			case nodesignal.ConditionType:
 				n.shown, n.reason = c.Status == corev1.ConditionTrue, c.Reason
 			case nodesignal.TakeoverConditionType:
-				n.takeoverShown, n.takeoverComplete, n.takeoverMessage = true, c.Status == corev1.ConditionTrue, c.Message
+				n.takeover = shownCondition{shown: true, on: c.Status == corev1.ConditionTrue, message: c.Message}
 			case nodesignal.HandbackConditionType:
-				n.handbackShown, n.handbackOn, n.handbackMessage = true, c.Status == corev1.ConditionTrue, c.Message
+				n.handback = shownCondition{shown: true, on: c.Status == corev1.ConditionTrue, message: c.Message}
 			}
 		}
 		n.tainted = slices.ContainsFunc(node.Spec.Taints, isSignalTaint)
@@ -146,30 +149,19 @@ func (n *NodeSignal) updateTakeover(ctx context.Context, stats []ipam.PoolStats)
 	for _, s := range stats {
 		adopted[s.Pool] = s.Adopted
 	}
-	d := nodesignal.DecideTakeover(adopted, n.takeoverShown, n.takeoverComplete, n.takeoverMessage)
+	d := nodesignal.DecideTakeover(adopted, n.takeover.shown, n.takeover.on, n.takeover.message)
 	if !d.Write {
 		return nil
 	}
-	status := corev1.ConditionFalse
-	if d.Complete {
-		status = corev1.ConditionTrue
-	}
-	now := n.now()
-	cond := corev1.NodeCondition{Type: nodesignal.TakeoverConditionType, Status: status, Reason: d.Reason, Message: d.Message, LastHeartbeatTime: now}
-	if !n.takeoverShown || d.Complete != n.takeoverComplete {
-		cond.LastTransitionTime = now
-	}
-	if err := n.patchCondition(ctx, cond); err != nil {
+	changed, err := n.showCondition(ctx, nodesignal.TakeoverConditionType, &n.takeover, d.Complete, d.Reason, d.Message)
+	if err != nil || !changed {
 		return err
 	}
-	if d.Complete != n.takeoverComplete || !n.takeoverShown {
-		n.log.Info("takeover condition changed", "condition", nodesignal.TakeoverConditionType, "complete", d.Complete, "message", d.Message)
-		if n.events != nil && d.Complete {
-			ref := &corev1.ObjectReference{Kind: "Node", Name: n.node, UID: n.uid, APIVersion: "v1"}
-			n.events.Event(ref, corev1.EventTypeNormal, nodesignal.ReasonTakeoverComplete, d.Message)
-		}
+	n.log.Info("takeover condition changed", "condition", nodesignal.TakeoverConditionType, "complete", d.Complete, "message", d.Message)
+	if n.events != nil && d.Complete {
+		ref := &corev1.ObjectReference{Kind: "Node", Name: n.node, UID: n.uid, APIVersion: "v1"}
+		n.events.Event(ref, corev1.EventTypeNormal, nodesignal.ReasonTakeoverComplete, d.Message)
 	}
-	n.takeoverShown, n.takeoverComplete, n.takeoverMessage = true, d.Complete, d.Message
 	return nil
 }
 
@@ -180,27 +172,35 @@ func (n *NodeSignal) updateHandback(ctx context.Context, mark *ipam.HandbackMark
 	if mark != nil {
 		hb = &nodesignal.Handback{At: mark.At, To: mark.To, Network: mark.Network}
 	}
-	d := nodesignal.DecideHandback(hb, n.handbackShown, n.handbackOn, n.handbackMessage)
+	d := nodesignal.DecideHandback(hb, n.handback.shown, n.handback.on, n.handback.message)
 	if !d.Write {
 		return nil
 	}
+	changed, err := n.showCondition(ctx, nodesignal.HandbackConditionType, &n.handback, d.On, d.Reason, d.Message)
+	if err == nil && changed {
+		n.log.Info("handback condition changed", "condition", nodesignal.HandbackConditionType, "handedBack", d.On, "message", d.Message)
+	}
+	return err
+}
+
+// showCondition writes the condition typ, True when on, and records it in was. Its transition
+// time moves only when the status changes (or the Node showed none); changed says whether it did.
+func (n *NodeSignal) showCondition(ctx context.Context, typ corev1.NodeConditionType, was *shownCondition, on bool, reason, message string) (changed bool, err error) {
 	status := corev1.ConditionFalse
-	if d.On {
+	if on {
 		status = corev1.ConditionTrue
 	}
 	now := n.now()
-	cond := corev1.NodeCondition{Type: nodesignal.HandbackConditionType, Status: status, Reason: d.Reason, Message: d.Message, LastHeartbeatTime: now}
-	if !n.handbackShown || d.On != n.handbackOn {
+	cond := corev1.NodeCondition{Type: typ, Status: status, Reason: reason, Message: message, LastHeartbeatTime: now}
+	changed = !was.shown || on != was.on
+	if changed {
 		cond.LastTransitionTime = now
 	}
 	if err := n.patchCondition(ctx, cond); err != nil {
-		return err
+		return false, err
 	}
-	if d.On != n.handbackOn || !n.handbackShown {
-		n.log.Info("handback condition changed", "condition", nodesignal.HandbackConditionType, "handedBack", d.On, "message", d.Message)
-	}
-	n.handbackShown, n.handbackOn, n.handbackMessage = true, d.On, d.Message
-	return nil
+	*was = shownCondition{shown: true, on: on, message: message}
+	return changed, nil
 }
 
 func isSignalTaint(t corev1.Taint) bool { return t.Key == nodesignal.TaintKey }
