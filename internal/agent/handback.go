@@ -49,9 +49,19 @@ func orKey(a ipam.Attachment) string {
 	return "attachment " + a.Key.String()
 }
 
-// checkHandback is handback.Check with the refusal of attachments on other networks: the mark
-// refuses every ADD of the node, so the node goes back as a whole.
-func checkHandback(atts []ipam.Attachment, network string, target handback.Target) ([]handback.Attachment, error) {
+// checkHandback is handback.Check with the node's own refusals. Attachments on other networks:
+// the mark refuses every ADD of the node, so the node goes back as a whole. The unattributed
+// hold (holdUntil non-zero: the journal was rebuilt from the pods' status and held addresses have
+// no known owner yet): a pod using one of them has no attachment, so it would get no reservation
+// file and host-local could hand its address to a new pod.
+func checkHandback(atts []ipam.Attachment, network string, target handback.Target, holdUntil time.Time) ([]handback.Attachment, error) {
+	if !holdUntil.IsZero() {
+		return nil, &handback.RefusedError{Problems: []string{fmt.Sprintf(
+			"the agent's journal was rebuilt from the pods' status and some held addresses have no known owner yet "+
+				"(held out of use until every pod on the node has reported its addresses, at the latest %s): a pod using one "+
+				"would get no reservation file; try again once the hold has ended (ipwarden_agent_unattributed_hold_active 0)",
+			holdUntil.UTC().Format(time.RFC3339))}}
+	}
 	mine, others := handbackAttachments(atts, network)
 	if len(others) > 0 {
 		return nil, &handback.RefusedError{Problems: []string{fmt.Sprintf(
@@ -92,7 +102,8 @@ func (s *Service) handback(ctx context.Context, req cniproto.Request) *cniproto.
 	defer s.factMu.Unlock()
 	s.mu.Lock()
 	cur := s.st.HandedBack()
-	_, err = checkHandback(s.st.Attachments(), h.Network, target)
+	_, holdUntil := s.st.Hold()
+	_, err = checkHandback(s.st.Attachments(), h.Network, target, holdUntil)
 	s.mu.Unlock()
 	if cur != nil && cur.Network != h.Network {
 		return errResp(cniproto.CodeInvalidConfig, fmt.Sprintf("ipwarden: the node was handed back for network %s at %s, not %s",
@@ -128,12 +139,13 @@ func (s *Service) handback(ctx context.Context, req cniproto.Request) *cniproto.
 		s.mu.Lock()
 		n, changed := s.st.NumPending(), s.changed
 		var atts []ipam.Attachment
+		_, holdUntil := s.st.Hold()
 		if n == 0 {
 			atts = s.st.Attachments()
 		}
 		s.mu.Unlock()
 		if n == 0 {
-			if _, err := checkHandback(atts, h.Network, target); err != nil {
+			if _, err := checkHandback(atts, h.Network, target, holdUntil); err != nil {
 				if set {
 					s.clearMark()
 				}

@@ -188,3 +188,29 @@ func TestServiceDelWhileHandedBackReleasesTheFile(t *testing.T) {
 		t.Fatalf("another container's file: %q %v", b, err)
 	}
 }
+
+// While the unattributed hold is on (the journal was rebuilt from the pods' status and some held
+// addresses have no known owner yet), a pod may use an address the agent has no attachment for:
+// it would get no reservation file, so the handback is refused and nothing is marked.
+func TestServiceHandbackRefusedDuringTheUnattributedHold(t *testing.T) {
+	h := newSvc(t, 100*time.Millisecond, testV4)
+	h.hold(map[string]string{"v4": "10.1.0.10-10.1.0.20"})
+	if resp := h.do(addReq("c1")); resp.Error != nil {
+		t.Fatal(resp.Error)
+	}
+	// A running pod that has not reported its addresses keeps the hold on.
+	h.svc.SetPods([]ipam.Pod{{Ref: ipam.PodRef{Namespace: "ns", Name: "silent", UID: "u-silent"}}})
+	h.svc.StartHold(time.Now().Add(time.Hour))
+	if !h.svc.hold() {
+		t.Fatal("the hold did not start: the test proves nothing")
+	}
+	for _, mark := range []bool{false, true} {
+		resp := h.do(handbackReq(hostLocalV4, mark))
+		if resp.Error == nil || !strings.Contains(resp.Error.Msg, "no known owner") {
+			t.Fatalf("handback (mark %v) during the hold: %+v, want a refusal naming the hold", mark, resp.Error)
+		}
+	}
+	if h.j.snapshot().Handback != nil || value(t, h.svc.metrics.HandedBack) != 0 {
+		t.Fatal("a handback refused during the hold left a mark")
+	}
+}
