@@ -43,17 +43,7 @@ func (r *releases) finish(id uint64) {
 func (r *releases) wait(ctx context.Context) error {
 	r.mu.Lock()
 	upTo := r.next
-	for {
-		oldest := uint64(0)
-		for id := range r.open {
-			if id <= upTo && (oldest == 0 || id < oldest) {
-				oldest = id
-			}
-		}
-		if oldest == 0 {
-			r.mu.Unlock()
-			return nil
-		}
+	for r.anyUpTo(upTo) {
 		done := r.done
 		r.mu.Unlock()
 		select {
@@ -63,4 +53,16 @@ func (r *releases) wait(ctx context.Context) error {
 		}
 		r.mu.Lock()
 	}
+	r.mu.Unlock()
+	return nil
+}
+
+// anyUpTo reports whether a release with ticket upTo or lower is open; r.mu is held.
+func (r *releases) anyUpTo(upTo uint64) bool {
+	for id := range r.open {
+		if id <= upTo {
+			return true
+		}
+	}
+	return false
 }
