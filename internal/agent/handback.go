@@ -239,12 +239,12 @@ func (s *Service) handbackStatus(network string, withMark bool) *cniproto.Respon
 // handedBackError answers an ADD on a handed-back node, or is nil.
 func (s *Service) handedBackError() *cniproto.Response {
 	s.mu.Lock()
-	m := s.st.HandedBack()
+	err := s.st.HandedBackRefusal()
 	s.mu.Unlock()
-	if m == nil {
+	if err == nil {
 		return nil
 	}
-	return addError(&ipam.HandedBackError{Mark: *m})
+	return addError(err)
 }
 
 // releaseHandedBack removes host-local's reservation files that name att, freed while the node is

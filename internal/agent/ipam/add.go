@@ -126,8 +126,8 @@ func orNone(names []string) string {
 // rebuilt addresses of the pools it asks for: the pod keeps its address in its new sandbox.
 func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 	s.observe(now)
-	if s.handback != nil {
-		return Attachment{}, Change{}, &HandedBackError{Mark: *s.handback}
+	if err := s.HandedBackRefusal(); err != nil {
+		return Attachment{}, Change{}, err
 	}
 	if _, inFlight := s.pending[req.Key]; inFlight {
 		return Attachment{}, Change{}, &InFlightError{Key: req.Key}

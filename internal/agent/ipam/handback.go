@@ -58,6 +58,15 @@ func (s *State) PlanHandback(m *HandbackMark) HandbackPlan {
 	return HandbackPlan{mark: &c, Change: Change{PutHandback: &c}}
 }
 
+// HandedBackRefusal is the *HandedBackError every ADD gets while the node is handed back, or
+// nil: Add refuses with it, and the agent asks it first, before reading the pod.
+func (s *State) HandedBackRefusal() error {
+	if s.handback == nil {
+		return nil
+	}
+	return &HandedBackError{Mark: *s.handback}
+}
+
 // HandedBack returns the handback mark, or nil.
 func (s *State) HandedBack() *HandbackMark {
 	if s.handback == nil {
