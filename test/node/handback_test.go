@@ -83,21 +83,7 @@ func TestRealNodeHandback(t *testing.T) {
 	}
 	n.deployIpwarden(ctx)
 	n.waitRuntimeIPAM(ctx, "ipwarden")
-	if _, err := n.kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: testNamespace}}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := n.kube.AppsV1().Deployments(testNamespace).Create(ctx,
-		sleeperDeployment("old", handbackOld, map[string]string{"app": "sleeper", "ipam": "old"}), metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	old := n.waitPods(ctx, handbackOld)
-	for i := range old {
-		sb, _, err := n.podSandbox(ctx, old[i].uid)
-		if err != nil {
-			t.Fatalf("old pod %s: %v", old[i].name, err)
-		}
-		old[i].sandbox = sb
-	}
+	old := n.startOldPods(ctx, handbackOld)
 	n.checkFromIpwarden(ctx, old)
 	n.logf("handback: %d pods run with ipwarden's addresses: %s", len(old), podIPs(old))
 

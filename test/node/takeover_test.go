@@ -117,27 +117,11 @@ func testTakeover(t *testing.T, prev previousIPAM) {
 	}
 	n.waitRuntimeIPAM(ctx, prev.typ)
 	n.waitNodeReady(ctx)
-	if _, err := n.kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: testNamespace}}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := n.kube.AppsV1().Deployments(testNamespace).Create(ctx,
-		sleeperDeployment("old", takeoverOld, map[string]string{"app": "sleeper", "ipam": "old"}), metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	old := n.waitPods(ctx, takeoverOld)
-	for i := range old {
-		p := &old[i]
+	old := n.startOldPods(ctx, takeoverOld)
+	for _, p := range old {
 		if !takeoverOldRange[p.ip] {
 			t.Fatalf("old pod %s has %s, outside %s's range", p.name, p.ip, prev.typ)
 		}
-		sb, netns, err := n.podSandbox(ctx, p.uid)
-		if err != nil {
-			t.Fatalf("old pod %s: %v", p.name, err)
-		}
-		if netns != p.netns {
-			t.Fatalf("old pod %s: its sandbox's network namespace is %s, its address is on %s", p.name, netns, p.netns)
-		}
-		p.sandbox = sb
 	}
 	if err := prev.reservations(ctx, n, old); err != nil {
 		t.Fatal(err)
@@ -548,4 +532,32 @@ func (n *realNode) installWhereaboutsPlugin(ctx context.Context, logLevel string
 	if err := os.WriteFile("/etc/cni/net.d/whereabouts.d/whereabouts.conf", flat, 0o600); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// startOldPods creates the test namespace and count "old" sleeper pods (labels app=sleeper,
+// ipam=old), waits until they run, and records each one's sandbox, checked to be the sandbox
+// whose network namespace holds its address.
+func (n *realNode) startOldPods(ctx context.Context, count int32) []pod {
+	t := n.t
+	t.Helper()
+	if _, err := n.kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: testNamespace}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.kube.AppsV1().Deployments(testNamespace).Create(ctx,
+		sleeperDeployment("old", count, map[string]string{"app": "sleeper", "ipam": "old"}), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	old := n.waitPods(ctx, int(count))
+	for i := range old {
+		p := &old[i]
+		sb, netns, err := n.podSandbox(ctx, p.uid)
+		if err != nil {
+			t.Fatalf("old pod %s: %v", p.name, err)
+		}
+		if netns != p.netns {
+			t.Fatalf("old pod %s: its sandbox's network namespace is %s, its address is on %s", p.name, netns, p.netns)
+		}
+		p.sandbox = sb
+	}
+	return old
 }
