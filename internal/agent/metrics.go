@@ -124,7 +124,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		PodUnknown: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "add_pod_unreadable_total",
 			Help: "ADDs refused (CNI error 11, the runtime retries) because the pod watch had not seen the pod and the API server did not answer: pools are never chosen without the pod's annotations."}),
 		JournalRefused: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "journal_refused_total",
-			Help: "Changes of the node's state the journal refused, by change (add, del, release, pools, holdings, mark, rebuild); the state was left as it was and the change is retried: by the runtime (add), the leak collector (del: a DEL is answered before its write), the next pool monitor round (release), the next reading of the node's objects (pools, holdings, mark) or the next pod event (rebuild)."}, []string{"change"}),
+			Help: "Changes of the node's state the journal refused, by change (add, del, release, pools, holdings, mark, rebuild, handback); the state was left as it was and the change is retried: by the runtime (add), the leak collector (del: a DEL is answered before its write), the next pool monitor round (release), the next reading of the node's objects (pools, holdings, mark), the next pod event (rebuild) or the operator (handback: the command says so)."}, []string{"change"}),
 		Outside: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Name: "addresses_outside_pool",
 			Help: "Addresses the node holds or uses that the pool's current spec no longer covers (a shrunk pool, a new exclusion): never handed out, released as they are freed."}, pool),
 
@@ -176,7 +176,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			v.WithLabelValues(path)
 		}
 	}
-	for _, c := range []string{"add", "del", "release", "pools", "holdings", "mark", "rebuild"} {
+	for _, c := range []string{"add", "del", "release", "pools", "holdings", "mark", "rebuild", "handback"} {
 		m.JournalRefused.WithLabelValues(c)
 	}
 	m.Queue = NewQueueMetrics(reg)
