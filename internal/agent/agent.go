@@ -140,6 +140,9 @@ type Config struct {
 	ControllerLease string
 	// RebuildHold bounds the unattributed hold after the journal was rebuilt from the pods.
 	RebuildHold time.Duration
+	// ReserveAhead is how many addresses of each pool ADDs keep reserved ahead, so the next ADD
+	// is answered before its journal write (ipam, ahead.go); 0 turns it off.
+	ReserveAhead int
 	// ExhaustedTaint adds the NoSchedule taint ipwarden.io/addresses-exhausted with the Node
 	// condition ipwarden.io/AddressesExhausted (the condition is always shown).
 	ExhaustedTaint bool
@@ -181,6 +184,7 @@ func Run(ctx context.Context, cfg Config) error {
 			"reason", recovered.Reason, "problem", recovered.Problem, "movedTo", recovered.MovedTo, "journal", j.Path())
 	}
 	st := ipam.New(cfg.Node)
+	st.SetReserveAhead(cfg.ReserveAhead)
 	for _, p := range st.Restore(snap) {
 		log.Error(nil, "journal restore found a problem", "problem", p)
 	}
@@ -264,10 +268,11 @@ func Run(ctx context.Context, cfg Config) error {
 	err = <-served
 	stopGC()
 	<-collected                                // no free in flight when the journal closes
-	_ = svc.WaitReleases(context.Background()) // nor a DEL already answered: it finishes (the journal is open)
+	_ = svc.WaitReleases(context.Background()) // nor a DEL or ADD already answered: it finishes (the journal is open)
 	if berr := j.BrokenErr(); berr != nil {
 		return berr
 	}
+	svc.StopAhead() // a clean stop: the next start has no address reserved ahead to hold
 	return err
 }
 
@@ -375,6 +380,8 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 		}
 		svc.StartHold(until)
 	}
+	// Addresses reserved ahead whose records a crash left: an ADD may have handed them out.
+	svc.holdLostAhead()
 	svc.setSynced()
 	served, attachments, unknown := svc.servedSummary(cfg.Pools)
 	log.Info("reconciled with the API server", "pools", served, "attachments", attachments, "rebuiltFromPods", n)

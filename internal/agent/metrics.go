@@ -64,6 +64,10 @@ type Metrics struct {
 	AbandonedAdds prometheus.Counter
 	// ReleasesInFlight counts DELs answered whose release is not yet journaled.
 	ReleasesInFlight prometheus.Gauge
+	// AddsInFlight counts ADDs answered early whose attachment is not yet journaled; AddsEarly
+	// counts ADDs answered early (from addresses reserved ahead).
+	AddsInFlight prometheus.Gauge
+	AddsEarly    prometheus.Counter
 	// PodUnknown counts ADDs refused because neither the pod watch nor the API server could say
 	// what the pod's annotations are.
 	PodUnknown prometheus.Counter
@@ -121,10 +125,14 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "ADDs rolled back because the plugin went away before the agent answered."}),
 		ReleasesInFlight: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "releases_in_flight",
 			Help: "DELs answered whose release the journal has not written yet; their addresses stay assigned until it has (about a millisecond each)."}),
+		AddsInFlight: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "adds_in_flight",
+			Help: "ADDs answered from addresses reserved ahead whose attachment the journal has not written yet (about a millisecond each); the addresses are recorded as reserved meanwhile."}),
+		AddsEarly: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "adds_early_total",
+			Help: "ADDs answered before their journal write, every address taken from those reserved ahead (--reserve-ahead)."}),
 		PodUnknown: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "add_pod_unreadable_total",
 			Help: "ADDs refused (CNI error 11, the runtime retries) because the pod watch had not seen the pod and the API server did not answer: pools are never chosen without the pod's annotations."}),
 		JournalRefused: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "journal_refused_total",
-			Help: "Changes of the node's state the journal refused, by change (add, del, release, pools, holdings, mark, rebuild, handback); the state was left as it was and the change is retried: by the runtime (add), the leak collector (del: a DEL is answered before its write), the next pool monitor round (release), the next reading of the node's objects (pools, holdings, mark), the next pod event (rebuild) or the operator (handback: the command says so)."}, []string{"change"}),
+			Help: "Changes of the node's state the journal refused, by change (add, del, release, pools, holdings, mark, rebuild, handback, ahead); the state was left as it was and the change is retried: by the runtime (add; an ADD answered early keeps its addresses out of use until the node's pods have reported theirs), the leak collector (del: a DEL is answered before its write), the next pool monitor round (release), the next reading of the node's objects (pools, holdings, mark), the next pod event (rebuild), the operator (handback: the command says so) or the next start (ahead: records of addresses reserved ahead, forgotten after a hold or at a clean stop)."}, []string{"change"}),
 		Outside: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Name: "addresses_outside_pool",
 			Help: "Addresses the node holds or uses that the pool's current spec no longer covers (a shrunk pool, a new exclusion): never handed out, released as they are freed."}, pool),
 
@@ -176,7 +184,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			v.WithLabelValues(path)
 		}
 	}
-	for _, c := range []string{"add", "del", "release", "pools", "holdings", "mark", "rebuild", "handback"} {
+	for _, c := range []string{"add", "del", "release", "pools", "holdings", "mark", "rebuild", "handback", "ahead"} {
 		m.JournalRefused.WithLabelValues(c)
 	}
 	m.Queue = NewQueueMetrics(reg)
@@ -187,7 +195,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		reg.MustRegister(m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict, m.Outside, m.Adopted,
 			m.Attachments, m.OpDuration, m.IPWait, m.JournalWrite, m.Errors, m.SpecWrites, m.Conflicts, m.RecordRewinds, m.RecordRecreated, m.LeaderAcks,
 			m.GCCandidates, m.GCCollected, m.GCKept, m.GCFailed, m.GCDryRun, m.GCDeleteToFree, m.GCFullChecks, m.GCQueueDepth,
-			m.Unattributed, m.JournalRecovered, m.HoldActive, m.HandedBack, m.Conns, m.Busy, m.BadRequests, m.AbandonedAdds, m.ReleasesInFlight, m.PodUnknown, m.JournalRefused,
+			m.Unattributed, m.JournalRecovered, m.HoldActive, m.HandedBack, m.Conns, m.Busy, m.BadRequests, m.AbandonedAdds, m.ReleasesInFlight, m.AddsInFlight, m.AddsEarly, m.PodUnknown, m.JournalRefused,
 			m.GCSandboxHeld, m.GCSandboxOutlived)
 	}
 	return m

@@ -154,8 +154,14 @@ func addReq(cid string, pools ...string) cniproto.Request {
 		Pod: cniproto.Pod{Namespace: "ns", Name: "pod-" + cid, UID: "uid-" + cid}}
 }
 
+// do handles req and waits until the journal writes of answered requests (DEL, and ADD answered
+// early from addresses reserved ahead) have landed, so the test sees a settled state.
 func (h *svcHarness) do(req cniproto.Request) *cniproto.Response {
-	return h.svc.Handle(context.Background(), req)
+	resp := h.svc.Handle(context.Background(), req)
+	if err := h.svc.WaitReleases(context.Background()); err != nil {
+		h.t.Fatal(err)
+	}
+	return resp
 }
 
 func TestServiceAddResultHasPrefixGatewayRoutes(t *testing.T) {
@@ -341,7 +347,9 @@ func TestDelAnsweredBeforeItsJournalWrite(t *testing.T) {
 	block := make(chan struct{})
 	h.j.setBlock(block)
 	del := make(chan *cniproto.Response, 1)
-	go func() { del <- h.do(cniproto.Request{Op: cniproto.OpDel, ContainerID: "c1", IfName: "eth0"}) }()
+	go func() {
+		del <- h.svc.Handle(context.Background(), cniproto.Request{Op: cniproto.OpDel, ContainerID: "c1", IfName: "eth0"})
+	}()
 	select {
 	case r := <-del:
 		if r.Error != nil {
@@ -354,9 +362,9 @@ func TestDelAnsweredBeforeItsJournalWrite(t *testing.T) {
 		t.Fatalf("releases_in_flight = %v while the write is held, want 1", got)
 	}
 	add := make(chan *cniproto.Response, 1)
-	go func() { add <- h.do(addReq("c2")) }()
+	go func() { add <- h.svc.Handle(context.Background(), addReq("c2")) }()
 	list := make(chan *cniproto.Response, 1)
-	go func() { list <- h.do(cniproto.Request{Op: cniproto.OpList}) }()
+	go func() { list <- h.svc.Handle(context.Background(), cniproto.Request{Op: cniproto.OpList}) }()
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	err := h.svc.WaitReleases(ctx)
 	cancel()

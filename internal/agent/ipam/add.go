@@ -175,6 +175,7 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 	}
 	picks := make([]Address, len(pools))
 	adopted := make([]bool, len(pools))
+	fromAhead := make([]bool, len(pools))
 	var short []string
 	var waitFor []Address
 	for i, name := range pools {
@@ -204,6 +205,10 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 			picks[i] = Address{Pool: name, Addr: a}
 			continue
 		}
+		if a, ok := s.pools[name].aheadPick(s.reserved(name)); ok && !s.recordMissing {
+			picks[i], fromAhead[i] = Address{Pool: name, Addr: a}, true
+			continue
+		}
 		a, _, ok := s.pools[name].next(now, s.reserved(name))
 		if !ok || s.recordMissing {
 			short = append(short, name)
@@ -221,6 +226,13 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 		p := s.pools[ad.Pool]
 		if adopted[i] {
 			p.inUse[ad.Addr] = req.Key
+			continue
+		}
+		if fromAhead[i] {
+			p.ahead = p.ahead.Subtract(setOf(ad.Addr))
+			p.inUse[ad.Addr] = req.Key
+			u.fromAhead = append(u.fromAhead, ad)
+			ch.DeleteAhead = append(ch.DeleteAhead, ad)
 			continue
 		}
 		if c := p.take(ad.Addr, req.Key); c != nil {
@@ -245,6 +257,10 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 	}
 	att := &Attachment{Key: req.Key, Network: req.Network, Pod: req.Pod, Addresses: picks, Created: now, Netns: req.Netns}
 	s.putAttachment(att)
+	u.early = !slices.Contains(fromAhead, false)
+	for _, name := range pools {
+		s.topUp(name, now, &ch, u)
+	}
 	s.pending[req.Key] = u
 	delete(s.waiters, req.Key)
 	ch.PutAttachments = append(ch.PutAttachments, *att.clone())
@@ -259,8 +275,11 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 
 // ConfirmAdd marks the pending ADD of k as journaled.
 func (s *State) ConfirmAdd(k Key) {
-	if u := s.pending[k]; u != nil && u.configPools != nil {
-		s.configPools = slices.Clone(*u.configPools)
+	if u := s.pending[k]; u != nil {
+		if u.configPools != nil {
+			s.configPools = slices.Clone(*u.configPools)
+		}
+		s.confirmAhead(u)
 	}
 	delete(s.pending, k)
 }
@@ -282,6 +301,9 @@ func (s *State) AbortAdd(k Key) {
 			continue
 		}
 		delete(p.inUse, ad.Addr)
+		if slices.Contains(u.fromAhead, ad) {
+			continue // abortAhead puts it back
+		}
 		if i := slices.IndexFunc(u.fromCooling, func(c Cooling) bool { return c.Addr == ad.Addr && c.Pool == ad.Pool }); i >= 0 {
 			p.uncool(u.fromCooling[i])
 			continue
@@ -294,6 +316,7 @@ func (s *State) AbortAdd(k Key) {
 		s.dropAttachment(u.placeholder.Key)
 		s.putAttachment(u.placeholder)
 	}
+	s.abortAhead(u)
 }
 
 // DelPlan is a DEL decided but not yet applied; see PlanDel.

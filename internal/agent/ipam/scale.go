@@ -38,7 +38,8 @@ func (s *State) Demand(pool string) int {
 	p, ok := s.pools[pool]
 	inUse := 0
 	if ok {
-		inUse = len(p.inUse) + count(p.unattributed) // held out of use, as if in use
+		// held out of use, as if in use
+		inUse = len(p.inUse) + count(p.unattributed) + count(p.aheadLost.Subtract(p.inUseSet()))
 		for _, freed := range p.cooling {
 			if !p.cooled(freed, s.clock) {
 				inUse++
@@ -155,7 +156,8 @@ func (s *State) Release(now time.Time) ReleasePlan {
 		}
 		holding := p.held.Subtract(p.relSet)
 		// Static addresses pods here ask for are never given back (static.go).
-		free := holding.Subtract(p.inUseSet()).Subtract(p.unattributed).Subtract(s.wanted(name))
+		free := holding.Subtract(p.inUseSet()).Subtract(p.unattributed).Subtract(s.wanted(name)).
+			Subtract(p.aheadPlanned).Subtract(p.aheadLost) // reserved ahead but in flight, or of unknown owner (ahead.go)
 		// Free addresses the pool's current spec no longer covers are given back at once
 		// (they are never handed out); addresses in use drain as their pods go (see PlanDel).
 		// Addresses of unknown owner (the hold after a rebuild) are neither.
@@ -196,6 +198,7 @@ func (s *State) Release(now time.Time) ReleasePlan {
 		p.coolq = slices.DeleteFunc(p.coolq, func(c Cooling) bool { return rel.Contains(c.Addr) })
 		p.relSet = p.relSet.Union(rel)
 		p.fresh = p.fresh.Subtract(rel)
+		p.ahead = p.ahead.Subtract(rel) // free addresses reserved ahead may go: never handed out
 		plan.Marked[name] = rel
 	}
 	return plan
@@ -301,7 +304,7 @@ func (s *State) Stats(now time.Time) []PoolStats {
 			Requested:    s.Request(name),
 			Demand:       s.Demand(name),
 			Exhausted:    p.cfg.Exhausted,
-			Unattributed: count(p.unattributed),
+			Unattributed: count(p.unattributed) + count(p.aheadLost.Subtract(p.inUseSet())),
 		}
 		st.OutsidePool = count(p.outside())
 		for _, k := range p.inUse {
@@ -310,7 +313,7 @@ func (s *State) Stats(now time.Time) []PoolStats {
 			}
 		}
 		if p.heldKnown {
-			st.Free = count(p.fresh)
+			st.Free = count(p.fresh) + count(p.ahead)
 			st.Conflicts = count(p.inUseSet().Subtract(p.held))
 		}
 		for _, c := range p.coolq {

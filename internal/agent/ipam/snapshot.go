@@ -52,6 +52,16 @@ func (snap Snapshot) Apply(ch Change) Snapshot {
 	for _, h := range ch.PutHoldings {
 		hold[h.Pool] = h
 	}
+	ahead := map[Address]bool{}
+	for _, a := range snap.Ahead {
+		ahead[a] = true
+	}
+	for _, a := range ch.DeleteAhead {
+		delete(ahead, a)
+	}
+	for _, a := range ch.PutAhead {
+		ahead[a] = true
+	}
 	for _, p := range ch.DeletePools {
 		delete(pools, p)
 	}
@@ -88,6 +98,9 @@ func (snap Snapshot) Apply(ch Change) Snapshot {
 	for _, p := range pools {
 		out.Pools = append(out.Pools, p)
 	}
+	for a := range ahead {
+		out.Ahead = append(out.Ahead, a)
+	}
 	out.Sort()
 	return out
 }
@@ -102,4 +115,5 @@ func (snap *Snapshot) Sort() {
 	slices.SortFunc(snap.Releasing, func(a, b Releasing) int { return cmp.Or(cmp.Compare(a.Pool, b.Pool), a.Addr.Compare(b.Addr)) })
 	slices.SortFunc(snap.Holdings, func(a, b Holding) int { return cmp.Compare(a.Pool, b.Pool) })
 	slices.SortFunc(snap.Pools, func(a, b Pool) int { return cmp.Compare(a.Name, b.Name) })
+	sortAddresses(snap.Ahead)
 }

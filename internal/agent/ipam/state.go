@@ -52,6 +52,8 @@ type State struct {
 	recordMissing bool
 	// handback is the handback mark (handback.go): while set, every ADD is refused.
 	handback *HandbackMark
+	// aheadN is how many addresses of each pool ADDs keep reserved ahead (ahead.go).
+	aheadN int
 }
 
 // observe advances the state's clock to now.
@@ -76,6 +78,15 @@ type poolState struct {
 	fresh     addr.Set                 // (held - releasing - inUse - cooling - unattributed) within usable
 	// unattributed: held addresses kept out of use by the hold after a rebuild (hold.go).
 	unattributed addr.Set
+	// ahead: addresses reserved ahead (ahead.go), journaled and owned by no attachment: the
+	// next ADDs hand them out before their own journal writes. aheadPlanned: reserved ahead by an
+	// ADD whose journal write is in flight. aheadLost: recorded as reserved ahead on disk but
+	// possibly handed out (found at start-up, or an early ADD's write was refused): out of use
+	// until PlanForgetAhead's deletion of their records is journaled.
+	ahead, aheadPlanned, aheadLost addr.Set
+	// recorded: the addresses with a record of a reservation ahead on disk (stale ones
+	// included: an address dropped from ahead keeps its record until a clean stop deletes it).
+	recorded addr.Set
 	// usable is what the pool's current spec lets the node hand out (see Pool.Usable); when
 	// !usableKnown nothing is ruled out. gone is set once the IPPool no longer exists.
 	usable      addr.Set
@@ -136,6 +147,13 @@ type undo struct {
 	fromCooling []Cooling
 	placeholder *Attachment // the rebuilt attachment the ADD adopted addresses from, before
 	configPools *[]string   // the configuration's pools the ADD journals (ConfirmAdd takes them on)
+	// fromAhead: the ADD's addresses that were reserved ahead; early: all were, and the ADD is
+	// answered before its journal write (ahead.go). aheadPlanned: addresses the ADD reserves
+	// ahead, aheadFromCooling those of them it took from the cooling queue.
+	fromAhead        []Address
+	early            bool
+	aheadPlanned     []Address
+	aheadFromCooling []Cooling
 }
 
 // New returns an empty state for node.
@@ -148,6 +166,7 @@ func New(node string) *State {
 		pending:  map[Key]*undo{},
 		waiters:  map[Key]waiter{},
 		delFreed: map[string]struct{}{},
+		aheadN:   AheadPerPool,
 	}
 }
 
@@ -251,6 +270,12 @@ func (s *State) Restore(snap Snapshot) (problems []string) {
 		}
 		s.putAttachment(&att)
 	}
+	for _, a := range snap.Ahead {
+		// Every record is lost: the agent that wrote it may have handed the address out (ahead.go).
+		p := s.pool(a.Pool)
+		p.aheadLost = p.aheadLost.Union(addr.SetOfAddrs(a.Addr))
+		p.recorded = p.recorded.Union(addr.SetOfAddrs(a.Addr))
+	}
 	for _, c := range snap.Cooling {
 		p := s.pool(c.Pool)
 		if k, used := p.inUse[c.Addr]; used {
@@ -279,8 +304,18 @@ func (p *poolState) recompute() {
 	}
 	p.relSet = addr.SetOfAddrs(rel...)
 	p.relCooled = p.relCooled.Intersect(p.relSet)
-	p.unattributed = p.unattributed.Intersect(p.held).Subtract(p.relSet).Subtract(p.inUseSet())
-	p.fresh = p.held.Subtract(p.relSet).Subtract(p.inUseSet()).Subtract(p.coolingSet()).Subtract(p.unattributed)
+	inUse := p.inUseSet()
+	p.unattributed = p.unattributed.Intersect(p.held).Subtract(p.relSet).Subtract(inUse)
+	// An address reserved ahead that may no longer be handed out (given back, in use, held out of
+	// use, outside the pool's spec) leaves the reservation in memory; its record on disk is stale
+	// and only ever holds it longer after a restart.
+	valid := p.held.Subtract(p.relSet).Subtract(inUse).Subtract(p.unattributed)
+	if p.usableKnown {
+		valid = valid.Intersect(p.usable)
+	}
+	p.ahead = p.ahead.Intersect(valid)
+	p.fresh = p.held.Subtract(p.relSet).Subtract(inUse).Subtract(p.coolingSet()).Subtract(p.unattributed).
+		Subtract(p.ahead).Subtract(p.aheadPlanned).Subtract(p.aheadLost)
 	if p.usableKnown {
 		p.fresh = p.fresh.Intersect(p.usable)
 	}
@@ -490,21 +525,7 @@ func (p *poolState) next(now time.Time, wanted addr.Set) (a netip.Addr, fromCool
 		return netip.Addr{}, false, false
 	}
 	runs := p.held.Ranges()
-	runSize := func(a netip.Addr) addr.Count {
-		i, _ := slices.BinarySearchFunc(runs, a, func(r addr.Range, a netip.Addr) int {
-			if r.Last.Less(a) {
-				return -1
-			}
-			if a.Less(r.First) {
-				return 1
-			}
-			return 0
-		})
-		if i < len(runs) && runs[i].Contains(a) {
-			return runs[i].Size()
-		}
-		return addr.Count{}
-	}
+	runSize := func(a netip.Addr) addr.Count { return runSizeIn(runs, a) }
 	var best addr.Count
 	consider := func(c netip.Addr, cooling bool) {
 		sz := runSize(c)
@@ -526,9 +547,31 @@ func (p *poolState) next(now time.Time, wanted addr.Set) (a netip.Addr, fromCool
 	return a, fromCooling, ok
 }
 
-// take marks a as in use by k, removing it from fresh or the cooling queue.
+// runSizeIn is the size of the run of runs that contains a (zero when none does).
+func runSizeIn(runs []addr.Range, a netip.Addr) addr.Count {
+	i, _ := slices.BinarySearchFunc(runs, a, func(r addr.Range, a netip.Addr) int {
+		if r.Last.Less(a) {
+			return -1
+		}
+		if a.Less(r.First) {
+			return 1
+		}
+		return 0
+	})
+	if i < len(runs) && runs[i].Contains(a) {
+		return runs[i].Size()
+	}
+	return addr.Count{}
+}
+
+// runSize is the size of the run of the node's holding that contains a.
+func (p *poolState) runSize(a netip.Addr) addr.Count { return runSizeIn(p.held.Ranges(), a) }
+
+// take marks a as in use by k, removing it from fresh, the cooling queue or the addresses
+// reserved ahead.
 func (p *poolState) take(a netip.Addr, k Key) (fromCooling *Cooling) {
 	p.inUse[a] = k
+	p.ahead = p.ahead.Subtract(addr.SetOfAddrs(a))
 	if t, ok := p.cooling[a]; ok {
 		delete(p.cooling, a)
 		i := slices.IndexFunc(p.coolq, func(c Cooling) bool { return c.Addr == a })

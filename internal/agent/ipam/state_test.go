@@ -102,7 +102,18 @@ func (h *harness) del(cid string) bool {
 	return plan.Found
 }
 
+// restart restarts the agent after a clean stop, which forgets the addresses reserved ahead
+// (ahead.go); crash restarts without.
 func (h *harness) restart() {
+	h.t.Helper()
+	plan := h.s.PlanStopAhead()
+	h.commit(plan.Change)
+	h.s.Apply(plan)
+	h.crash()
+}
+
+// crash restarts the agent from the journal as it is.
+func (h *harness) crash() {
 	h.t.Helper()
 	old := h.s
 	h.s = New(old.node)

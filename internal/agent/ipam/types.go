@@ -208,6 +208,12 @@ type Change struct {
 	// PutHandback sets the handback mark (handback.go); ClearHandback clears it.
 	PutHandback   *HandbackMark
 	ClearHandback bool
+	// PutAhead records addresses reserved ahead (ahead.go): an ADD may hand them out before its
+	// own journal write lands. DeleteAhead removes such records: an ADD's, in the same
+	// transaction as the attachment that uses the address, or the forgetting of records found
+	// at start-up once their hold ended.
+	PutAhead    []Address
+	DeleteAhead []Address
 }
 
 // IsEmpty reports whether c records nothing.
@@ -215,7 +221,8 @@ func (c *Change) IsEmpty() bool {
 	return len(c.PutAttachments) == 0 && len(c.DeleteAttachments) == 0 && len(c.PutCooling) == 0 &&
 		len(c.DeleteCooling) == 0 && len(c.PutReleasing) == 0 && len(c.DeleteReleasing) == 0 &&
 		len(c.PutHoldings) == 0 && len(c.DeleteHoldings) == 0 && len(c.PutPools) == 0 && len(c.DeletePools) == 0 &&
-		c.PutMark == nil && c.PutConfigPools == nil && c.PutHandback == nil && !c.ClearHandback
+		c.PutMark == nil && c.PutConfigPools == nil && c.PutHandback == nil && !c.ClearHandback &&
+		len(c.PutAhead) == 0 && len(c.DeleteAhead) == 0
 }
 
 // Merge appends o to c.
@@ -230,6 +237,8 @@ func (c *Change) Merge(o Change) {
 	c.DeleteHoldings = append(c.DeleteHoldings, o.DeleteHoldings...)
 	c.PutPools = append(c.PutPools, o.PutPools...)
 	c.DeletePools = append(c.DeletePools, o.DeletePools...)
+	c.PutAhead = append(c.PutAhead, o.PutAhead...)
+	c.DeleteAhead = append(c.DeleteAhead, o.DeleteAhead...)
 	if o.PutMark != nil {
 		c.PutMark = o.PutMark
 	}
@@ -257,6 +266,8 @@ type Snapshot struct {
 	ConfigPools []string
 	// Handback is the handback mark (handback.go); nil when the node was not handed back.
 	Handback *HandbackMark
+	// Ahead are the records of addresses reserved ahead (ahead.go).
+	Ahead []Address
 }
 
 // IsEmpty reports whether s holds no record at all (a new or lost journal).

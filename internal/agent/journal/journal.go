@@ -17,6 +17,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime/debug"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -32,8 +33,15 @@ import (
 // FileName is the journal's file name inside the state directory.
 const FileName = "journal.db"
 
-// formatVersion is the on-disk format; Open refuses other versions.
-const formatVersion = "1"
+// formatVersion is the on-disk format; Open refuses other versions, except that it upgrades
+// format 1 in place. Format 2 added the bucket of addresses reserved ahead (ipam, ahead.go): an
+// agent that reads only format 1 would not know that those addresses may be in use, so it
+// refuses the journal (a downgrade rebuilds it from the pods, under the unattributed hold)
+// instead of handing them out.
+const formatVersion = "2"
+
+// upgradable are the older formats Open upgrades in place: their records mean the same.
+var upgradable = []string{"1"}
 
 var (
 	bucketMeta        = []byte("meta")
@@ -42,7 +50,8 @@ var (
 	bucketReleasing   = []byte("releasing")
 	bucketHoldings    = []byte("holdings")
 	bucketPools       = []byte("pools")
-	allBuckets        = [][]byte{bucketMeta, bucketAttachments, bucketCooling, bucketReleasing, bucketHoldings, bucketPools}
+	bucketAhead       = []byte("ahead")
+	allBuckets        = [][]byte{bucketMeta, bucketAttachments, bucketCooling, bucketReleasing, bucketHoldings, bucketPools, bucketAhead}
 
 	keyFormat  = []byte("format")
 	keyNode    = []byte("node")
@@ -157,6 +166,10 @@ func (j *Journal) init(tx *bolt.Tx, node string) error {
 			return err
 		}
 		if err := meta.Put(keyCreated, []byte(now.Format(time.RFC3339Nano))); err != nil {
+			return err
+		}
+	} else if slices.Contains(upgradable, string(f)) {
+		if err := meta.Put(keyFormat, []byte(formatVersion)); err != nil {
 			return err
 		}
 	} else if string(f) != formatVersion {
@@ -443,6 +456,17 @@ func apply(tx *bolt.Tx, ch ipam.Change) error {
 			return err
 		}
 	}
+	ahead := tx.Bucket(bucketAhead)
+	for _, a := range ch.DeleteAhead {
+		if err := ahead.Delete(addrKey(a.Pool, a.Addr)); err != nil {
+			return err
+		}
+	}
+	for _, a := range ch.PutAhead {
+		if err := ahead.Put(addrKey(a.Pool, a.Addr), []byte("{}")); err != nil {
+			return err
+		}
+	}
 	for _, p := range ch.DeletePools {
 		if err := pools.Delete([]byte(p)); err != nil {
 			return err
@@ -554,6 +578,16 @@ func (j *Journal) Load() (ipam.Snapshot, error) {
 				return fmt.Errorf("holding %q: %w", k, err)
 			}
 			snap.Holdings = append(snap.Holdings, ipam.Holding{Pool: string(k), Addresses: s})
+			return nil
+		}); err != nil {
+			return err
+		}
+		if err := tx.Bucket(bucketAhead).ForEach(func(k, _ []byte) error {
+			pool, a, err := decodeAddrKey(k)
+			if err != nil {
+				return err
+			}
+			snap.Ahead = append(snap.Ahead, ipam.Address{Pool: pool, Addr: a})
 			return nil
 		}); err != nil {
 			return err

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	bolt "go.etcd.io/bbolt"
 	"net/netip"
 	"strings"
 	"sync"
@@ -51,7 +52,8 @@ func canon(t testing.TB, s ipam.Snapshot) string {
 		M ipam.RecordMark
 		F []string
 		B *ipam.HandbackMark
-	}{s.Attachments, s.Cooling, s.Releasing, hs, s.Pools, s.Mark, s.ConfigPools, s.Handback})
+		D []ipam.Address
+	}{s.Attachments, s.Cooling, s.Releasing, hs, s.Pools, s.Mark, s.ConfigPools, s.Handback, s.Ahead})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -89,6 +91,9 @@ func TestRoundTrip(t *testing.T) {
 		{DeleteCooling: []ipam.Address{{Pool: "v4", Addr: netip.MustParseAddr("10.0.0.3")}},
 			PutAttachments: []ipam.Attachment{{Key: ipam.RebuiltKey("u2"), Rebuilt: true, Created: t0,
 				Addresses: []ipam.Address{{Pool: "v4", Addr: netip.MustParseAddr("10.0.0.3")}}}}},
+		{PutAhead: []ipam.Address{{Pool: "v4", Addr: netip.MustParseAddr("10.0.0.4")}, {Pool: "v4", Addr: netip.MustParseAddr("10.0.0.5")}}},
+		{DeleteAhead: []ipam.Address{{Pool: "v4", Addr: netip.MustParseAddr("10.0.0.4")}},
+			PutAhead: []ipam.Address{{Pool: "v4", Addr: netip.MustParseAddr("10.0.0.6")}}},
 	}
 	var want ipam.Snapshot
 	for _, ch := range changes {
@@ -111,6 +116,44 @@ func TestRoundTrip(t *testing.T) {
 	}
 	if errs := j.Verify(); len(errs) > 0 {
 		t.Fatal(errs)
+	}
+}
+
+// TestUpgradesFormat1: a journal of format 1 (before records of addresses reserved ahead) opens,
+// keeps its records, and is format 2 from then on, so an agent that reads only format 1 refuses
+// it.
+func TestUpgradesFormat1(t *testing.T) {
+	dir := t.TempDir()
+	j := open(t, dir, "node-a")
+	ch := ipam.Change{PutHoldings: []ipam.Holding{{Pool: "v4", Addresses: addr.MustParseSetString("10.0.0.0/28")}}}
+	if err := j.Commit(ch); err != nil {
+		t.Fatal(err)
+	}
+	if err := j.db.Update(func(tx *bolt.Tx) error {
+		if err := tx.DeleteBucket(bucketAhead); err != nil {
+			return err
+		}
+		return tx.Bucket(bucketMeta).Put(keyFormat, []byte("1"))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	j.Close()
+	j = open(t, dir, "node-a")
+	defer j.Close()
+	got, err := j.Load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := (ipam.Snapshot{}).Apply(ch); canon(t, got) != canon(t, want) {
+		t.Fatalf("loaded\n%s\nwant\n%s", canon(t, got), canon(t, want))
+	}
+	if err := j.db.View(func(tx *bolt.Tx) error {
+		if f := string(tx.Bucket(bucketMeta).Get(keyFormat)); f != formatVersion {
+			t.Errorf("format after the upgrade: %q, want %q", f, formatVersion)
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
 	}
 }
 
