@@ -182,6 +182,7 @@ type AheadPlan struct {
 	lost   map[string]addr.Set // lost addresses whose records go
 	ahead  map[string]addr.Set // records that go at a clean stop
 	prior  map[string]addr.Set // what was reserved ahead before a clean stop's plan
+	added  map[string]addr.Set // what a clean stop's plan made lost (out of use while in flight)
 }
 
 // Changes implements Plan.
@@ -214,19 +215,20 @@ func (s *State) PlanForgetAhead() AheadPlan {
 // early to be journaled. Records of addresses in use (a static address that was reserved ahead,
 // say) go too: the attachment holds the address.
 func (s *State) PlanStopAhead() AheadPlan {
-	plan := AheadPlan{ahead: map[string]addr.Set{}, prior: map[string]addr.Set{}}
+	plan := AheadPlan{ahead: map[string]addr.Set{}, prior: map[string]addr.Set{}, added: map[string]addr.Set{}}
 	for _, name := range s.poolNames() {
 		p := s.pools[name]
 		rec := p.recorded.Union(p.aheadLost)
 		if rec.IsEmpty() {
 			continue
 		}
-		plan.ahead[name], plan.prior[name] = rec, p.ahead
+		added := rec.Subtract(p.inUseSet()).Subtract(p.aheadLost)
+		plan.ahead[name], plan.prior[name], plan.added[name] = rec, p.ahead, added
 		for _, a := range rec.Addrs(count(rec)) {
 			plan.Change.DeleteAhead = append(plan.Change.DeleteAhead, Address{Pool: name, Addr: a})
 		}
 		// Out of use while the deletion is in flight (those in use stay so).
-		p.aheadLost = p.aheadLost.Union(rec.Subtract(p.inUseSet()))
+		p.aheadLost = p.aheadLost.Union(added)
 		p.ahead = addr.Set{}
 		p.recompute()
 	}
@@ -249,12 +251,11 @@ func (s *State) applyAhead(plan AheadPlan) {
 }
 
 func (s *State) abortAheadPlan(plan AheadPlan) {
-	for name, gone := range plan.ahead {
+	for name := range plan.ahead {
 		p := s.pools[name]
-		// Still recorded on disk, and no ADD used them: reserved ahead again, as they were.
-		p.aheadLost = p.aheadLost.Subtract(gone.Subtract(plan.prior[name]))
+		// Every record is still on disk: back as they were (those lost stay lost).
+		p.aheadLost = p.aheadLost.Subtract(plan.added[name])
 		p.ahead = p.ahead.Union(plan.prior[name])
-		p.aheadLost = p.aheadLost.Subtract(plan.prior[name])
 		p.recompute()
 	}
 }
