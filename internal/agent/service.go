@@ -34,8 +34,10 @@ type lazyCommitter interface {
 }
 
 // Service answers the CNI plugin's requests from the node's state: it owns the ipam.State, writes
-// every change to the journal before it answers, serializes requests per attachment, and lets an
-// ADD wait a bounded time for addresses. The Kubernetes side feeds it pools, holdings and pods.
+// every change to the journal before it applies it (an ADD answered early hands out only
+// addresses the journal already reserves, and a DEL answered early keeps its addresses assigned
+// until its write lands), serializes requests per attachment, and lets an ADD wait a bounded time
+// for addresses. The Kubernetes side feeds it pools, holdings and pods.
 type Service struct {
 	node        string
 	journal     Committer
