@@ -43,18 +43,27 @@ type GoBuild struct {
 	Static bool
 	// NoRace never adds -race (tools the tests use, not programs under test).
 	NoRace bool
+	// Tags are build tags, passed as -tags a,b (the integration tests' agent is built with
+	// "failpoints"). A Static build (a release or image binary) refuses them.
+	Tags []string
 	// Log receives the build's output as it runs; nil keeps it for the error.
 	Log io.Writer
 }
 
-// Run builds, with -race when this program has it (Race) unless Static.
+// Run builds, with -race when this program has it (Race) unless Static, and with Tags.
 func (b GoBuild) Run() error {
+	if b.Static && len(b.Tags) > 0 {
+		return fmt.Errorf("go build %s: a static (release or image) build takes no build tags, got %s", b.Out, strings.Join(b.Tags, ","))
+	}
 	args := []string{"build", "-o", b.Out}
 	switch {
 	case b.Static:
 		args = append(args, "-trimpath")
 	case Race && !b.NoRace:
 		args = append(args, "-race")
+	}
+	if len(b.Tags) > 0 {
+		args = append(args, "-tags", strings.Join(b.Tags, ","))
 	}
 	return goCmd(b.Dir, b.Log, b.env(), append(args, b.Pkgs...)...)
 }

@@ -88,3 +88,16 @@ func TestDataRaceIn(t *testing.T) {
 		})
 	}
 }
+
+// A static build is a release or image binary: it never takes build tags (the failpoints tag
+// is for the integration tests' agent only), and refuses them before running go.
+func TestStaticBuildRefusesTags(t *testing.T) {
+	out := filepath.Join(t.TempDir(), "ipwarden")
+	err := GoBuild{Dir: t.TempDir(), Out: out, Pkgs: []string{"./cmd/ipwarden"}, Static: true, Tags: []string{"failpoints"}}.Run()
+	if err == nil || !strings.Contains(err.Error(), "failpoints") {
+		t.Fatalf("static build with the failpoints tag: %v", err)
+	}
+	if _, err := os.Stat(out); !os.IsNotExist(err) {
+		t.Fatalf("the refused build wrote %s: %v", out, err)
+	}
+}

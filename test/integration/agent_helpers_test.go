@@ -33,7 +33,8 @@ type agentProcess struct {
 	socket   string
 	stateDir string
 	metrics  string
-	bin      string // the ipwarden binary ("": ipwardenBinary)
+	bin      string   // the ipwarden binary ("": ipwardenBinary)
+	env      []string // extra environment (NAME=value) of the next start, e.g. IPWARDEN_FAILPOINT
 	proc     *localcluster.Process
 	cmd      *exec.Cmd
 	log      string
@@ -52,6 +53,13 @@ func startAgent(t *testing.T, node, stateDir string, args ...string) *agentProce
 // startAgentBinary is startAgent running the ipwarden binary bin ("": ipwardenBinary).
 func startAgentBinary(t *testing.T, bin, node, stateDir string, args ...string) *agentProcess {
 	t.Helper()
+	return startAgentEnv(t, bin, nil, node, stateDir, args...)
+}
+
+// startAgentEnv is startAgentBinary with env (NAME=value) added to the agent's environment, at
+// this start and the next ones until a.env is changed.
+func startAgentEnv(t *testing.T, bin string, env []string, node, stateDir string, args ...string) *agentProcess {
+	t.Helper()
 	runDir, err := os.MkdirTemp("", "ipw-run-")
 	if err != nil {
 		t.Fatal(err)
@@ -60,7 +68,7 @@ func startAgentBinary(t *testing.T, bin, node, stateDir string, args ...string) 
 	if stateDir == "" {
 		stateDir = t.TempDir()
 	}
-	a := &agentProcess{node: node, socket: filepath.Join(runDir, "s", "agent.sock"), stateDir: stateDir, metrics: freeAddr(t), bin: bin}
+	a := &agentProcess{node: node, socket: filepath.Join(runDir, "s", "agent.sock"), stateDir: stateDir, metrics: freeAddr(t), bin: bin, env: env}
 	a.start(t, args...)
 	return a
 }
@@ -79,7 +87,15 @@ func (a *agentProcess) start(t *testing.T, args ...string) {
 	if bin == "" {
 		bin = ipwardenBinary(t)
 	}
-	a.proc = startProgram(t, bin, "agent "+a.node, logf.Name(), append(base, args...)...)
+	argv := append(base, args...)
+	if len(a.env) > 0 {
+		// env(1) execs the agent: same process, same process group, so kill still reaches it.
+		argv = append(append(append([]string{}, a.env...), bin), argv...)
+		if bin, err = exec.LookPath("env"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	a.proc = startProgram(t, bin, "agent "+a.node, logf.Name(), argv...)
 	a.cmd, a.log, a.done = a.proc.Cmd(), a.proc.Log, a.proc.Done()
 }
 

@@ -23,21 +23,23 @@ import (
 )
 
 // ipwardenBinary builds cmd/ipwarden once per test binary into _bin/test/ (with -race when the
-// tests run with it: localcluster.GoBuild).
+// tests run with it: localcluster.GoBuild), with the failpoints build tag: the failpoints
+// (internal/agent/failpoints.go) are still off unless a test sets IPWARDEN_FAILPOINT.
 func ipwardenBinary(t *testing.T) string {
 	t.Helper()
-	return testBinary(t, "ipwarden", "./cmd/ipwarden")
+	return testBinary(t, "ipwarden", "./cmd/ipwarden", "failpoints")
 }
 
-// testBinary builds the package pkg of this tree once per test binary into _bin/test/name.
-func testBinary(t *testing.T, name, pkg string) string {
+// testBinary builds the package pkg of this tree once per test binary into _bin/test/name,
+// with the build tags tags.
+func testBinary(t *testing.T, name, pkg string, tags ...string) string {
 	t.Helper()
 	root, err := controlplane.RepoRoot()
 	if err != nil {
 		t.Fatal(err)
 	}
 	out := filepath.Join(controlplane.BinDir(root), "test", name)
-	if err := localcluster.BuildOnce(root, out, pkg); err != nil {
+	if err := (localcluster.GoBuild{Dir: root, Out: out, Pkgs: []string{pkg}, Tags: tags}).Once(); err != nil {
 		t.Fatal(err)
 	}
 	return out
