@@ -195,7 +195,7 @@ func Run(ctx context.Context, cfg Config) error {
 		log.Info("the journal is empty (new node, or the journal was lost): attachments will be rebuilt from the pods' status.podIPs", "journal", j.Path())
 	} else {
 		log.Info("journal loaded", "journal", j.Path(), "attachments", len(snap.Attachments), "cooling", len(snap.Cooling),
-			"releasing", len(snap.Releasing))
+			"releasing", len(snap.Releasing), "reservedAhead", len(snap.Ahead))
 	}
 
 	svc := NewService(st, j, ServiceOptions{Node: cfg.Node, AddressWait: cfg.AddressWait, GCGrace: cfg.GCGrace, GCDryRun: cfg.GCDryRun,
