@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"sort"
 	"strconv"
 	"strings"
@@ -137,6 +138,12 @@ func TestRealNode(t *testing.T) {
 				n.dumpState(ctx)
 				t.Fatal(err)
 			}
+			// The kubelet stopped the old agent with SIGTERM: a clean stop forgets the
+			// addresses reserved ahead, so the new agent has none to hold.
+			if got := n.reservedAheadAtStart(ctx); got != 0 {
+				n.dumpState(ctx)
+				t.Fatalf("the agent restarted after a clean stop found %d addresses reserved ahead to hold, want 0", got)
+			}
 		}},
 		{"controller pods (rollout restart on one node)", func() {
 			n.kubectl("rollout", "restart", "-n", "ipwarden-system", "deployment/ipwarden-controller")
@@ -205,6 +212,11 @@ func TestRealNode(t *testing.T) {
 // again in new sandboxes, ping each other and match the agent's attachments.
 func (n *realNode) checkPowerCycle(ctx context.Context) {
 	t := n.t
+	// One pod replaced first: its ADD, with two addresses free, reserves the other ahead (the
+	// node holds maxPerNode, 8), so the power cycle kills an agent with a reservation on disk.
+	n.scale(ctx, 6)
+	n.waitPods(ctx, 6)
+	n.scale(ctx, 7)
 	before := n.waitPods(ctx, 7)
 	if err := n.powerCycle(ctx); err != nil {
 		t.Fatal(err)
@@ -222,6 +234,100 @@ func (n *realNode) checkPowerCycle(ctx context.Context) {
 	}
 	n.checkPing(ctx, after)
 	n.checkAttachments(ctx, after)
+	// The power cycle SIGKILLed the agent with addresses reserved ahead on disk (the pods it
+	// served since its last start reserved them): it cannot know whether an ADD answered just
+	// before handed one out, so it holds them until every pod on the node has reported its
+	// addresses, which the real kubelet does once the pods run again. The hold must end.
+	if got := n.reservedAheadAtStart(ctx); got == 0 {
+		n.dumpState(ctx)
+		t.Fatal("the agent killed by the power cycle found no address reserved ahead in its journal; the hold after a crash went untested")
+	}
+	if err := localcluster.WaitFor(ctx, 2*time.Minute, 250*time.Millisecond, func() error {
+		out, err := exec.Command(prep.Ipwarden, "agent", "list", "-o", "json", "--socket", cniproto.DefaultSocket).Output()
+		if err != nil {
+			return fmt.Errorf("ipwarden agent list: %v", err)
+		}
+		var resp struct{ Hold *cniproto.Hold }
+		if err := json.Unmarshal(out, &resp); err != nil {
+			return err
+		}
+		if resp.Hold != nil {
+			return fmt.Errorf("the agent still holds %d addresses, waiting for %v", resp.Hold.Addresses, resp.Hold.WaitingFor)
+		}
+		return nil
+	}); err != nil {
+		n.dumpState(ctx)
+		t.Fatal(err)
+	}
+	n.logf("power cycle: the hold of the addresses reserved ahead ended")
+}
+
+// reservedAheadRE finds the count in the agent's "journal loaded" log line (JSON or console).
+var reservedAheadRE = regexp.MustCompile(`"reservedAhead"\s*:\s*(\d+)`)
+
+// reservedAheadAtStart waits for the running agent container's "journal loaded" log line and
+// returns how many records of addresses reserved ahead its journal held. It reads the
+// container's log file where the kubelet writes it (/var/log/pods, the suite's own directory in
+// its mount namespace): the API server cannot reach this kubelet for logs.
+func (n *realNode) reservedAheadAtStart(ctx context.Context) int {
+	t := n.t
+	got := -1
+	if err := localcluster.WaitFor(ctx, time.Minute, 250*time.Millisecond, func() error {
+		text, err := n.agentContainerLog(ctx)
+		if err != nil {
+			return err
+		}
+		// The last start's line: a container started again after a power cycle may append to
+		// the log file of the one before.
+		lines := strings.Split(text, "\n")
+		for i := len(lines) - 1; i >= 0; i-- {
+			if !strings.Contains(lines[i], "journal loaded") {
+				continue
+			}
+			m := reservedAheadRE.FindStringSubmatch(lines[i])
+			if m == nil {
+				return fmt.Errorf("the agent's journal-loaded line has no reservedAhead: %s", lines[i])
+			}
+			got, _ = strconv.Atoi(m[1])
+			n.logf("agent start: %s", strings.TrimSpace(lines[i]))
+			return nil
+		}
+		return errors.New("no journal-loaded line in the agent's log yet")
+	}); err != nil {
+		n.dumpState(ctx)
+		t.Fatal(err)
+	}
+	return got
+}
+
+// agentContainerLog returns the log of the ready agent pod's current agent container.
+func (n *realNode) agentContainerLog(ctx context.Context) (string, error) {
+	pods, err := n.kube.CoreV1().Pods("ipwarden-system").List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/component=agent"})
+	if err != nil {
+		return "", err
+	}
+	for _, p := range pods.Items {
+		if p.DeletionTimestamp != nil {
+			continue
+		}
+		dir := filepath.Join("/var/log/pods", fmt.Sprintf("%s_%s_%s", p.Namespace, p.Name, p.UID), "agent")
+		entries, err := os.ReadDir(dir)
+		if err != nil {
+			return "", err
+		}
+		last, lastN := "", -1
+		for _, e := range entries {
+			if k, err := strconv.Atoi(strings.TrimSuffix(e.Name(), ".log")); err == nil && k > lastN {
+				last, lastN = e.Name(), k
+			}
+		}
+		if last == "" {
+			return "", fmt.Errorf("no container log in %s yet", dir)
+		}
+		b, err := os.ReadFile(filepath.Join(dir, last))
+		return string(b), err
+	}
+	return "", errors.New("no agent pod")
 }
 
 // deployIpwarden applies deploy/kustomize through a thin overlay (kubectl apply -k): local
