@@ -85,11 +85,7 @@ func TestAddAnsweredEarlyFromAddressesReservedAhead(t *testing.T) {
 	if got := testutil.ToFloat64(h.svc.metrics.AddsEarly); got != 1 {
 		t.Fatalf("adds_early_total = %v, want 1", got)
 	}
-	h.j.mu.Lock()
-	defer h.j.mu.Unlock()
-	if len(h.j.twice) > 0 {
-		t.Fatalf("the journal recorded an address held twice: %v", h.j.twice)
-	}
+	h.j.neverTwice(t)
 }
 
 // When the journal refuses the write of an ADD answered early, its address stays out of use (the

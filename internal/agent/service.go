@@ -532,9 +532,15 @@ func (s *Service) StartHold(until time.Time) {
 			s.log.Error(err, "cannot record the hold in the state directory; a restart during the hold would not resume it")
 		}
 	}
+	s.watchHold("rebuilt journal: holding addresses of unknown owner out of use until every pod on the node has reported its addresses or is gone",
+		n, now, until)
+}
+
+// watchHold reports a hold that started at now, holding n addresses until until at the latest
+// (the metric, the log line msg), and evaluates it now and at its deadline.
+func (s *Service) watchHold(msg string, n int, now, until time.Time) {
 	s.metrics.HoldActive.Set(1)
-	s.log.Info("rebuilt journal: holding addresses of unknown owner out of use until every pod on the node has reported its addresses or is gone",
-		"addresses", n, "until", until.UTC().Format(time.RFC3339))
+	s.log.Info(msg, "addresses", n, "until", until.UTC().Format(time.RFC3339))
 	time.AfterFunc(until.Sub(now), s.evaluateHold)
 	s.evaluateHold()
 }
@@ -992,11 +998,8 @@ func (s *Service) holdLostAhead() {
 		s.forgetAhead()
 		return
 	}
-	s.metrics.HoldActive.Set(1)
-	s.log.Info("holding addresses reserved ahead that an ADD may have handed out without its record (a crash or a refused journal write) until every pod on the node has reported its addresses or is gone",
-		"addresses", n, "until", until.UTC().Format(time.RFC3339))
-	time.AfterFunc(until.Sub(now), s.evaluateHold)
-	s.evaluateHold()
+	s.watchHold("holding addresses reserved ahead that an ADD may have handed out without its record (a crash or a refused journal write) until every pod on the node has reported its addresses or is gone",
+		n, now, until)
 }
 
 // forgetAhead deletes the records of lost addresses reserved ahead once no hold is on; they are

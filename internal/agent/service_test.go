@@ -61,6 +61,16 @@ func (j *memJournal) Commit(ch ipam.Change) error {
 	return nil
 }
 
+// neverTwice fails t if the journal ever recorded an address held by two attachments.
+func (j *memJournal) neverTwice(t *testing.T) {
+	t.Helper()
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if len(j.twice) > 0 {
+		t.Fatalf("the journal recorded an address held twice: %v", j.twice)
+	}
+}
+
 func (j *memJournal) setBlock(c chan struct{}) {
 	j.mu.Lock()
 	j.block = c
@@ -390,13 +400,9 @@ func TestDelAnsweredBeforeItsJournalWrite(t *testing.T) {
 	if got := testutil.ToFloat64(h.svc.metrics.ReleasesInFlight); got != 0 {
 		t.Fatalf("releases_in_flight = %v after the write, want 0", got)
 	}
-	h.j.mu.Lock()
-	defer h.j.mu.Unlock()
-	if len(h.j.twice) > 0 {
-		t.Fatalf("the journal recorded an address held twice: %v", h.j.twice)
-	}
-	if len(h.j.snap.Attachments) != 1 || h.j.snap.Attachments[0].Key.ContainerID != "c2" {
-		t.Fatalf("journal at the end: %+v, want c2 only", h.j.snap.Attachments)
+	h.j.neverTwice(t)
+	if snap := h.j.snapshot(); len(snap.Attachments) != 1 || snap.Attachments[0].Key.ContainerID != "c2" {
+		t.Fatalf("journal at the end: %+v, want c2 only", h.j.snapshot().Attachments)
 	}
 }
 
