@@ -107,7 +107,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		Adopted: gauge("pool_adopted_addresses",
 			"Addresses of the pool used by pods whose attachment was recorded from their status.podIPs rather than by an ADD: pods that ran before the node moved to ipwarden (taken over from the previous IPAM), or whose journal was lost. 0 on every node: the takeover is complete."),
 		Unattributed: gauge("pool_unattributed_addresses",
-			"Held addresses no attachment accounts for after the journal was rebuilt from the pods; kept out of use until every pod on the node has reported its addresses or the hold (--rebuild-hold) ends."),
+			"Held addresses no attachment accounts for after the journal was rebuilt from the pods, or addresses reserved ahead that an ADD may have handed out before a crash; kept out of use until every pod on the node has reported its addresses or the hold (--rebuild-hold) ends."),
 
 		JournalRecovered: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "journal_recovered_total",
 			Help: "Damaged journals moved aside at start (the attachments were rebuilt from the pods), by reason: truncated, corrupt, incompatible_version."}, []string{"reason"}),
