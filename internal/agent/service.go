@@ -1006,29 +1006,29 @@ func (s *Service) holdLostAhead() {
 // free once the deletion is journaled. A refused write leaves them out of use until the next try
 // (the next hold's end, or a restart).
 func (s *Service) forgetAhead() {
+	s.commitAhead((*ipam.State).PlanForgetAhead,
+		"cannot forget the records of addresses reserved ahead; they stay out of use until the agent's next start")
+}
+
+// commitAhead plans (under the lock) and commits a deletion of records of addresses reserved
+// ahead, logging msg when the journal refuses it.
+func (s *Service) commitAhead(planFn func(*ipam.State) ipam.AheadPlan, msg string) {
 	s.mu.Lock()
-	plan := s.st.PlanForgetAhead()
+	plan := planFn(s.st)
 	s.mu.Unlock()
 	if plan.Change.IsEmpty() {
 		return
 	}
 	if err := s.commit(plan, "ahead"); err != nil {
-		s.log.Error(err, "cannot forget the records of addresses reserved ahead; they stay out of use until the agent's next start")
+		s.log.Error(err, msg)
 	}
 }
 
 // StopAhead deletes the records of the addresses reserved ahead at a clean stop, so the next start
 // has none to hold. Call it once the socket no longer serves and WaitReleases returned.
 func (s *Service) StopAhead() {
-	s.mu.Lock()
-	plan := s.st.PlanStopAhead()
-	s.mu.Unlock()
-	if plan.Change.IsEmpty() {
-		return
-	}
-	if err := s.commit(plan, "ahead"); err != nil {
-		s.log.Error(err, "cannot forget the addresses reserved ahead at stop; the next start holds them until the node's pods have reported their addresses")
-	}
+	s.commitAhead((*ipam.State).PlanStopAhead,
+		"cannot forget the addresses reserved ahead at stop; the next start holds them until the node's pods have reported their addresses")
 }
 
 // shortMessageLocked says which pools are short and why.

@@ -179,10 +179,9 @@ func (s *State) StartLostHold(until time.Time) bool {
 // AheadPlan forgets records of addresses reserved ahead (PlanForgetAhead, PlanStopAhead).
 type AheadPlan struct {
 	Change Change
-	lost   map[string]addr.Set // lost addresses whose records go
-	ahead  map[string]addr.Set // records that go at a clean stop
-	prior  map[string]addr.Set // what was reserved ahead before a clean stop's plan
-	added  map[string]addr.Set // what a clean stop's plan made lost (out of use while in flight)
+	gone   map[string]addr.Set // the records that go, per pool: no longer lost once journaled
+	prior  map[string]addr.Set // a clean stop: what was reserved ahead before (Abort restores it)
+	added  map[string]addr.Set // a clean stop: what it made lost while in flight (Abort undoes it)
 }
 
 // Changes implements Plan.
@@ -192,7 +191,7 @@ func (p AheadPlan) Changes() Change { return p.Change }
 // is on: those in use are the attachments' now, the rest are free once the deletion is
 // journaled (Apply). Without a hold or with nothing lost the plan is empty.
 func (s *State) PlanForgetAhead() AheadPlan {
-	plan := AheadPlan{lost: map[string]addr.Set{}}
+	plan := AheadPlan{gone: map[string]addr.Set{}}
 	if !s.holdUntil.IsZero() {
 		return plan
 	}
@@ -201,12 +200,17 @@ func (s *State) PlanForgetAhead() AheadPlan {
 		if p.aheadLost.IsEmpty() {
 			continue
 		}
-		plan.lost[name] = p.aheadLost
-		for _, a := range p.aheadLost.Addrs(count(p.aheadLost)) {
-			plan.Change.DeleteAhead = append(plan.Change.DeleteAhead, Address{Pool: name, Addr: a})
-		}
+		plan.forget(name, p.aheadLost)
 	}
 	return plan
+}
+
+// forget adds the deletion of pool name's records of set to the plan.
+func (plan *AheadPlan) forget(name string, set addr.Set) {
+	plan.gone[name] = set
+	for _, a := range set.Addrs(count(set)) {
+		plan.Change.DeleteAhead = append(plan.Change.DeleteAhead, Address{Pool: name, Addr: a})
+	}
 }
 
 // PlanStopAhead plans deleting every record of an address reserved ahead that no attachment
@@ -215,7 +219,7 @@ func (s *State) PlanForgetAhead() AheadPlan {
 // early to be journaled. Records of addresses in use (a static address that was reserved ahead,
 // say) go too: the attachment holds the address.
 func (s *State) PlanStopAhead() AheadPlan {
-	plan := AheadPlan{ahead: map[string]addr.Set{}, prior: map[string]addr.Set{}, added: map[string]addr.Set{}}
+	plan := AheadPlan{gone: map[string]addr.Set{}, prior: map[string]addr.Set{}, added: map[string]addr.Set{}}
 	for _, name := range s.poolNames() {
 		p := s.pools[name]
 		rec := p.recorded.Union(p.aheadLost)
@@ -223,10 +227,8 @@ func (s *State) PlanStopAhead() AheadPlan {
 			continue
 		}
 		added := rec.Subtract(p.inUseSet()).Subtract(p.aheadLost)
-		plan.ahead[name], plan.prior[name], plan.added[name] = rec, p.ahead, added
-		for _, a := range rec.Addrs(count(rec)) {
-			plan.Change.DeleteAhead = append(plan.Change.DeleteAhead, Address{Pool: name, Addr: a})
-		}
+		plan.forget(name, rec)
+		plan.prior[name], plan.added[name] = p.ahead, added
 		// Out of use while the deletion is in flight (those in use stay so).
 		p.aheadLost = p.aheadLost.Union(added)
 		p.ahead = addr.Set{}
@@ -236,13 +238,7 @@ func (s *State) PlanStopAhead() AheadPlan {
 }
 
 func (s *State) applyAhead(plan AheadPlan) {
-	for name, gone := range plan.lost {
-		p := s.pools[name]
-		p.aheadLost = p.aheadLost.Subtract(gone)
-		p.recorded = p.recorded.Subtract(gone)
-		p.recompute()
-	}
-	for name, gone := range plan.ahead {
+	for name, gone := range plan.gone {
 		p := s.pools[name]
 		p.aheadLost = p.aheadLost.Subtract(gone)
 		p.recorded = p.recorded.Subtract(gone)
@@ -250,10 +246,11 @@ func (s *State) applyAhead(plan AheadPlan) {
 	}
 }
 
+// abortAheadPlan: every record is still on disk, so what the plan took out of use is back as it
+// was (those lost before stay lost).
 func (s *State) abortAheadPlan(plan AheadPlan) {
-	for name := range plan.ahead {
+	for name := range plan.gone {
 		p := s.pools[name]
-		// Every record is still on disk: back as they were (those lost stay lost).
 		p.aheadLost = p.aheadLost.Subtract(plan.added[name])
 		p.ahead = p.ahead.Union(plan.prior[name])
 		p.recompute()
