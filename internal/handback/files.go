@@ -8,6 +8,8 @@ import (
 	"os"
 	"path/filepath"
 	"syscall"
+
+	"github.com/ipwarden/ipwarden/internal/durable"
 )
 
 // maxFile bounds a reservation file ReadExisting reads: a container ID, CRLF and an interface name.
@@ -78,7 +80,7 @@ func Write(dir string, files []File) (created []string, err error) {
 				_ = os.Remove(p)
 			}
 			created = nil
-			_ = syncDir(dir)
+			_ = durable.SyncDir(dir)
 		}
 	}()
 	for _, f := range files {
@@ -88,7 +90,7 @@ func Write(dir string, files []File) (created []string, err error) {
 		}
 		created = append(created, final)
 	}
-	if err := syncDir(dir); err != nil {
+	if err := durable.SyncDir(dir); err != nil {
 		return created, fmt.Errorf("sync %s: %w", dir, err)
 	}
 	return created, nil
@@ -124,15 +126,6 @@ func writeOne(dir, final, content string) error {
 	return nil
 }
 
-func syncDir(dir string) error {
-	d, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	defer d.Close()
-	return d.Sync()
-}
-
 // Release removes host-local's reservation files in dir that name freed attachments (Stale),
 // under host-local's lock, and returns the addresses it removed. A missing dir holds none (it is
 // not created).
@@ -157,7 +150,7 @@ func Release(dir string, freed []Attachment) ([]netip.Addr, error) {
 		removed = append(removed, ip)
 	}
 	if len(removed) > 0 {
-		if err := syncDir(dir); err != nil {
+		if err := durable.SyncDir(dir); err != nil {
 			return removed, err
 		}
 	}

@@ -12,6 +12,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/ipwarden/ipwarden/internal/durable"
+
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
 )
 
@@ -194,7 +196,7 @@ func OpenOrRecover(dir string, opts Options, now time.Time) (*Journal, ipam.Snap
 	if rerr := os.Remove(path + brokenSuffix); rerr != nil && !errors.Is(rerr, os.ErrNotExist) {
 		return nil, ipam.Snapshot{}, nil, fmt.Errorf("journal %s: remove %s: %w", path, path+brokenSuffix, rerr)
 	}
-	if serr := syncDir(dir); serr != nil {
+	if serr := durable.SyncDir(dir); serr != nil {
 		return nil, ipam.Snapshot{}, nil, fmt.Errorf("journal %s: sync directory after moving it aside: %w", path, serr)
 	}
 	rec := &Recovery{Reason: de.Reason, Problem: de.Err.Error(), MovedTo: aside}

@@ -7,6 +7,8 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
+
+	"github.com/ipwarden/ipwarden/internal/durable"
 )
 
 // HoldFileName marks, in the state directory, an unattributed hold in progress (see ipam.StartHold)
@@ -36,7 +38,7 @@ func MarkHold(dir string, until time.Time) error {
 	if err := os.Rename(tmp, path); err != nil {
 		return err
 	}
-	return syncDir(dir)
+	return durable.SyncDir(dir)
 }
 
 // HeldUntil returns the deadline of a hold recorded in dir. An unreadable marker counts as a hold
@@ -61,5 +63,5 @@ func ClearHold(dir string) error {
 	if err := os.Remove(filepath.Join(dir, HoldFileName)); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return err
 	}
-	return syncDir(dir)
+	return durable.SyncDir(dir)
 }

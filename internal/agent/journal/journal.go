@@ -23,6 +23,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/ipwarden/ipwarden/internal/durable"
+
 	bolt "go.etcd.io/bbolt"
 	berrors "go.etcd.io/bbolt/errors"
 
@@ -141,7 +143,7 @@ func Open(dir string, opts Options) (*Journal, error) {
 	}
 	if isNew {
 		// bbolt fsyncs the file; the new directory entry needs its own fsync to survive a power loss.
-		if err := syncDir(dir); err != nil {
+		if err := durable.SyncDir(dir); err != nil {
 			_ = db.Close()
 			return nil, fmt.Errorf("journal %s: sync directory: %w", path, err)
 		}
@@ -182,15 +184,6 @@ func (j *Journal) init(tx *bolt.Tx, node string) error {
 		j.created, _ = time.Parse(time.RFC3339Nano, string(c))
 	}
 	return nil
-}
-
-func syncDir(dir string) error {
-	d, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	defer d.Close()
-	return d.Sync()
 }
 
 // Path returns the journal file's path.
@@ -361,7 +354,7 @@ func (j *Journal) update(group []*commitReq) (err error) {
 func (j *Journal) breakDown(err error) error {
 	marker := j.path + brokenSuffix
 	if werr := os.WriteFile(marker, []byte(err.Error()+"\n"), 0o600); werr == nil {
-		_ = syncDir(filepath.Dir(j.path))
+		_ = durable.SyncDir(filepath.Dir(j.path))
 	}
 	j.broken.Store(&err)
 	close(j.brokenCh)

@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	bolt "go.etcd.io/bbolt"
 	"net/netip"
 	"strings"
 	"sync"
@@ -12,6 +11,8 @@ import (
 	"testing"
 	"testing/synctest"
 	"time"
+
+	bolt "go.etcd.io/bbolt"
 
 	"github.com/ipwarden/ipwarden/internal/addr"
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
