@@ -58,21 +58,14 @@ func TestRealNodeHandback(t *testing.T) {
 
 	// 1. The node runs ipwarden, under the network name host-local will use (it keeps its files
 	// in dataDir/<network name>). The pool is 10.244.0.10-15: host-local's range to come.
-	ipwardenConf := conflist(fmt.Sprintf(`{"type": "ipwarden", "socket": %q}`, cniproto.DefaultSocket))
-	ipwardenConf = strings.Replace(ipwardenConf, `"cniVersion": "1.0.0",`, `"cniVersion": "1.0.0", "cniVersions": ["1.0.0", "1.1.0"],`, 1)
-	n.overlayPatches = fmt.Sprintf(`- patch: |
-    apiVersion: v1
-    kind: ConfigMap
-    metadata: {name: ipwarden-cni-config, namespace: ipwarden-system}
-    data:
-      10-ipwarden.conflist: '%s'
+	n.overlayPatches = cniConfigPatch(conflist(fmt.Sprintf(`{"type": "ipwarden", "socket": %q}`, cniproto.DefaultSocket))) + fmt.Sprintf(`
 # The agent sees host-local's dataDir where the CLI writes it, as deploy/ mounts
 # /var/lib/cni/networks: it removes the file of a pod deleted while the node is handed back.
 - target: {kind: DaemonSet, name: ipwarden-agent, namespace: ipwarden-system}
   patch: |
     - {op: add, path: /spec/template/spec/containers/0/volumeMounts/-, value: {name: test-host-local, mountPath: %s}}
     - {op: add, path: /spec/template/spec/volumes/-, value: {name: test-host-local, hostPath: {path: %s, type: DirectoryOrCreate}}}
-`, ipwardenConf, dataDir, dataDir)
+`, dataDir, dataDir)
 	n.pool = ipwardenv1.IPPoolSpec{
 		CIDRs: []ipwardenv1.CIDR{poolCIDR},
 		Exclude: []ipwardenv1.IPOrCIDR{"10.244.0.0/29", "10.244.0.8/31", "10.244.0.16/28",

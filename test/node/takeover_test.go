@@ -67,6 +67,18 @@ var takeoverOldRange = map[netip.Addr]bool{
 // addresses and reach the old ones, deleting the old pods frees host-local's reservations (DEL
 // delegated through "previous") and gives their addresses to new pods. Every poll scans every
 // pod network namespace for an address on two.
+// cniConfigPatch is an overlay patch that installs conf (a conflist) as ipwarden's CNI
+// configuration, declaring CNI 1.0.0 and 1.1.0 (the runtime picks 1.1.0 for GC and STATUS).
+func cniConfigPatch(conf string) string {
+	conf = strings.Replace(conf, `"cniVersion": "1.0.0",`, `"cniVersion": "1.0.0", "cniVersions": ["1.0.0", "1.1.0"],`, 1)
+	return fmt.Sprintf(`- patch: |
+    apiVersion: v1
+    kind: ConfigMap
+    metadata: {name: ipwarden-cni-config, namespace: ipwarden-system}
+    data:
+      10-ipwarden.conflist: '%s'`, conf)
+}
+
 func TestRealNodeTakeover(t *testing.T) {
 	testTakeover(t, previousIPAM{
 		typ: "host-local", dir: "takeover", fs: "takeover-fs",
@@ -134,20 +146,13 @@ func testTakeover(t *testing.T, prev previousIPAM) {
 	// for new pods (the /24 with everything else excluded, so pods get the old prefix and
 	// gateway).
 	ipwardenIPAM := fmt.Sprintf(`{"type": "ipwarden", "socket": %q, "previous": %s}`, cniproto.DefaultSocket, previous)
-	ipwardenConf := conflist(ipwardenIPAM)
-	ipwardenConf = strings.Replace(ipwardenConf, `"cniVersion": "1.0.0",`, `"cniVersion": "1.0.0", "cniVersions": ["1.0.0", "1.1.0"],`, 1)
-	n.overlayPatches = fmt.Sprintf(`- patch: |
-    apiVersion: v1
-    kind: ConfigMap
-    metadata: {name: ipwarden-cni-config, namespace: ipwarden-system}
-    data:
-      10-ipwarden.conflist: '%s'
+	n.overlayPatches = cniConfigPatch(conflist(ipwardenIPAM)) + `
 # The adopted attachments (no network namespace recorded) are freed --gc-grace after their pod
 # is gone: 10s rather than the default minute keeps the test short.
 - target: {kind: DaemonSet, name: ipwarden-agent, namespace: ipwarden-system}
   patch: |
     - {op: add, path: /spec/template/spec/containers/0/args/-, value: --gc-grace=10s}
-`, ipwardenConf)
+`
 	n.pool = ipwardenv1.IPPoolSpec{
 		CIDRs: []ipwardenv1.CIDR{poolCIDR},
 		Exclude: []ipwardenv1.IPOrCIDR{"10.244.0.0/29", "10.244.0.8/31", "10.244.0.16/28",
