@@ -17,7 +17,6 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
 	"github.com/ipwarden/ipwarden/internal/agent"
-	"github.com/ipwarden/ipwarden/internal/agent/ipam"
 	"github.com/ipwarden/ipwarden/internal/buildinfo"
 	"github.com/ipwarden/ipwarden/internal/cniproto"
 )
@@ -104,8 +103,10 @@ pod, or on the node's NodeIPAllocation when the pod object is gone from the agen
 		"with the Node condition ipwarden.io/AddressesExhausted (shown while pods wait on a node that can get no more addresses), also set the NoSchedule taint ipwarden.io/addresses-exhausted so the scheduler places new pods elsewhere")
 	fs.IntVar(&f.cfg.ExhaustedClearFree, "exhausted-clear-free", 2,
 		"the AddressesExhausted condition (and taint) clear once every pool of the node has this many free addresses")
-	fs.IntVar(&f.cfg.ReserveAhead, "reserve-ahead", ipam.AheadPerPool,
-		"Addresses of each pool the agent keeps recorded in its journal ahead of need, so an ADD that takes one is answered before its own journal write (about a millisecond less per pod). After a crash they stay out of use until the node's pods have reported their addresses (at most --rebuild-hold). 0 turns it off.")
+	// --reserve-ahead answered an ADD before its journal write; that was removed (docs/design.md,
+	// invariant 7), and the flag stays only so a DaemonSet that still passes it starts.
+	fs.Int("reserve-ahead", 0, "ignored: every ADD is answered after its journal write")
+	_ = fs.MarkDeprecated("reserve-ahead", "it is ignored: every ADD is answered after its journal write; remove it")
 	fs.DurationVar(&f.cfg.RebuildHold, "rebuild-hold", 5*time.Minute,
 		"after the journal was lost or damaged and rebuilt from the pods, held addresses no attachment accounts for stay out of use until every pod on the node has reported its addresses or is gone, at most this long")
 	gofs := goflag.NewFlagSet("zap", goflag.ContinueOnError)
@@ -136,9 +137,6 @@ func runAgent(ctx context.Context, f *agentFlags) error {
 	}
 	if f.cfg.GCGrace < 0 {
 		return fmt.Errorf("--gc-grace %s: must not be negative", f.cfg.GCGrace)
-	}
-	if f.cfg.ReserveAhead < 0 || f.cfg.ReserveAhead > 64 {
-		return fmt.Errorf("--reserve-ahead %d: must be between 0 and 64", f.cfg.ReserveAhead)
 	}
 	if f.cfg.RebuildHold <= 0 {
 		return fmt.Errorf("--rebuild-hold %s: must be positive", f.cfg.RebuildHold)

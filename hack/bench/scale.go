@@ -23,7 +23,6 @@ import (
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/agent"
-	"github.com/ipwarden/ipwarden/internal/agent/ipam"
 	"github.com/ipwarden/ipwarden/internal/cniproto"
 	"github.com/ipwarden/ipwarden/internal/controlplane"
 )
@@ -100,7 +99,7 @@ func scaleBench(ctx context.Context, env *benchEnv, o scaleOptions) ([]figure, e
 		cfg := agent.Config{Node: scaleNode(i), RestConfig: ownConnection(env.cp.Config), Scheme: scheme, Socket: sockets[i],
 			StateDir: filepath.Join(dir, strconv.Itoa(i), "state"), AddressWait: 60 * time.Second, MetricsAddr: "0", ProbeAddr: "0",
 			Resync: time.Minute, RequestCoalesce: 100 * time.Millisecond, LeaseNamespace: controlplane.ControllerNamespace,
-			ControllerLease: controlplane.ControllerLease, ReserveAhead: ipam.AheadPerPool, Log: logr.Discard()}
+			ControllerLease: controlplane.ControllerLease, Log: logr.Discard()}
 		if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
 			return nil, err
 		}

@@ -140,9 +140,6 @@ type Config struct {
 	ControllerLease string
 	// RebuildHold bounds the unattributed hold after the journal was rebuilt from the pods.
 	RebuildHold time.Duration
-	// ReserveAhead is how many addresses of each pool ADDs keep reserved ahead, so the next ADD
-	// is answered before its journal write (ipam, ahead.go); 0 turns it off.
-	ReserveAhead int
 	// ExhaustedTaint adds the NoSchedule taint ipwarden.io/addresses-exhausted with the Node
 	// condition ipwarden.io/AddressesExhausted (the condition is always shown).
 	ExhaustedTaint bool
@@ -184,7 +181,6 @@ func Run(ctx context.Context, cfg Config) error {
 			"reason", recovered.Reason, "problem", recovered.Problem, "movedTo", recovered.MovedTo, "journal", j.Path())
 	}
 	st := ipam.New(cfg.Node)
-	st.SetReserveAhead(cfg.ReserveAhead)
 	for _, p := range st.Restore(snap) {
 		log.Error(nil, "journal restore found a problem", "problem", p)
 	}
@@ -195,7 +191,11 @@ func Run(ctx context.Context, cfg Config) error {
 		log.Info("the journal is empty (new node, or the journal was lost): attachments will be rebuilt from the pods' status.podIPs", "journal", j.Path())
 	} else {
 		log.Info("journal loaded", "journal", j.Path(), "attachments", len(snap.Attachments), "cooling", len(snap.Cooling),
-			"releasing", len(snap.Releasing), "reservedAhead", len(snap.Ahead))
+			"releasing", len(snap.Releasing), "lostReservations", st.LostAhead())
+	}
+	if n := st.LostAhead(); n > 0 {
+		log.Error(nil, "the journal holds addresses an older agent reserved ahead and may have handed out without a record of the sandbox: they stay out of use",
+			"addresses", n, "remedy", "docs/operations.md: addresses reserved ahead by an older agent")
 	}
 
 	svc := NewService(st, j, ServiceOptions{Node: cfg.Node, AddressWait: cfg.AddressWait, GCGrace: cfg.GCGrace, GCDryRun: cfg.GCDryRun,
@@ -272,7 +272,6 @@ func Run(ctx context.Context, cfg Config) error {
 	if berr := j.BrokenErr(); berr != nil {
 		return berr
 	}
-	svc.StopAhead() // a clean stop: the next start has no address reserved ahead to hold
 	return err
 }
 
@@ -380,8 +379,6 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 		}
 		svc.StartHold(until)
 	}
-	// Addresses reserved ahead whose records a crash left: an ADD may have handed them out.
-	svc.holdLostAhead()
 	svc.setSynced()
 	served, attachments, unknown := svc.servedSummary(cfg.Pools)
 	log.Info("reconciled with the API server", "pools", served, "attachments", attachments, "rebuiltFromPods", n)

@@ -64,10 +64,6 @@ type Metrics struct {
 	AbandonedAdds prometheus.Counter
 	// ReleasesInFlight counts DELs answered whose release is not yet journaled.
 	ReleasesInFlight prometheus.Gauge
-	// AddsInFlight counts ADDs answered early whose attachment is not yet journaled; AddsEarly
-	// counts ADDs answered early (from addresses reserved ahead).
-	AddsInFlight prometheus.Gauge
-	AddsEarly    prometheus.Counter
 	// PodUnknown counts ADDs refused because neither the pod watch nor the API server could say
 	// what the pod's annotations are.
 	PodUnknown prometheus.Counter
@@ -125,10 +121,6 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "ADDs rolled back because the plugin went away before the agent answered."}),
 		ReleasesInFlight: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "releases_in_flight",
 			Help: "DELs answered whose release the journal has not written yet; their addresses stay assigned until it has (about a millisecond each)."}),
-		AddsInFlight: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "adds_in_flight",
-			Help: "ADDs answered from addresses reserved ahead whose attachment the journal has not written yet (about a millisecond each); the addresses are recorded as reserved meanwhile."}),
-		AddsEarly: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "adds_early_total",
-			Help: "ADDs answered before their journal write, every address taken from those reserved ahead (--reserve-ahead)."}),
 		PodUnknown: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "add_pod_unreadable_total",
 			Help: "ADDs refused (CNI error 11, the runtime retries) because the pod watch had not seen the pod and the API server did not answer: pools are never chosen without the pod's annotations."}),
 		JournalRefused: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "journal_refused_total",
@@ -195,7 +187,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		reg.MustRegister(m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict, m.Outside, m.Adopted,
 			m.Attachments, m.OpDuration, m.IPWait, m.JournalWrite, m.Errors, m.SpecWrites, m.Conflicts, m.RecordRewinds, m.RecordRecreated, m.LeaderAcks,
 			m.GCCandidates, m.GCCollected, m.GCKept, m.GCFailed, m.GCDryRun, m.GCDeleteToFree, m.GCFullChecks, m.GCQueueDepth,
-			m.Unattributed, m.JournalRecovered, m.HoldActive, m.HandedBack, m.Conns, m.Busy, m.BadRequests, m.AbandonedAdds, m.ReleasesInFlight, m.AddsInFlight, m.AddsEarly, m.PodUnknown, m.JournalRefused,
+			m.Unattributed, m.JournalRecovered, m.HoldActive, m.HandedBack, m.Conns, m.Busy, m.BadRequests, m.AbandonedAdds, m.ReleasesInFlight, m.PodUnknown, m.JournalRefused,
 			m.GCSandboxHeld, m.GCSandboxOutlived)
 	}
 	return m

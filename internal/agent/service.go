@@ -567,7 +567,6 @@ func (s *Service) evaluateHold() {
 	}
 	s.metrics.HoldActive.Set(0)
 	s.clearHoldMarker()
-	s.forgetAhead()
 	kv := []any{"reason", d.Reason}
 	if len(d.Waiting) > 0 {
 		kv = append(kv, "unreported", len(d.Waiting), "firstUnreported", d.Waiting[0].String())
@@ -802,13 +801,7 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 			"ipwarden needs the pod's namespace and name to free its address when the pod is gone; for containers that are not "+
 				"Kubernetes pods set \"allowNonKubernetes\": true in the plugin's configuration"), nil
 	}
-	unlock := s.keys.lock(key)
-	handedOff := false // the attachment's lock went to the early ADD's journal write
-	defer func() {
-		if !handedOff {
-			unlock()
-		}
-	}()
+	defer s.keys.lock(key)()
 
 	areq := ipam.AddRequest{Key: key, Network: req.Network, Netns: req.Netns, Pools: req.Pools, PoolNetwork: req.PoolNetwork,
 		Pod: ipam.PodRef{Namespace: req.Pod.Namespace, Name: req.Pod.Name, UID: req.Pod.UID}}
@@ -912,12 +905,10 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 			waiting = false // Add removed the waiter
 		}
 		cfgs := map[string]ipam.Pool{}
-		early := false
 		if err == nil {
 			for _, a := range att.Addresses {
 				cfgs[a.Pool], _ = s.st.PoolConfig(a.Pool)
 			}
-			early = s.st.Early(key)
 		}
 		s.mu.Unlock()
 		if err != nil {
@@ -927,10 +918,9 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 		if ch.IsEmpty() {
 			return result(att, cfgs), nil // a repeated ADD
 		}
-		if early {
-			handedOff = true
-			s.journalEarlyAdd(key, att, ch, unlock)
-			return result(att, cfgs), &att
+		// The answer waits for the journal write: an address a runtime was told is on disk first.
+		if h := beforeAddWrite; h != nil {
+			h()
 		}
 		var holdOn bool
 		if err := s.commitThen(ipam.AddPlan{Key: key, Change: ch}, "add", func() { holdOn, _ = s.st.Hold() }); err != nil {
@@ -946,90 +936,9 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 	}
 }
 
-// journalEarlyAdd journals, in the background, an ADD answered before its journal write: every
-// address it hands out was reserved ahead, so the journal already keeps it from everyone else
-// (ipam, ahead.go). Until the write lands the attachment's lock stays held (a DEL, CHECK or
-// repeated ADD of it waits), LIST and HANDBACK wait for it, and the agent's stop waits for it.
-// When the journal refuses the write, the addresses stay out of use as "lost" until the hold
-// ends: their pod's status.podIPs adopts them, or every pod on the node has reported or is gone.
-func (s *Service) journalEarlyAdd(key ipam.Key, att ipam.Attachment, ch ipam.Change, unlock func()) {
-	id := s.rel.start()
-	s.metrics.AddsEarly.Inc()
-	s.metrics.AddsInFlight.Inc()
-	go func() {
-		defer func() {
-			unlock()
-			s.rel.finish(id)
-			s.metrics.AddsInFlight.Dec()
-		}()
-		if h := beforeEarlyAddWrite; h != nil {
-			h()
-		}
-		var holdOn bool
-		if err := s.commitThen(ipam.AddPlan{Key: key, Change: ch}, "add", func() { holdOn, _ = s.st.Hold() }); err != nil {
-			s.log.Error(err, "the journal refused an ADD already answered from addresses reserved ahead: they stay out of use until the pods on the node have reported their addresses",
-				"attachment", cniproto.Truncate(key.String(), logIDBytes), "pod", att.Pod.String(), "addresses", fmtAddresses(att.Addresses))
-			s.holdLostAhead()
-			return
-		}
-		s.log.V(1).Info("ADD", "attachment", cniproto.Truncate(key.String(), logIDBytes), "pod", att.Pod.String(), "addresses", fmtAddresses(att.Addresses), "early", true)
-		if holdOn {
-			s.evaluateHold()
-		}
-		s.kick()
-	}()
-}
-
-// beforeEarlyAddWrite, when set (a build with the failpoints tag), runs before the journal write of
-// an ADD answered early: the crash tests hold it there and kill the agent.
-var beforeEarlyAddWrite func()
-
-// holdLostAhead starts the unattributed hold for addresses reserved ahead that an ADD may have
-// handed out without its attachment reaching the journal: after a crash (found at start) or a
-// refused write. Without any, it forgets the records left from before (PlanForgetAhead).
-func (s *Service) holdLostAhead() {
-	s.mu.Lock()
-	now := s.now()
-	n := s.st.LostAhead()
-	s.st.StartLostHold(now.Add(s.rebuildHold))
-	_, until := s.st.Hold()
-	s.mu.Unlock()
-	if n == 0 {
-		s.forgetAhead()
-		return
-	}
-	s.watchHold("holding addresses reserved ahead that an ADD may have handed out without its record (a crash or a refused journal write) until every pod on the node has reported its addresses or is gone",
-		n, now, until)
-}
-
-// forgetAhead deletes the records of lost addresses reserved ahead once no hold is on; they are
-// free once the deletion is journaled. A refused write leaves them out of use until the next try
-// (the next hold's end, or a restart).
-func (s *Service) forgetAhead() {
-	s.commitAhead((*ipam.State).PlanForgetAhead,
-		"cannot forget the records of addresses reserved ahead; they stay out of use until the agent's next start")
-}
-
-// commitAhead plans (under the lock) and commits a deletion of records of addresses reserved
-// ahead, logging msg when the journal refuses it.
-func (s *Service) commitAhead(planFn func(*ipam.State) ipam.AheadPlan, msg string) {
-	s.mu.Lock()
-	plan := planFn(s.st)
-	s.mu.Unlock()
-	if plan.Change.IsEmpty() {
-		return
-	}
-	if err := s.commit(plan, "ahead"); err != nil {
-		s.log.Error(err, msg)
-	}
-}
-
-// StopAhead deletes the records of the addresses reserved ahead at a clean stop, so the next start
-// has none to hold. Call it once the socket no longer serves and WaitReleases returned.
-func (s *Service) StopAhead() {
-	s.commitAhead((*ipam.State).PlanStopAhead,
-		"cannot forget the addresses reserved ahead at stop; the next start holds them until the node's pods have reported their addresses")
-}
+// beforeAddWrite, when set (a build with the failpoints tag), runs before an ADD's journal
+// write: the crash tests hold it there and kill or stop the agent.
+var beforeAddWrite func()
 
 // shortMessageLocked says which pools are short and why.
 func (s *Service) shortMessageLocked(short *ipam.ShortError, now time.Time) string {

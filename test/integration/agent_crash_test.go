@@ -1,12 +1,16 @@
 package integration
 
-// Crash tests of the node agent that need a failpoint (internal/agent/failpoints.go): the
-// integration tests' ipwarden binary is built with the failpoints build tag (ipwardenBinary).
+// Crash tests of the node agent (docs/design.md, invariant 7: an address a runtime is told is on
+// disk first). The integration tests' ipwarden binary is built with the failpoints build tag
+// (ipwardenBinary), so IPWARDEN_FAILPOINT=hold-add-write holds every ADD before its journal write.
 
 import (
 	"context"
 	"fmt"
-	"slices"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -20,156 +24,166 @@ import (
 	"github.com/ipwarden/ipwarden/internal/agent/journal"
 )
 
-// An ADD whose address was reserved ahead (journaled by the ADD before it) is answered before its
-// own journal write; the agent is killed (SIGKILL) after the answer and before the write. The
-// restarted agent finds the record of that address, which it cannot tell from the records of
-// addresses nobody was given, and holds them all out of use: ADDs exhaust every other address of
-// the node without getting it. Once the pod that got it reports it in status.podIPs, the agent
-// adopts it (a rebuilt attachment), the hold ends, and the records are gone from the journal.
-func TestAgentKilledBetweenAnEarlyAnswerAndItsWrite(t *testing.T) {
-	const node = "crash-early"
-	const maxPerNode = 8
-	agentPool(t, node, node, ipwardenv1.IPPoolSpec{CIDRs: []ipwardenv1.CIDR{"10.160.0.0/24"},
-		Scaling: ipwardenv1.Scaling{BatchSize: 4, BufferPercent: 50, MaxPerNode: maxPerNode}, ReuseCooldown: cooldown(0)})
+// runtimeRecord is the test's own record of what the runtime was told: each live sandbox
+// interface and the address its ADD was answered with. It fails as soon as an answer names an
+// address a live sandbox of the same network has.
+type runtimeRecord struct {
+	t    *testing.T
+	live map[string]netip.Addr // "network/container/ifname" -> address
+}
+
+func (r *runtimeRecord) answered(network, cid, ifname string, res *cniResult) netip.Addr {
+	r.t.Helper()
+	a := addrOf(r.t, res.IPs[0].Address)
+	for k, b := range r.live {
+		if b == a && strings.HasPrefix(k, network+"/") {
+			r.t.Fatalf("ADD %s/%s on %s answered %s, which live sandbox %s was told", cid, ifname, network, a, k)
+		}
+	}
+	r.live[network+"/"+cid+"/"+ifname] = a
+	return a
+}
+
+func (r *runtimeRecord) deleted(network, cid, ifname string) {
+	delete(r.live, network+"/"+cid+"/"+ifname)
+}
+
+// The paths of issue 30 on real processes: an ADD held before its journal write while the agent
+// is killed (SIGKILL), then stopped cleanly (SIGTERM) before anything reports; a re-created
+// sandbox of a pod whose status still shows its first sandbox's address; a secondary interface
+// (net1, a pool with spec.network) killed the same way. The runtime is never told an address the
+// journal lacks, so no later ADD hands a live sandbox's address to another, and the agent's
+// attachments after it all are exactly the live sandboxes.
+func TestAgentKilledAndStoppedDuringAnAdd(t *testing.T) {
+	const node = "crash-add"
+	const maxPerNode = 6
+	scale := ipwardenv1.Scaling{BatchSize: 4, BufferPercent: 50, MaxPerNode: maxPerNode}
+	agentPool(t, "crash-add-pod", node, ipwardenv1.IPPoolSpec{CIDRs: []ipwardenv1.CIDR{"10.160.0.0/24"}, Scaling: scale, ReuseCooldown: cooldown(0)})
+	agentPool(t, "crash-add-storage", node, ipwardenv1.IPPoolSpec{CIDRs: []ipwardenv1.CIDR{"10.161.0.0/24"}, Network: "storage",
+		Scaling: scale, ReuseCooldown: cooldown(0)})
 	agentNode(t, node, node)
-	// The agent's Lease goes with the test, so that it can run again (-count) with a new journal.
 	t.Cleanup(func() {
 		_ = k8s.Delete(context.Background(), &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{
 			Namespace: "ipwarden-system", Name: "ipwarden-agent-" + node}})
 	})
 	startController(t)
-	// Every early ADD's journal write blocks forever; its answer still goes out.
-	ag := startAgentEnv(t, "", []string{"IPWARDEN_FAILPOINT=hold-early-add-write"}, node, "")
+	ag := startAgent(t, node, "", "--address-wait=2s")
 	ag.waitServing(t)
-	conf := pluginConf("1.1.0", ag.socket, node)
-
-	pods := map[string]*corev1.Pod{}
-	add := func(cid string) (string, *cnitypes.Error) {
+	podConf := pluginConf("1.1.0", ag.socket)
+	storageConf := networkConf(ag.socket, "storage-net", "storage")
+	rt := &runtimeRecord{t: t, live: map[string]netip.Addr{}}
+	pod := func(name string) *corev1.Pod { return createBoundPod(t, "crash-add-"+name, node) }
+	args := func(p *corev1.Pod) string { return podArgs(p.Namespace, p.Name, string(p.UID)) }
+	add := func(conf, network, cid, ifname string, p *corev1.Pod) (*cniResult, *cnitypes.Error) {
 		t.Helper()
-		p := createBoundPod(t, "crash-"+cid, node)
-		pods[cid] = p
-		r, e := cni(t, "ADD", conf, cid, podArgs(p.Namespace, p.Name, string(p.UID)))
+		return cniIf(t, "ADD", conf, cid, ifname, args(p))
+	}
+	mustAdd := func(conf, network, cid, ifname string, p *corev1.Pod) netip.Addr {
+		t.Helper()
+		res, e := add(conf, network, cid, ifname, p)
 		if e != nil {
-			return "", e
+			t.Fatalf("ADD %s/%s: %v", cid, ifname, e)
 		}
-		return r.IPs[0].Address, nil
+		return rt.answered(network, cid, ifname, res)
 	}
-	// c1: nothing reserved ahead yet, so answered after its write, which reserves 2 ahead.
-	a1, e := add("c1")
-	if e != nil {
-		t.Fatalf("ADD c1: %v", e)
-	}
-	if v := ag.metric(t, "ipwarden_agent_adds_early_total"); v != 0 {
-		t.Fatalf("adds_early_total after the first ADD = %v, want 0", v)
-	}
-	// c2: its address A was reserved ahead, so it is answered at once; its write is held.
-	A, e := add("c2")
-	if e != nil {
-		t.Fatalf("ADD c2: %v", e)
-	}
-	if A == a1 {
-		t.Fatalf("c1 and c2 both got %s", A)
-	}
-	if v := ag.metric(t, "ipwarden_agent_adds_early_total"); v != 1 {
-		t.Fatalf("adds_early_total after c2 = %v, want 1 (c2 was not answered early)", v)
-	}
-	if v := ag.metric(t, "ipwarden_agent_adds_in_flight"); v != 1 {
-		t.Fatalf("adds_in_flight = %v, want 1 (c2's write held by the failpoint)", v)
+	// heldAndKilled runs an ADD with the agent holding it before its journal write, kills the
+	// agent (SIGKILL) there, and checks that the runtime was told nothing; the agent restarts
+	// without the failpoint.
+	heldAndKilled := func(conf, network, cid, ifname string, p *corev1.Pod) {
+		t.Helper()
+		ag.env = []string{"IPWARDEN_FAILPOINT=hold-add-write"}
+		ag.restart(t, "--address-wait=2s")
+		ag.waitServing(t)
+		type answer struct {
+			res *cniResult
+			e   *cnitypes.Error
+		}
+		done := make(chan answer, 1)
+		go func() { r, e := add(conf, network, cid, ifname, p); done <- answer{r, e} }()
+		eventually(t, 30*time.Second, "the ADD to reach the failpoint", func() error {
+			if !ag.logContains("failpoint hold-add-write") {
+				return fmt.Errorf("not yet")
+			}
+			return nil
+		})
+		ag.kill()
+		a := <-done
+		if a.e == nil {
+			t.Fatalf("ADD %s/%s held before its journal write was answered %v: the runtime was told an address the journal lacks", cid, ifname, a.res.IPs)
+		}
+		ag.env = nil
+		ag.start(t, "--address-wait=2s")
+		ag.waitServing(t)
 	}
 
-	// Killed between c2's answer and its write; back without the failpoint.
-	ag.env = nil
-	ag.restart(t, "--address-wait=3s", "--rebuild-hold=10m")
-	ag.waitServing(t)
-	c2 := "default/" + pods["c2"].Name
-	eventually(t, 30*time.Second, "the hold of the addresses reserved ahead", func() error {
-		resp, err := ag.list(t)
-		if err != nil {
-			return err
+	// Pod P's first sandbox gets X on eth0 and an address on net1; P's status reports X; the
+	// sandbox ends with DELs. Pod Q runs.
+	P, Q := pod("p"), pod("q")
+	X := mustAdd(podConf, "pod", "p-1", "eth0", P)
+	mustAdd(storageConf, "storage", "p-1", "net1", P)
+	setPodIP(t, P, X.String())
+	for _, c := range []struct{ conf, network, ifname string }{{podConf, "pod", "eth0"}, {storageConf, "storage", "net1"}} {
+		if _, e := cniIf(t, "DEL", c.conf, "p-1", c.ifname, args(P)); e != nil {
+			t.Fatalf("DEL p-1/%s: %v", c.ifname, e)
 		}
-		// c2's A and the one reserved ahead after it (by c1's write) are lost.
-		if resp.Hold == nil || resp.Hold.Addresses != 2 || !slices.Contains(resp.Hold.WaitingFor, c2) {
-			return fmt.Errorf("hold %+v, want 2 addresses waiting for %s", resp.Hold, c2)
-		}
-		return nil
-	})
-	if v := ag.metric(t, "ipwarden_agent_unattributed_hold_active"); v != 1 {
-		t.Fatalf("unattributed_hold_active = %v, want 1", v)
+		rt.deleted(c.network, "p-1", c.ifname)
 	}
+	mustAdd(podConf, "pod", "q-1", "eth0", Q)
+
+	// Path 2: P's next sandbox's ADD is held and the agent killed; P's status still shows X.
+	heldAndKilled(podConf, "pod", "p-2", "eth0", P)
+	// Path 1: then a clean stop (SIGTERM, a DaemonSet rollout) before anything reports.
+	ag.stop(t)
+	ag.start(t, "--address-wait=2s")
+	ag.waitServing(t)
+	// The runtime makes P a new sandbox, eth0 first.
+	mustAdd(podConf, "pod", "p-3", "eth0", P)
+	// Path 3: P's net1 ADD (secondary network) is held and the agent killed; P reports eth0 only.
+	heldAndKilled(storageConf, "storage", "p-3", "net1", P)
+	ag.stop(t)
+	ag.start(t, "--address-wait=2s")
+	ag.waitServing(t)
+	mustAdd(storageConf, "storage", "p-3", "net1", P)
+
+	// New pods take every address either network's pool lets the node hold: none is a live one
+	// (rt.answered fails at once otherwise).
+	for _, c := range []struct{ conf, network, ifname string }{{podConf, "pod", "eth0"}, {storageConf, "storage", "net1"}} {
+		for i := 0; ; i++ {
+			if i > 2*maxPerNode {
+				t.Fatalf("network %s: more than %d ADDs served at maxPerNode %d", c.network, i, maxPerNode)
+			}
+			cid := fmt.Sprintf("n%d", i)
+			p := pod(c.network + "-" + cid)
+			res, e := add(c.conf, c.network, cid, c.ifname, p)
+			if e != nil {
+				if e.Code != 11 {
+					t.Fatalf("ADD %s on %s: %v, want no free address (code 11)", cid, c.network, e)
+				}
+				break
+			}
+			rt.answered(c.network, cid, c.ifname, res)
+		}
+	}
+	// The agent's attachments are exactly the live sandboxes: every address the runtime was told
+	// is attached to its sandbox, and nothing else is.
 	resp, err := ag.list(t)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(resp.Attachments) != 1 || resp.Attachments[0].ContainerID != "c1" || resp.Attachments[0].IPs[0].Address != a1 {
-		t.Fatalf("attachments after the crash: %+v, want only c1 with %s", resp.Attachments, a1)
+	got := map[string]netip.Addr{}
+	for _, at := range resp.Attachments {
+		network := "pod"
+		if at.IfName == "net1" {
+			network = "storage"
+		}
+		for _, ip := range at.IPs {
+			got[network+"/"+at.ContainerID+"/"+at.IfName] = addrOf(t, ip.Address)
+		}
 	}
-
-	// New pods take every other address the node may hold (maxPerNode): never A.
-	served := 0
-	for i := 3; ; i++ {
-		if i > 3+2*maxPerNode {
-			t.Fatalf("%d ADDs beyond maxPerNode %d were served", served, maxPerNode)
-		}
-		cid := fmt.Sprintf("c%d", i)
-		got, e := add(cid)
-		if e != nil {
-			if e.Code != 11 || !strings.Contains(e.Msg, "maxPerNode") {
-				t.Fatalf("ADD %s: %+v, want no free address at maxPerNode", cid, e)
-			}
-			// Its pod never got an address: gone, so the hold does not wait for it.
-			forceDelete(t, pods[cid])
-			break
-		}
-		if got == A {
-			t.Fatalf("during the hold, handed %s, which c2 was told before the crash, to %s", A, cid)
-		}
-		served++
+	if fmt.Sprint(got) != fmt.Sprint(rt.live) {
+		t.Fatalf("agent attachments %v\nlive sandboxes     %v", got, rt.live)
 	}
-	// maxPerNode, less c1's and the 2 lost addresses: the node ran dry with A unused.
-	if want := maxPerNode - 3; served != want {
-		t.Fatalf("%d ADDs served during the hold, want %d", served, want)
-	}
-	if resp, err := ag.list(t); err != nil || resp.Hold == nil || !slices.Contains(resp.Hold.WaitingFor, c2) {
-		t.Fatalf("the hold after the node ran dry: %v %+v", err, resp)
-	}
-	assertDistinctAttachments(t, ag, A, false)
-
-	// c2's pod reports A, as the kubelet would: adopted, and the hold ends.
-	setPodIP(t, pods["c2"], addrOf(t, A).String())
-	rebuilt := "rebuilt:" + string(pods["c2"].UID)
-	eventually(t, 30*time.Second, "c2's address to be adopted and the hold to end", func() error {
-		resp, err := ag.list(t)
-		if err != nil {
-			return err
-		}
-		if resp.Hold != nil {
-			return fmt.Errorf("hold %+v", resp.Hold)
-		}
-		for _, at := range resp.Attachments {
-			if at.ContainerID == rebuilt && at.Rebuilt && len(at.IPs) == 1 && at.IPs[0].Address == A {
-				return nil
-			}
-		}
-		return fmt.Errorf("no attachment %s with %s: %+v", rebuilt, A, resp.Attachments)
-	})
-	if v := ag.metric(t, "ipwarden_agent_unattributed_hold_active"); v != 0 {
-		t.Fatalf("unattributed_hold_active after the hold = %v", v)
-	}
-	// The other lost address's record is forgotten: it is free again.
-	eventually(t, 30*time.Second, "the lost records to be forgotten", func() error {
-		if p := ag.pool(t, node); p.Unattributed != 0 {
-			return fmt.Errorf("pool %+v", p)
-		}
-		return nil
-	})
-	if got, e := add("after"); e != nil {
-		t.Fatalf("ADD after the hold: %v", e)
-	} else if got == A {
-		t.Fatalf("after the hold, handed c2's adopted address %s to another pod", A)
-	}
-	assertDistinctAttachments(t, ag, A, true)
-
-	// On disk: A is c2's (rebuilt) attachment's, and no longer reserved ahead.
+	// Nothing reserved ahead on disk: this agent never answers before its write.
 	ag.kill()
 	j, err := journal.Open(ag.stateDir, journal.Options{Node: node})
 	if err != nil {
@@ -180,46 +194,103 @@ func TestAgentKilledBetweenAnEarlyAnswerAndItsWrite(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	a := addrOf(t, A)
-	for _, r := range snap.Ahead {
-		if r.Addr == a {
-			t.Fatalf("the journal still records %s as reserved ahead: %+v", A, snap.Ahead)
-		}
-	}
-	owners := 0
-	for _, at := range snap.Attachments {
-		for _, ad := range at.Addresses {
-			if ad.Addr == a {
-				owners++
-				if at.Key.ContainerID != rebuilt {
-					t.Fatalf("the journal records %s for %s, want %s", A, at.Key, rebuilt)
-				}
-			}
-		}
-	}
-	if owners != 1 {
-		t.Fatalf("the journal records %s in %d attachments, want 1", A, owners)
+	if len(snap.Ahead) != 0 {
+		t.Fatalf("the journal records addresses reserved ahead: %v", snap.Ahead)
 	}
 }
 
-// assertDistinctAttachments fails unless the agent's attachments share no address, and A is in
-// one of them exactly when inUse.
-func assertDistinctAttachments(t *testing.T, ag *agentProcess, A string, inUse bool) {
-	t.Helper()
+// Path 4 of issue 30: the agent's state directory on a full filesystem. An ADD whose journal
+// write fails is refused and hands nothing out; every ADD that was answered is in the journal
+// when space returns (after the agent restarts, if the failed write broke the journal), so no
+// running pod's address is attached nowhere. Needs root (it mounts a small tmpfs).
+func TestAgentOnAFullDisk(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Fatal("this test mounts a tmpfs as the agent's state directory: run it as root (CI does)")
+	}
+	const node = "full-disk"
+	agentPool(t, "full-disk", node, ipwardenv1.IPPoolSpec{CIDRs: []ipwardenv1.CIDR{"10.162.0.0/24"},
+		Scaling: ipwardenv1.Scaling{BatchSize: 16, BufferPercent: 50, MaxPerNode: 128}, ReuseCooldown: cooldown(0)})
+	agentNode(t, node, node)
+	t.Cleanup(func() {
+		_ = k8s.Delete(context.Background(), &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{
+			Namespace: "ipwarden-system", Name: "ipwarden-agent-" + node}})
+	})
+	stateDir := t.TempDir()
+	if out, err := exec.Command("mount", "-t", "tmpfs", "-o", "size=1m", "ipwarden-full-disk", stateDir).CombinedOutput(); err != nil {
+		t.Fatalf("mount tmpfs: %v: %s", err, out)
+	}
+	t.Cleanup(func() { _ = exec.Command("umount", "-l", stateDir).Run() })
+	startController(t)
+	ag := startAgent(t, node, stateDir, "--address-wait=2s")
+	ag.waitServing(t)
+	conf := pluginConf("1.1.0", ag.socket)
+	rt := &runtimeRecord{t: t, live: map[string]netip.Addr{}}
+	for i := range 3 {
+		cid := fmt.Sprintf("a%d", i)
+		p := createBoundPod(t, "full-disk-"+cid, node)
+		res, e := cniIf(t, "ADD", conf, cid, "eth0", podArgs(p.Namespace, p.Name, string(p.UID)))
+		if e != nil {
+			t.Fatalf("ADD %s before the disk filled: %v", cid, e)
+		}
+		rt.answered("pod", cid, "eth0", res)
+	}
+	// Fill the filesystem.
+	filler := filepath.Join(stateDir, "filler")
+	f, err := os.Create(filler)
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 4096)
+	for {
+		if _, err := f.Write(buf); err != nil {
+			break
+		}
+	}
+	f.Close()
+	refused := 0
+	for i := range 40 {
+		cid := fmt.Sprintf("b%d", i)
+		p := createBoundPod(t, "full-disk-"+cid, node)
+		res, e := cniIf(t, "ADD", conf, cid, "eth0", podArgs(p.Namespace, p.Name, string(p.UID)))
+		if e != nil {
+			refused++
+			continue
+		}
+		rt.answered("pod", cid, "eth0", res)
+	}
+	if refused == 0 {
+		t.Fatal("no ADD was refused on a full disk: the test did not reach a failing journal write")
+	}
+	if err := os.Remove(filler); err != nil {
+		t.Fatal(err)
+	}
+	// The agent may have stopped on a broken journal; a restart (as the kubelet would) opens it.
+	ag.restart(t, "--address-wait=2s")
+	ag.waitServing(t)
 	resp, err := ag.list(t)
 	if err != nil {
 		t.Fatal(err)
 	}
-	owner := map[string]string{}
+	got := map[string]netip.Addr{}
 	for _, at := range resp.Attachments {
+		if strings.HasPrefix(at.ContainerID, "rebuilt:") {
+			continue
+		}
 		for _, ip := range at.IPs {
-			if other, dup := owner[ip.Address]; dup {
-				t.Fatalf("%s is in attachments %s and %s", ip.Address, other, at.ContainerID)
-			}
-			owner[ip.Address] = at.ContainerID
+			got["pod/"+at.ContainerID+"/"+at.IfName] = addrOf(t, ip.Address)
 		}
 	}
-	if _, used := owner[A]; used != inUse {
-		t.Fatalf("%s in an attachment: %v, want %v (attachments %+v)", A, used, inUse, resp.Attachments)
+	for k, a := range rt.live {
+		if got[k] != a {
+			t.Fatalf("sandbox %s was answered %s; after the disk came back the agent attaches %v to it (attachments %v)", k, a, got[k], got)
+		}
 	}
+	t.Logf("%d ADDs answered, %d refused on the full disk", len(rt.live), refused)
+	// And new pods get addresses again, none a live one.
+	p := createBoundPod(t, "full-disk-after", node)
+	res, e := cniIf(t, "ADD", conf, "after", "eth0", podArgs(p.Namespace, p.Name, string(p.UID)))
+	if e != nil {
+		t.Fatalf("ADD after the disk came back: %v", e)
+	}
+	rt.answered("pod", "after", "eth0", res)
 }

@@ -175,7 +175,6 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 	}
 	picks := make([]Address, len(pools))
 	adopted := make([]bool, len(pools))
-	fromAhead := make([]bool, len(pools))
 	var short []string
 	var waitFor []Address
 	for i, name := range pools {
@@ -194,6 +193,10 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 				}
 				return Attachment{}, Change{}, &StaticUnavailableError{Msg: fmt.Sprintf("address %s is in use by %s on node %s", a, who, s.node)}
 			}
+			if p.lost.Contains(a) {
+				return Attachment{}, Change{}, &StaticUnavailableError{Msg: fmt.Sprintf("address %s of pool %s is recorded on node %s as possibly in use by a sandbox "+
+					"the journal does not name (an older agent's reservation ahead, left by a crash); it stays out of use", a, name, s.node)}
+			}
 			_, rel := p.releasing[a]
 			if rel || !p.heldKnown || !p.held.Contains(a) || p.unattributed.Contains(a) || s.recordMissing {
 				if reason, ok := s.refused[name][a]; ok && !(p.heldKnown && p.held.Contains(a)) {
@@ -203,10 +206,6 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 				continue
 			}
 			picks[i] = Address{Pool: name, Addr: a}
-			continue
-		}
-		if a, ok := s.pools[name].aheadPick(s.reserved(name)); ok && !s.recordMissing {
-			picks[i], fromAhead[i] = Address{Pool: name, Addr: a}, true
 			continue
 		}
 		a, _, ok := s.pools[name].next(now, s.reserved(name))
@@ -226,13 +225,6 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 		p := s.pools[ad.Pool]
 		if adopted[i] {
 			p.inUse[ad.Addr] = req.Key
-			continue
-		}
-		if fromAhead[i] {
-			p.ahead = p.ahead.Subtract(setOf(ad.Addr))
-			p.inUse[ad.Addr] = req.Key
-			u.fromAhead = append(u.fromAhead, ad)
-			ch.DeleteAhead = append(ch.DeleteAhead, ad)
 			continue
 		}
 		if c := p.take(ad.Addr, req.Key); c != nil {
@@ -257,10 +249,6 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 	}
 	att := &Attachment{Key: req.Key, Network: req.Network, Pod: req.Pod, Addresses: picks, Created: now, Netns: req.Netns}
 	s.putAttachment(att)
-	u.early = !slices.Contains(fromAhead, false)
-	for _, name := range pools {
-		s.topUp(name, now, &ch, u)
-	}
 	s.pending[req.Key] = u
 	delete(s.waiters, req.Key)
 	ch.PutAttachments = append(ch.PutAttachments, *att.clone())
@@ -279,7 +267,6 @@ func (s *State) ConfirmAdd(k Key) {
 		if u.configPools != nil {
 			s.configPools = slices.Clone(*u.configPools)
 		}
-		s.confirmAhead(u)
 	}
 	delete(s.pending, k)
 }
@@ -301,9 +288,6 @@ func (s *State) AbortAdd(k Key) {
 			continue
 		}
 		delete(p.inUse, ad.Addr)
-		if slices.Contains(u.fromAhead, ad) {
-			continue // abortAhead puts it back
-		}
 		if i := slices.IndexFunc(u.fromCooling, func(c Cooling) bool { return c.Addr == ad.Addr && c.Pool == ad.Pool }); i >= 0 {
 			p.uncool(u.fromCooling[i])
 			continue
@@ -316,7 +300,6 @@ func (s *State) AbortAdd(k Key) {
 		s.dropAttachment(u.placeholder.Key)
 		s.putAttachment(u.placeholder)
 	}
-	s.abortAhead(u)
 }
 
 // DelPlan is a DEL decided but not yet applied; see PlanDel.

@@ -132,7 +132,6 @@ func TestSpecWorthWriting(t *testing.T) {
 // at the high end, where a give-back trims a run instead of splitting it.
 func TestAddPacksLowAddresses(t *testing.T) {
 	h := newHarness(t, poolV4)
-	h.s.SetReserveAhead(0) // the packing rule itself; an address reserved ahead is chosen one ADD earlier (ahead.go)
 	h.hold("v4", "10.0.0.8/29")
 	if got := h.mustAdd("a"); got[0] != "10.0.0.8" {
 		t.Fatalf("first ADD got %v, want 10.0.0.8", got)
@@ -154,7 +153,6 @@ func TestAddPacksLowAddresses(t *testing.T) {
 // run.
 func TestAddPacksTheLargestRun(t *testing.T) {
 	h := newHarness(t, poolV4)
-	h.s.SetReserveAhead(0) // the packing rule itself; an address reserved ahead is chosen one ADD earlier (ahead.go)
 	h.hold("v4", "10.0.0.2/31", "10.0.0.16/30", "10.0.0.32/29")
 	var got []string
 	for _, k := range []string{"a", "b", "c", "d", "e", "f", "g", "h", "i"} {

@@ -62,8 +62,6 @@ func (s *State) Apply(p Plan) {
 		s.handback = p.mark
 	case RebuildPlan:
 		s.applyRebuild(p)
-	case AheadPlan:
-		s.applyAhead(p)
 	case Batch:
 		for _, q := range p {
 			s.Apply(q)
@@ -86,8 +84,6 @@ func (s *State) Abort(p Plan) {
 		// They reserve nothing: the state is as it was.
 	case RebuildPlan:
 		s.abortRebuild(p)
-	case AheadPlan:
-		s.abortAheadPlan(p)
 	case Batch:
 		for i := len(p) - 1; i >= 0; i-- {
 			s.Abort(p[i])

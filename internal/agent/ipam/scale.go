@@ -39,7 +39,7 @@ func (s *State) Demand(pool string) int {
 	inUse := 0
 	if ok {
 		// held out of use, as if in use
-		inUse = len(p.inUse) + count(p.unattributed) + count(p.aheadLost.Subtract(p.inUseSet()))
+		inUse = len(p.inUse) + count(p.unattributed.Union(p.lost).Subtract(p.inUseSet()))
 		for _, freed := range p.cooling {
 			if !p.cooled(freed, s.clock) {
 				inUse++
@@ -157,7 +157,7 @@ func (s *State) Release(now time.Time) ReleasePlan {
 		holding := p.held.Subtract(p.relSet)
 		// Static addresses pods here ask for are never given back (static.go).
 		free := holding.Subtract(p.inUseSet()).Subtract(p.unattributed).Subtract(s.wanted(name)).
-			Subtract(p.aheadPlanned).Subtract(p.aheadLost) // reserved ahead but in flight, or of unknown owner (ahead.go)
+			Subtract(p.lost) // an older agent's reservations ahead: of unknown owner (lost.go)
 		// Free addresses the pool's current spec no longer covers are given back at once
 		// (they are never handed out); addresses in use drain as their pods go (see PlanDel).
 		// Addresses of unknown owner (the hold after a rebuild) are neither.
@@ -198,7 +198,6 @@ func (s *State) Release(now time.Time) ReleasePlan {
 		p.coolq = slices.DeleteFunc(p.coolq, func(c Cooling) bool { return rel.Contains(c.Addr) })
 		p.relSet = p.relSet.Union(rel)
 		p.fresh = p.fresh.Subtract(rel)
-		p.ahead = p.ahead.Subtract(rel) // free addresses reserved ahead may go: never handed out
 		plan.Marked[name] = rel
 	}
 	return plan
@@ -304,7 +303,7 @@ func (s *State) Stats(now time.Time) []PoolStats {
 			Requested:    s.Request(name),
 			Demand:       s.Demand(name),
 			Exhausted:    p.cfg.Exhausted,
-			Unattributed: count(p.unattributed) + count(p.aheadLost.Subtract(p.inUseSet())),
+			Unattributed: count(p.unattributed.Union(p.lost).Subtract(p.inUseSet())),
 		}
 		st.OutsidePool = count(p.outside())
 		for _, k := range p.inUse {
@@ -313,7 +312,7 @@ func (s *State) Stats(now time.Time) []PoolStats {
 			}
 		}
 		if p.heldKnown {
-			st.Free = count(p.fresh) + count(p.ahead)
+			st.Free = count(p.fresh)
 			st.Conflicts = count(p.inUseSet().Subtract(p.held))
 		}
 		for _, c := range p.coolq {

@@ -52,8 +52,6 @@ type State struct {
 	recordMissing bool
 	// handback is the handback mark (handback.go): while set, every ADD is refused.
 	handback *HandbackMark
-	// aheadN is how many addresses of each pool ADDs keep reserved ahead (ahead.go).
-	aheadN int
 }
 
 // observe advances the state's clock to now.
@@ -78,15 +76,9 @@ type poolState struct {
 	fresh     addr.Set                 // (held - releasing - inUse - cooling - unattributed) within usable
 	// unattributed: held addresses kept out of use by the hold after a rebuild (hold.go).
 	unattributed addr.Set
-	// ahead: addresses reserved ahead (ahead.go), journaled and owned by no attachment: the
-	// next ADDs hand them out before their own journal writes. aheadPlanned: reserved ahead by an
-	// ADD whose journal write is in flight. aheadLost: recorded as reserved ahead on disk but
-	// possibly handed out (found at start-up, or an early ADD's write was refused): out of use
-	// until PlanForgetAhead's deletion of their records is journaled.
-	ahead, aheadPlanned, aheadLost addr.Set
-	// recorded: the addresses with a record of a reservation ahead on disk (stale ones
-	// included: an address dropped from ahead keeps its record until a clean stop deletes it).
-	recorded addr.Set
+	// lost: addresses an older agent recorded as reserved ahead (lost.go): a sandbox may use
+	// one with no record of which, so they stay out of use for as long as their records exist.
+	lost addr.Set
 	// usable is what the pool's current spec lets the node hand out (see Pool.Usable); when
 	// !usableKnown nothing is ruled out. gone is set once the IPPool no longer exists.
 	usable      addr.Set
@@ -147,13 +139,6 @@ type undo struct {
 	fromCooling []Cooling
 	placeholder *Attachment // the rebuilt attachment the ADD adopted addresses from, before
 	configPools *[]string   // the configuration's pools the ADD journals (ConfirmAdd takes them on)
-	// fromAhead: the ADD's addresses that were reserved ahead; early: all were, and the ADD is
-	// answered before its journal write (ahead.go). aheadPlanned: addresses the ADD reserves
-	// ahead, aheadFromCooling those of them it took from the cooling queue.
-	fromAhead        []Address
-	early            bool
-	aheadPlanned     []Address
-	aheadFromCooling []Cooling
 }
 
 // New returns an empty state for node.
@@ -166,7 +151,6 @@ func New(node string) *State {
 		pending:  map[Key]*undo{},
 		waiters:  map[Key]waiter{},
 		delFreed: map[string]struct{}{},
-		aheadN:   AheadPerPool,
 	}
 }
 
@@ -271,10 +255,9 @@ func (s *State) Restore(snap Snapshot) (problems []string) {
 		s.putAttachment(&att)
 	}
 	for _, a := range snap.Ahead {
-		// Every record is lost: the agent that wrote it may have handed the address out (ahead.go).
+		// Every record is lost: the agent that wrote it may have handed the address out (lost.go).
 		p := s.pool(a.Pool)
-		p.aheadLost = p.aheadLost.Union(addr.SetOfAddrs(a.Addr))
-		p.recorded = p.recorded.Union(addr.SetOfAddrs(a.Addr))
+		p.lost = p.lost.Union(addr.SetOfAddrs(a.Addr))
 	}
 	for _, c := range snap.Cooling {
 		p := s.pool(c.Pool)
@@ -306,16 +289,8 @@ func (p *poolState) recompute() {
 	p.relCooled = p.relCooled.Intersect(p.relSet)
 	inUse := p.inUseSet()
 	p.unattributed = p.unattributed.Intersect(p.held).Subtract(p.relSet).Subtract(inUse)
-	// An address reserved ahead that may no longer be handed out (given back, in use, held out of
-	// use, outside the pool's spec) leaves the reservation in memory; its record on disk is stale
-	// and only ever holds it longer after a restart.
-	valid := p.held.Subtract(p.relSet).Subtract(inUse).Subtract(p.unattributed)
-	if p.usableKnown {
-		valid = valid.Intersect(p.usable)
-	}
-	p.ahead = p.ahead.Intersect(valid)
 	p.fresh = p.held.Subtract(p.relSet).Subtract(inUse).Subtract(p.coolingSet()).Subtract(p.unattributed).
-		Subtract(p.ahead).Subtract(p.aheadPlanned).Subtract(p.aheadLost)
+		Subtract(p.lost)
 	if p.usableKnown {
 		p.fresh = p.fresh.Intersect(p.usable)
 	}
@@ -540,7 +515,7 @@ func (p *poolState) next(now time.Time, wanted addr.Set) (a netip.Addr, fromCool
 		if !p.cooled(c.FreedAt, now) {
 			break
 		}
-		if p.held.Contains(c.Addr) && p.isUsable(c.Addr) && !wanted.Contains(c.Addr) {
+		if p.held.Contains(c.Addr) && p.isUsable(c.Addr) && !wanted.Contains(c.Addr) && !p.lost.Contains(c.Addr) {
 			consider(c.Addr, true)
 		}
 	}
@@ -567,11 +542,9 @@ func runSizeIn(runs []addr.Range, a netip.Addr) addr.Count {
 // runSize is the size of the run of the node's holding that contains a.
 func (p *poolState) runSize(a netip.Addr) addr.Count { return runSizeIn(p.held.Ranges(), a) }
 
-// take marks a as in use by k, removing it from fresh, the cooling queue or the addresses
-// reserved ahead.
+// take marks a as in use by k, removing it from fresh or the cooling queue.
 func (p *poolState) take(a netip.Addr, k Key) (fromCooling *Cooling) {
 	p.inUse[a] = k
-	p.ahead = p.ahead.Subtract(addr.SetOfAddrs(a))
 	if t, ok := p.cooling[a]; ok {
 		delete(p.cooling, a)
 		i := slices.IndexFunc(p.coolq, func(c Cooling) bool { return c.Addr == a })

@@ -208,10 +208,9 @@ type Change struct {
 	// PutHandback sets the handback mark (handback.go); ClearHandback clears it.
 	PutHandback   *HandbackMark
 	ClearHandback bool
-	// PutAhead records addresses reserved ahead (ahead.go): an ADD may hand them out before its
-	// own journal write lands. DeleteAhead removes such records: an ADD's, in the same
-	// transaction as the attachment that uses the address, or the forgetting of records found
-	// at start-up once their hold ended.
+	// PutAhead and DeleteAhead write and delete records of addresses reserved ahead, the format
+	// of an older agent (lost.go). This agent never plans either: they remain so that the
+	// journal's format is whole and tests can write an older agent's journal.
 	PutAhead    []Address
 	DeleteAhead []Address
 }
@@ -266,7 +265,7 @@ type Snapshot struct {
 	ConfigPools []string
 	// Handback is the handback mark (handback.go); nil when the node was not handed back.
 	Handback *HandbackMark
-	// Ahead are the records of addresses reserved ahead (ahead.go).
+	// Ahead are the records of addresses reserved ahead by an older agent (lost.go).
 	Ahead []Address
 }
 
