@@ -323,6 +323,10 @@ func (s *State) PlanDel(k Key, now time.Time) (DelPlan, error) {
 		return DelPlan{Key: k, At: now}, nil
 	}
 	plan := DelPlan{Key: k, At: now, Found: true}
+	// In flight until ApplyDel or Abort: a rebuild, CNI GC or sticky decision planned meanwhile
+	// leaves the attachment alone, so the DEL's write (PutCooling of its addresses) never lands
+	// after a change that moved one of them elsewhere.
+	s.pending[k] = &undo{}
 	plan.Change.DeleteAttachments = []Key{k}
 	for _, ad := range a.Addresses {
 		p := s.pools[ad.Pool]
@@ -343,6 +347,9 @@ func (s *State) PlanDel(k Key, now time.Time) (DelPlan, error) {
 // ApplyDel frees the attachment of a journaled plan: its addresses go to the back of their
 // pools' cooling queues.
 func (s *State) ApplyDel(plan DelPlan) {
+	if plan.Found {
+		delete(s.pending, plan.Key)
+	}
 	a, ok := s.atts[plan.Key]
 	if !ok || !plan.Found {
 		return

@@ -100,3 +100,37 @@ func TestLostReservationAdoptedThenFreedStaysOut(t *testing.T) {
 		t.Fatal("ADD d succeeded: only the lost address is left")
 	}
 }
+
+// A rebuild planned while a DEL of an attachment is in flight (answered, its write not landed)
+// leaves that attachment alone, even when a pod gone from the list reports its address with the
+// sandbox gone: otherwise the DEL's write, landing after the rebuild's, would record the address
+// as cooling while the rebuilt attachment holds it (found by TestModelNoAddressAnsweredTwice).
+func TestRebuildLeavesAnAttachmentWithADelInFlight(t *testing.T) {
+	h := newHarness(t, poolV4)
+	h.hold("v4", "10.0.0.8/30")
+	// .8 for pod uid-a (not in the pod list below: gone, or not delivered yet), whose sandbox's
+	// network namespace is gone.
+	_, ch, err := h.s.Add(AddRequest{Key: key("a"), Network: "net", Netns: "/run/netns/cni-a", Pod: PodRef{"ns", "a", "uid-a"}}, h.now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.commit(ch)
+	h.s.Apply(AddPlan{Key: key("a"), Change: ch})
+	del, err := h.s.PlanDel(key("a"), h.now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pods := []Pod{{Ref: PodRef{"ns", "q", "uid-q"}, IPs: []netip.Addr{ip("10.0.0.8")}}}
+	rb := h.s.PlanRebuild(pods, h.now, func(string) Sandbox { return SandboxGone })
+	if !rb.Change.IsEmpty() {
+		t.Fatalf("a rebuild during the DEL changed %+v", rb.Change)
+	}
+	h.s.Apply(rb)
+	h.commit(del.Changes())
+	h.s.Apply(del)
+	// Once the DEL landed, the next rebuild may judge the report.
+	if h.s.Pending(key("a")) {
+		t.Fatal("the attachment is still in flight after its DEL was applied")
+	}
+	h.crash()
+}

@@ -77,7 +77,10 @@ func (s *State) Abort(p Plan) {
 	case AddPlan:
 		s.AbortAdd(p.Key)
 	case DelPlan:
-		// A DEL reserves nothing.
+		// The attachment stays as it was; it is no longer in flight.
+		if p.Found {
+			delete(s.pending, p.Key)
+		}
 	case ReleasePlan:
 		s.UnmarkReleasing(p)
 	case PoolsPlan, HoldingsPlan, MarkPlan, HandbackPlan:
