@@ -103,7 +103,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		Adopted: gauge("pool_adopted_addresses",
 			"Addresses of the pool used by pods whose attachment was recorded from their status.podIPs rather than by an ADD: pods that ran before the node moved to ipwarden (taken over from the previous IPAM), or whose journal was lost. 0 on every node: the takeover is complete."),
 		Unattributed: gauge("pool_unattributed_addresses",
-			"Held addresses no attachment accounts for after the journal was rebuilt from the pods, or addresses reserved ahead that an ADD may have handed out before a crash; kept out of use until every pod on the node has reported its addresses or the hold (--rebuild-hold) ends."),
+			"Held addresses no attachment accounts for after the journal was rebuilt from the pods, kept out of use until every pod on the node has reported its addresses or the hold (--rebuild-hold) ends; and addresses an older agent recorded as reserved ahead before a crash, kept out of use for as long as their records exist."),
 
 		JournalRecovered: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "journal_recovered_total",
 			Help: "Damaged journals moved aside at start (the attachments were rebuilt from the pods), by reason: truncated, corrupt, incompatible_version."}, []string{"reason"}),
@@ -124,7 +124,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		PodUnknown: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "add_pod_unreadable_total",
 			Help: "ADDs refused (CNI error 11, the runtime retries) because the pod watch had not seen the pod and the API server did not answer: pools are never chosen without the pod's annotations."}),
 		JournalRefused: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "journal_refused_total",
-			Help: "Changes of the node's state the journal refused, by change (add, del, release, pools, holdings, mark, rebuild, handback, ahead); the state was left as it was and the change is retried: by the runtime (add; an ADD answered early keeps its addresses out of use until the node's pods have reported theirs), the leak collector (del: a DEL is answered before its write), the next pool monitor round (release), the next reading of the node's objects (pools, holdings, mark), the next pod event (rebuild), the operator (handback: the command says so) or the next start (ahead: records of addresses reserved ahead, forgotten after a hold or at a clean stop)."}, []string{"change"}),
+			Help: "Changes of the node's state the journal refused, by change (add, del, release, pools, holdings, mark, rebuild, handback); the state was left as it was and the change is retried: by the runtime (add: answered with an error, nothing handed out), the leak collector (del: a DEL is answered before its write), the next pool monitor round (release), the next reading of the node's objects (pools, holdings, mark), the next pod event (rebuild) or the operator (handback: the command says so)."}, []string{"change"}),
 		Outside: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Name: "addresses_outside_pool",
 			Help: "Addresses the node holds or uses that the pool's current spec no longer covers (a shrunk pool, a new exclusion): never handed out, released as they are freed."}, pool),
 
@@ -176,7 +176,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			v.WithLabelValues(path)
 		}
 	}
-	for _, c := range []string{"add", "del", "release", "pools", "holdings", "mark", "rebuild", "handback", "ahead"} {
+	for _, c := range []string{"add", "del", "release", "pools", "holdings", "mark", "rebuild", "handback"} {
 		m.JournalRefused.WithLabelValues(c)
 	}
 	m.Queue = NewQueueMetrics(reg)
