@@ -138,11 +138,11 @@ func TestRealNode(t *testing.T) {
 				n.dumpState(ctx)
 				t.Fatal(err)
 			}
-			// The kubelet stopped the old agent with SIGTERM: a clean stop forgets the
-			// addresses reserved ahead, so the new agent has none to hold.
-			if got := n.reservedAheadAtStart(ctx); got != 0 {
+			// The kubelet stopped the old agent with SIGTERM; its journal has nothing of unknown
+			// owner: every ADD was answered after its write.
+			if got := n.lostReservationsAtStart(ctx); got != 0 {
 				n.dumpState(ctx)
-				t.Fatalf("the agent restarted after a clean stop found %d addresses reserved ahead to hold, want 0", got)
+				t.Fatalf("the agent restarted after a clean stop found %d lost reservations, want 0", got)
 			}
 		}},
 		{"controller pods (rollout restart on one node)", func() {
@@ -212,8 +212,8 @@ func TestRealNode(t *testing.T) {
 // again in new sandboxes, ping each other and match the agent's attachments.
 func (n *realNode) checkPowerCycle(ctx context.Context) {
 	t := n.t
-	// One pod replaced first: its ADD, with two addresses free, reserves the other ahead (the
-	// node holds maxPerNode, 8), so the power cycle kills an agent with a reservation on disk.
+	// One pod replaced first, so the power cycle kills an agent that has just served a DEL (answered
+	// before its write) and an ADD.
 	n.scale(ctx, 6)
 	n.waitPods(ctx, 6)
 	n.scale(ctx, 7)
@@ -234,13 +234,11 @@ func (n *realNode) checkPowerCycle(ctx context.Context) {
 	}
 	n.checkPing(ctx, after)
 	n.checkAttachments(ctx, after)
-	// The power cycle SIGKILLed the agent with addresses reserved ahead on disk (the pods it
-	// served since its last start reserved them): it cannot know whether an ADD answered just
-	// before handed one out, so it holds them until every pod on the node has reported its
-	// addresses, which the real kubelet does once the pods run again. The hold must end.
-	if got := n.reservedAheadAtStart(ctx); got == 0 {
+	// The power cycle SIGKILLed the agent: every address it answered is in an attachment on
+	// disk (answered after the write), so it finds nothing of unknown owner and holds nothing.
+	if got := n.lostReservationsAtStart(ctx); got != 0 {
 		n.dumpState(ctx)
-		t.Fatal("the agent killed by the power cycle found no address reserved ahead in its journal; the hold after a crash went untested")
+		t.Fatalf("the agent killed by the power cycle found %d lost reservations in its journal, want 0", got)
 	}
 	if err := localcluster.WaitFor(ctx, 2*time.Minute, 250*time.Millisecond, func() error {
 		out, err := exec.Command(prep.Ipwarden, "agent", "list", "-o", "json", "--socket", cniproto.DefaultSocket).Output()
@@ -259,17 +257,17 @@ func (n *realNode) checkPowerCycle(ctx context.Context) {
 		n.dumpState(ctx)
 		t.Fatal(err)
 	}
-	n.logf("power cycle: the hold of the addresses reserved ahead ended")
+	n.logf("power cycle: no hold after the kill")
 }
 
-// reservedAheadRE finds the count in the agent's "journal loaded" log line (JSON or console).
-var reservedAheadRE = regexp.MustCompile(`"reservedAhead"\s*:\s*(\d+)`)
+// lostReservationsRE finds the count in the agent's "journal loaded" log line (JSON or console).
+var lostReservationsRE = regexp.MustCompile(`"lostReservations"\s*:\s*(\d+)`)
 
-// reservedAheadAtStart waits for the running agent container's "journal loaded" log line and
-// returns how many records of addresses reserved ahead its journal held. It reads the
+// lostReservationsAtStart waits for the running agent container's "journal loaded" log line and
+// returns how many addresses an older agent reserved ahead its journal held (lost.go). It reads the
 // container's log file where the kubelet writes it (/var/log/pods, the suite's own directory in
 // its mount namespace): the API server cannot reach this kubelet for logs.
-func (n *realNode) reservedAheadAtStart(ctx context.Context) int {
+func (n *realNode) lostReservationsAtStart(ctx context.Context) int {
 	t := n.t
 	got := -1
 	if err := localcluster.WaitFor(ctx, time.Minute, 250*time.Millisecond, func() error {
@@ -284,9 +282,9 @@ func (n *realNode) reservedAheadAtStart(ctx context.Context) int {
 			if !strings.Contains(lines[i], "journal loaded") {
 				continue
 			}
-			m := reservedAheadRE.FindStringSubmatch(lines[i])
+			m := lostReservationsRE.FindStringSubmatch(lines[i])
 			if m == nil {
-				return fmt.Errorf("the agent's journal-loaded line has no reservedAhead: %s", lines[i])
+				return fmt.Errorf("the agent's journal-loaded line has no lostReservations: %s", lines[i])
 			}
 			got, _ = strconv.Atoi(m[1])
 			n.logf("agent start: %s", strings.TrimSpace(lines[i]))
