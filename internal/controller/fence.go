@@ -203,7 +203,7 @@ type LeaseObserver struct {
 // Get, so it notices (and says) that its fence went away while it waits.
 func (l *LeaseObserver) Get(ctx context.Context) (*resourcelock.LeaderElectionRecord, []byte, error) {
 	if l.Gate != nil {
-		_ = l.Gate.Check(ctx, l.Fence)
+		_ = l.Gate.Check(ctx, l.Fence, l.Interface.Identity())
 	}
 	return l.Interface.Get(ctx)
 }
@@ -217,7 +217,7 @@ func (l *LeaseObserver) mayTake(ctx context.Context) error {
 	if l.Gate == nil {
 		return nil
 	}
-	return l.Gate.Check(ctx, l.Fence)
+	return l.Gate.Check(ctx, l.Fence, l.Interface.Identity())
 }
 
 // Create creates the lease and reports it.

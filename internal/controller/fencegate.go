@@ -71,15 +71,16 @@ type FenceGate struct {
 	said string // the judgement last reported ("" once the fence held)
 }
 
-// Check reads and judges the fence, acts on it (DecideFence) and reports a change. It returns
-// nil when the lock may take or renew the Lease, else why not.
-func (g *FenceGate) Check(ctx context.Context, f *Fence) error {
+// Check reads and judges the fence for the process whose Lease holder identity is id and whose
+// write permit is f, acts on it (DecideFence) and reports a change. It returns nil when the lock
+// may take or renew the Lease, else why not.
+func (g *FenceGate) Check(ctx context.Context, f *Fence, id string) error {
 	v := g.judge(ctx)
 	step := DecideFence(v, f.Leading())
 	if step == FenceStepDown && !f.Lose(v.Detail) {
 		step = FenceWait // it stopped leading meanwhile
 	}
-	g.report(v, step, f)
+	g.report(v, step, f, id)
 	if step == FenceTake {
 		return nil
 	}
@@ -98,7 +99,7 @@ func (g *FenceGate) judge(ctx context.Context) FenceVerdict {
 }
 
 // report says what Check found, once per change of judgement (every step-down).
-func (g *FenceGate) report(v FenceVerdict, step FenceStep, f *Fence) {
+func (g *FenceGate) report(v FenceVerdict, step FenceStep, f *Fence, id string) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	lease := g.LeaseNamespace + "/" + g.LeaseName
@@ -124,8 +125,8 @@ func (g *FenceGate) report(v FenceVerdict, step FenceStep, f *Fence) {
 	default:
 		g.Metrics.FencePolicyOK.Set(0)
 		g.Log.Error(nil, "refusing to lead: the fence policy would not deny a stale leader's writes", "lease", lease,
-			"reason", v.Problem, "detail", v.Detail)
-		g.Event("FenceInvalid", "ipwarden controller refuses to lead: "+v.Detail)
+			"reason", v.Problem, "detail", v.Detail, "identity", id)
+		g.Event("FenceInvalid", fmt.Sprintf("ipwarden controller %s refuses to lead: %s", id, v.Detail))
 		g.said = key
 	}
 }

@@ -67,7 +67,7 @@ func TestFenceGateStandby(t *testing.T) {
 			t.Fatalf("Get must read the Lease whatever the fence says: %v", err)
 		}
 	}
-	if r.ok() != 0 || len(r.events) != 1 || !strings.HasPrefix(r.events[0], "FenceInvalid: ipwarden controller refuses to lead") {
+	if r.ok() != 0 || len(r.events) != 1 || !strings.HasPrefix(r.events[0], "FenceInvalid: ipwarden controller ctrl-a refuses to lead") {
 		t.Fatalf("after the fence went: fence_policy_ok=%v events=%q", r.ok(), r.events)
 	}
 	lock.holder = "" // the leader went away
