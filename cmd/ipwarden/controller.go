@@ -244,8 +244,10 @@ func campaign(ctx context.Context, f *controllerFlags, cfg *rest.Config, scheme 
 	if err := mgr.Add(c); err != nil {
 		return err
 	}
+	syncCtx, stopSync := context.WithCancel(ctx) // ends with this campaign
+	defer stopSync()
 	go func() {
-		if mgr.GetCache().WaitForCacheSync(ctx) {
+		if mgr.GetCache().WaitForCacheSync(syncCtx) {
 			synced.Store(true)
 		}
 	}()
