@@ -220,6 +220,9 @@ func campaign(ctx context.Context, f *controllerFlags, cfg *rest.Config, scheme 
 			opts.Fence.SkipLocalCheck()
 		}
 		lock = &controller.LeaseObserver{Interface: inner, Fence: opts.Fence, Now: time.Now, Gate: gate}
+		if gate != nil {
+			opts.Lease = &corev1.ObjectReference{APIVersion: "coordination.k8s.io/v1", Kind: "Lease", Namespace: ns, Name: f.leaderElectionID}
+		}
 		log.Info("leader election", "identity", id, "lease", ns+"/"+f.leaderElectionID, "fenceChecked", gate != nil)
 	}
 	leaseDuration, renewDeadline, retryPeriod := f.leaseDuration, f.renewDeadline, f.retryPeriod

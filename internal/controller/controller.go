@@ -47,6 +47,10 @@ type Options struct {
 	Now func() time.Time
 	// Fence is the write permit from leader election [NoFence: unfenced, no leader election].
 	Fence *Fence
+	// Lease is the leader election Lease, for events about the fence; with it, a controller that
+	// starts leading probes the API server's fence before it writes (fenceprobe.go) [nil: no
+	// probe].
+	Lease *corev1.ObjectReference
 	// ClaimSettle bounds how long after it starts leading the controller serves only claims
 	// and take-backs, waiting for every node's agent to acknowledge it, before it fills nodes
 	// from the free pool anyway [60s]. Without leader election nothing acknowledges, and it
@@ -198,6 +202,12 @@ func (c *Controller) Start(ctx context.Context) error {
 	}
 	c.metrics.Epoch.Set(float64(c.fence.Epoch()))
 	c.log.Info("leading", "holder", c.fence.Holder(), "epoch", c.fence.Epoch())
+	if err := c.awaitFence(ctx); err != nil {
+		return err
+	}
+	if ctx.Err() != nil {
+		return nil
+	}
 	if err := c.watch(ctx); err != nil {
 		return err
 	}

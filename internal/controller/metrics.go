@@ -41,11 +41,14 @@ type Metrics struct {
 	FencePolicyOK prometheus.Gauge
 	// FenceLost counts the times this process stopped leading because its fence stopped holding,
 	// by reason (FenceProblem).
-	FenceLost      *prometheus.CounterVec
-	Epoch          prometheus.Gauge
-	ClaimsGranted  *prometheus.CounterVec
-	ClaimConflicts prometheus.Gauge
-	Unacked        prometheus.Gauge
+	FenceLost *prometheus.CounterVec
+	// FenceUnenforced is 1 while this controller leads but writes nothing because the API
+	// server's fence does not work for it (JudgeFenceProbe).
+	FenceUnenforced prometheus.Gauge
+	Epoch           prometheus.Gauge
+	ClaimsGranted   *prometheus.CounterVec
+	ClaimConflicts  prometheus.Gauge
+	Unacked         prometheus.Gauge
 	// PoolUnobserved: per pool waiting for the nodes (poolsettle.go), the nodes that have not
 	// reported what their pods use in its new addresses.
 	PoolUnobserved *prometheus.GaugeVec
@@ -87,6 +90,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		FencedWrites: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "fenced_writes_total", Help: "Writes refused because this controller no longer holds its Lease, by who refused (local: its own lease check; apiserver: the fence policy)."}, []string{"by"}),
 		FencePolicyOK: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "fence_policy_ok",
 			Help: "1 while the fence policy (ValidatingAdmissionPolicy ipwarden-controller-fence and its binding) denies a stale leader's writes to this controller's Lease, checked at every lease operation; 0 while it does not: the controller refuses to lead, or stepped down."}),
+		FenceUnenforced: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "fence_unenforced",
+			Help: "1 while this controller leads but writes nothing because the API server's fence does not work for it: a dry-run write with its own fence was denied, or one with another holder's was admitted (kube-apiserver's frozen view of the Lease after the fence was deleted, kubernetes/kubernetes#130887)."}),
 		FenceLost: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "fence_lost_total",
 			Help: "Times this controller stopped writing and stepped down as leader because its fence policy stopped denying a stale leader's writes, by reason (policy_missing, binding_missing, not_denying, fails_open, wrong_lease, check_changed, narrowed)."}, []string{"reason"}),
 		Epoch:          prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "leader_epoch", Help: "The leader election epoch (Lease leaderTransitions) this controller writes with; 0 until it leads."}),
@@ -101,7 +106,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		reg.MustRegister(m.PoolCapacity, m.PoolAllocated, m.PoolFree, m.PoolCooling, m.PoolExhausted, m.PoolConflicts,
 			m.NodeHeld, m.NodeRequested, m.NodeDeficit, m.NodesInDeficit, m.NodesAtCapacity, m.Nodes,
 			m.Allocations, m.Releases, m.APIWrites, m.SyncDuration, m.SyncErrors, m.QueueDepth, m.AddressesTwice, m.NodesReleased, m.GCCandidates, m.GCCollected, m.GCFailed,
-			m.FencedWrites, m.FencePolicyOK, m.FenceLost, m.Epoch, m.ClaimsGranted, m.ClaimConflicts, m.Unacked, m.PoolUnobserved)
+			m.FencedWrites, m.FencePolicyOK, m.FenceLost, m.FenceUnenforced, m.Epoch, m.ClaimsGranted, m.ClaimConflicts, m.Unacked, m.PoolUnobserved)
 	}
 	return m
 }

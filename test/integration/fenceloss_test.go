@@ -4,16 +4,19 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
 	admissionv1 "k8s.io/api/admissionregistration/v1"
+	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/util/retry"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/yaml"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/addr"
@@ -40,34 +43,39 @@ func TestFenceWeakenedUnderRunningControllers(t *testing.T) {
 		// opens: a write with another holder's fence lands while the fence is weak (with
 		// failurePolicy Ignore it takes an error in the check, such as a missing Lease).
 		opens bool
+		// deletes: the weakening deletes an object, which freezes kube-apiserver's view of the
+		// Lease until it restarts (kubernetes/kubernetes#130887).
+		deletes bool
 	}{
 		{"policy deleted", controller.FencePolicyMissing, func(t *testing.T) {
 			deleteFenceObject(t, &admissionv1.ValidatingAdmissionPolicy{ObjectMeta: metav1.ObjectMeta{Name: controller.FencePolicyName}})
-		}, true},
+		}, true, true},
 		{"binding deleted", controller.FenceBindingMissing, func(t *testing.T) {
 			deleteFenceObject(t, &admissionv1.ValidatingAdmissionPolicyBinding{ObjectMeta: metav1.ObjectMeta{Name: controller.FencePolicyName}})
-		}, true},
+		}, true, true},
 		{"Warn-only binding", controller.FenceNotDenying, func(t *testing.T) {
 			editFence(t, &admissionv1.ValidatingAdmissionPolicyBinding{}, func(o client.Object) {
 				o.(*admissionv1.ValidatingAdmissionPolicyBinding).Spec.ValidationActions = []admissionv1.ValidationAction{admissionv1.Warn}
 			})
-		}, true},
+		}, true, false},
 		{"Ignore policy", controller.FenceFailsOpen, func(t *testing.T) {
 			editFence(t, &admissionv1.ValidatingAdmissionPolicy{}, func(o client.Object) {
 				ignore := admissionv1.Ignore
 				o.(*admissionv1.ValidatingAdmissionPolicy).Spec.FailurePolicy = &ignore
 			})
-		}, false},
+		}, false, false},
 	}
 	for i, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			t.Cleanup(func() { restoreFence(t) }) // also when the case fails half way
-			fenceLossScenario(t, i, kc, tc.reason, tc.weaken, tc.opens)
+			// Also when the case fails half way, and after its controllers were killed: the tests
+			// after this one need a fence that works.
+			t.Cleanup(func() { restoreFence(t, tc.deletes) })
+			fenceLossScenario(t, i, kc, tc.reason, tc.weaken, tc.opens, tc.deletes)
 		})
 	}
 }
 
-func fenceLossScenario(t *testing.T, n int, kc string, reason controller.FenceProblem, weaken func(*testing.T), opens bool) {
+func fenceLossScenario(t *testing.T, n int, kc string, reason controller.FenceProblem, weaken func(*testing.T), opens, deletes bool) {
 	freeLease(t)
 	w := watchStatuses(t)
 	metricsA, metricsB := freeAddr(t), freeAddr(t)
@@ -161,7 +169,44 @@ func fenceLossScenario(t *testing.T, n int, kc string, reason controller.FencePr
 		t.Fatalf("a replica led while the fence was weak: standby %v, leader %d times", standby.logContains(leading), strings.Count(readLog(leader), leading))
 	}
 
-	restoreFence(t)
+	restoreFenceObjects(t)
+	if deletes {
+		// kube-apiserver's view of the Lease froze when the object was deleted: the replica that
+		// takes the Lease now probes the fence, finds its own fence denied, and writes nothing,
+		// saying so. Only a kube-apiserver restart mends it (then, as a Deployment would, a
+		// controller is started again: the running ones lose their short leases meanwhile).
+		var waiting *controllerProcess
+		eventually(t, 60*time.Second, "the new leader to find the API server's fence frozen and write nothing", func() error {
+			// (Right after the policy is created again, the API server may not apply it yet:
+			// then the probe's stale write is admitted, and the leader says that first.)
+			for _, p := range []*controllerProcess{leader, standby} {
+				if p.logContains(`"msg":"leading, but writing nothing: the API server's fence does not work for this leader",` +
+					`"why":"the API server denies a write carrying this leader's own fence`) && p.logContains("kubernetes/kubernetes#130887") {
+					waiting = p
+				}
+			}
+			if waiting == nil {
+				return fmt.Errorf("not logged yet")
+			}
+			m := leaderMetrics
+			if waiting == standby {
+				m = standbyMetrics
+			}
+			if err := wantMetric(m, "ipwarden_controller_fence_unenforced", 1); err != nil {
+				return err
+			}
+			h, _ := leaseHolder(t)
+			return wantEvent("FenceNotEnforced", "ipwarden controller "+h+" leads but writes nothing")
+		})
+		if got := size(held(t, node, pool)); got != 8 {
+			t.Fatalf("a leader whose fence the API server does not apply wrote: the node holds %d", got)
+		}
+		leader.kill()
+		standby.kill()
+		restartAPIServer(t)
+		waitFenceCurrent(t)
+		startController(t, append(args, "--metrics-bind-address="+freeAddr(t))...)
+	}
 	eventually(t, 60*time.Second, "a replica to lead again once the fence is back, and serve the request", func() error {
 		if size(held(t, node, pool)) != 12 {
 			return fmt.Errorf("node holds %d", size(held(t, node, pool)))
@@ -172,8 +217,10 @@ func fenceLossScenario(t *testing.T, n int, kc string, reason controller.FencePr
 	if newHolder == "" || newHolder == holder {
 		t.Fatalf("after the fence came back the Lease is held by %q (was %q)", newHolder, holder)
 	}
-	for _, m := range []string{leaderMetrics, standbyMetrics} {
-		eventually(t, 30*time.Second, "fence_policy_ok 1 again", func() error { return wantMetric(m, "ipwarden_controller_fence_policy_ok", 1) })
+	if !deletes {
+		for _, m := range []string{leaderMetrics, standbyMetrics} {
+			eventually(t, 30*time.Second, "fence_policy_ok 1 again", func() error { return wantMetric(m, "ipwarden_controller_fence_policy_ok", 1) })
+		}
 	}
 	w.check(t)
 }
@@ -265,38 +312,140 @@ func editFence(t *testing.T, obj client.Object, edit func(client.Object)) {
 	}
 }
 
-// restoreFence puts back the shipped fence policy and binding and waits until the API server
-// enforces them again (a write with another holder's fence is denied), for the tests after.
-func restoreFence(t *testing.T) {
+// restoreFenceObjects puts back the shipped fence policy and binding: edited in place when they
+// exist (deleting one would freeze kube-apiserver's view of the Lease), created when not.
+func restoreFenceObjects(t *testing.T) {
 	t.Helper()
-	for _, obj := range []client.Object{
-		&admissionv1.ValidatingAdmissionPolicyBinding{ObjectMeta: metav1.ObjectMeta{Name: controller.FencePolicyName}},
-		&admissionv1.ValidatingAdmissionPolicy{ObjectMeta: metav1.ObjectMeta{Name: controller.FencePolicyName}},
-	} {
-		if err := k8s.Delete(context.Background(), obj); err != nil && !apierrors.IsNotFound(err) {
+	p, b := shippedFenceObjects(t)
+	for _, want := range []client.Object{p, b} {
+		err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+			cur := want.DeepCopyObject().(client.Object)
+			switch err := k8s.Get(context.Background(), client.ObjectKeyFromObject(want), cur); {
+			case apierrors.IsNotFound(err):
+				return k8s.Create(context.Background(), want.DeepCopyObject().(client.Object))
+			case err != nil:
+				return err
+			}
+			switch c := cur.(type) {
+			case *admissionv1.ValidatingAdmissionPolicy:
+				c.Spec = want.(*admissionv1.ValidatingAdmissionPolicy).Spec
+			case *admissionv1.ValidatingAdmissionPolicyBinding:
+				c.Spec = want.(*admissionv1.ValidatingAdmissionPolicyBinding).Spec
+			}
+			return k8s.Update(context.Background(), cur)
+		})
+		if err != nil {
 			t.Fatal(err)
 		}
-		eventually(t, 30*time.Second, "the weakened fence object gone", func() error {
-			if err := k8s.Get(context.Background(), client.ObjectKeyFromObject(obj), obj); !apierrors.IsNotFound(err) {
-				return fmt.Errorf("still there (%v)", err)
-			}
-			return nil
-		})
 	}
+}
+
+// shippedFenceObjects reads deploy/kustomize/fence-policy.yaml.
+func shippedFenceObjects(t *testing.T) (*admissionv1.ValidatingAdmissionPolicy, *admissionv1.ValidatingAdmissionPolicyBinding) {
+	t.Helper()
 	root, err := controlplane.RepoRoot()
 	if err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 30*time.Second, "the shipped fence policy installed", func() error {
-		return controlplane.InstallFencePolicy(context.Background(), restConfig, root)
-	})
-	eventually(t, 30*time.Second, "the API server to enforce the fence policy again", func() error {
-		if err := fenceProbe(); err == nil || !strings.Contains(err.Error(), controller.FencePolicyName) {
-			if err != nil && strings.Contains(err.Error(), "no pool to probe") {
-				return nil // nothing a stale leader could write to; the next test's own checks apply
-			}
-			return fmt.Errorf("a write with another holder's fence: %v", err)
+	raw, err := os.ReadFile(filepath.Join(root, controlplane.FencePolicyFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, b := &admissionv1.ValidatingAdmissionPolicy{}, &admissionv1.ValidatingAdmissionPolicyBinding{}
+	for _, doc := range strings.Split(string(raw), "\n---\n") {
+		var meta metav1.TypeMeta
+		if err := yaml.Unmarshal([]byte(doc), &meta); err != nil {
+			t.Fatal(err)
+		}
+		var into any
+		switch meta.Kind {
+		case "ValidatingAdmissionPolicy":
+			into = p
+		case "ValidatingAdmissionPolicyBinding":
+			into = b
+		default:
+			continue
+		}
+		if err := yaml.Unmarshal([]byte(doc), into); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if p.Name == "" || b.Name == "" {
+		t.Fatalf("%s lacks the policy or the binding", controlplane.FencePolicyFile)
+	}
+	return p, b
+}
+
+// restoreFence puts the shipped fence back and, after a deletion, restarts kube-apiserver (its
+// view of the Lease froze); then it waits until the API server applies the fence to the Lease as
+// it is, for the tests after. The case's controllers are gone by then.
+func restoreFence(t *testing.T, deleted bool) {
+	t.Helper()
+	restoreFenceObjects(t)
+	if deleted {
+		restartAPIServer(t)
+	}
+	waitFenceCurrent(t)
+}
+
+func restartAPIServer(t *testing.T) {
+	t.Helper()
+	if err := controlPlane.StopAPIServer(); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	if err := controlPlane.RestartAPIServer(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// waitFenceCurrent waits until the API server admits a dry-run status write carrying the
+// Lease's holder and epoch and denies one carrying another holder's: the fence works and sees
+// the Lease as it is. A free Lease gets a probe holder for the check (no controller runs) and
+// is freed again.
+func waitFenceCurrent(t *testing.T) {
+	t.Helper()
+	holder, epoch := leaseHolder(t)
+	if holder == "" {
+		holder = "fence-test-probe-holder"
+		setLeaseHolder(t, holder)
+		defer freeLease(t)
+	}
+	eventually(t, 60*time.Second, "the API server to apply the fence to the Lease as it is", func() error {
+		var pools ipwardenv1.IPPoolList
+		if err := k8s.List(context.Background(), &pools); err != nil {
+			return err
+		}
+		if len(pools.Items) == 0 {
+			return nil // nothing to probe with; nothing a stale leader could write either
+		}
+		probe := func(holder string) error {
+			p := pools.Items[0].DeepCopy()
+			p.Status.Fence = &ipwardenv1.Fence{Holder: holder, Epoch: int64(epoch)}
+			return k8s.Status().Update(context.Background(), p, client.DryRunAll)
+		}
+		if err := probe(holder); err != nil {
+			return fmt.Errorf("the Lease holder's own fence: %v", err)
+		}
+		if err := probe("fence-probe-stale-leader"); err == nil || !strings.Contains(err.Error(), controller.FencePolicyName) {
+			return fmt.Errorf("another holder's fence: %v", err)
 		}
 		return nil
 	})
+}
+
+func setLeaseHolder(t *testing.T, holder string) {
+	t.Helper()
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		var l coordinationv1.Lease
+		if err := k8s.Get(context.Background(), client.ObjectKey{Namespace: controlplane.ControllerNamespace, Name: controlplane.ControllerLease}, &l); err != nil {
+			return err
+		}
+		l.Spec.HolderIdentity = &holder
+		return k8s.Update(context.Background(), &l)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 }
