@@ -52,12 +52,13 @@ func JudgeFenceProbe(ours, stale error) (ok bool, why string) {
 // awaitFence runs the probe when this controller starts leading (with leader election and a
 // Lease to report on) until the API server fences its writes, the permit ends or ctx ends. While
 // it fails the controller writes nothing; it says so once per reason (log, a Warning event
-// FenceNotEnforced on the Lease) and shows ipwarden_controller_fence_unenforced 1.
+// FenceNotEnforced on the Lease, once the same reason held at two probes in a row) and shows
+// ipwarden_controller_fence_unenforced 1.
 func (c *Controller) awaitFence(ctx context.Context) error {
 	if c.opts.Lease == nil || c.fence.Stamp() == nil {
 		return nil
 	}
-	said := ""
+	said, last := "", ""
 	for {
 		if err := c.fence.Allow(); err != nil {
 			c.fenced("local", err)
@@ -72,7 +73,12 @@ func (c *Controller) awaitFence(ctx context.Context) error {
 			return nil
 		}
 		c.metrics.FenceUnenforced.Set(1)
-		if why != said {
+		// A takeover may reach the API server's view of the Lease a moment after the new leader
+		// (or a policy just created may not be loaded yet): say so only when the same reason
+		// holds at two probes in a row.
+		repeated := why == last
+		last = why
+		if repeated && why != said {
 			c.log.Error(nil, "leading, but writing nothing: the API server's fence does not work for this leader", "why", why,
 				"holder", c.fence.Holder(), "epoch", c.fence.Epoch())
 			c.events.Event(c.opts.Lease, corev1.EventTypeWarning, "FenceNotEnforced",
