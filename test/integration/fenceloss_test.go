@@ -180,7 +180,7 @@ func fenceLossScenario(t *testing.T, n int, kc string, reason controller.FencePr
 			// (Right after the policy is created again, the API server may not apply it yet:
 			// then the probe's stale write is admitted, and the leader says that first.)
 			for _, p := range []*controllerProcess{leader, standby} {
-				if p.logContains(`"msg":"leading, but writing nothing: the API server's fence does not work for this leader",` +
+				if p.logContains(`"msg":"leading, but writing nothing: the API server's fence does not work for this leader",`+
 					`"why":"the API server denies a write carrying this leader's own fence`) && p.logContains("kubernetes/kubernetes#130887") {
 					waiting = p
 				}
