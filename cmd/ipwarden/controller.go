@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	goflag "flag"
 	"fmt"
 	"net/http"
@@ -11,7 +12,9 @@ import (
 
 	"github.com/go-logr/logr"
 	"github.com/spf13/cobra"
+	admissionv1 "k8s.io/api/admissionregistration/v1"
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/uuid"
 	"k8s.io/client-go/kubernetes"
@@ -19,7 +22,6 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/client-go/tools/leaderelection/resourcelock"
-	"k8s.io/client-go/tools/record"
 	"k8s.io/klog/v2"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -72,7 +74,7 @@ to their pools, and reports pool usage in IPPool status. Run two replicas; one l
 	fs.StringVar(&f.healthFile, "health-file", "", "file rewritten every 5s with \"alive\" or \"ready\", for the exec probe `ipwarden probe` (hostNetwork replicas sharing a node cannot share a probe port)")
 	fs.BoolVar(&f.leaderElect, "leader-elect", true, "elect one active replica with a Lease")
 	fs.StringVar(&f.leaderElectionNS, "leader-election-namespace", namespaceDefault(), "namespace of the Lease (the fence policy's binding must name it)")
-	fs.BoolVar(&f.requireFence, "require-fence-policy", true, "with --leader-elect, refuse to lead (log, event, ipwarden_controller_fence_policy_ok 0) until the fence policy ipwarden-controller-fence exists and its binding names this controller's Lease")
+	fs.BoolVar(&f.requireFence, "require-fence-policy", true, "with --leader-elect, take and renew the Lease only while the fence policy ipwarden-controller-fence and its binding deny a stale leader's writes to this controller's Lease (checked at every lease operation): refuse to lead, or stop writing and step down, saying why (log, event, ipwarden_controller_fence_policy_ok 0)")
 	fs.StringVar(&f.leaderElectionID, "leader-election-id", "ipwarden-controller", "name of the Lease")
 	fs.DurationVar(&f.leaseDuration, "leader-election-lease-duration", 15*time.Second, "how long a standby waits before taking over a Lease that was not renewed")
 	fs.DurationVar(&f.renewDeadline, "leader-election-renew-deadline", 10*time.Second, "how long the leader keeps trying to renew before it steps down")
@@ -154,14 +156,52 @@ func runController(f *controllerFlags) error {
 	if ns == "" {
 		ns = namespaceDefault()
 	}
-	// The leader election lock reports every renewal to the fence, which stamps each status
-	// write with the holder and epoch the fence policy checks (docs/design.md, "Fencing").
-	var lock resourcelock.Interface
-	f.opts.Fence = controller.NoFence()
-	if f.leaderElect {
-		if f.leaseDuration < time.Second {
-			return fmt.Errorf("--leader-election-lease-duration %s: must be at least 1s (the Lease stores whole seconds)", f.leaseDuration)
+	if f.leaderElect && f.leaseDuration < time.Second {
+		return fmt.Errorf("--leader-election-lease-duration %s: must be at least 1s (the Lease stores whole seconds)", f.leaseDuration)
+	}
+	metrics := controller.NewMetrics(ctrlmetrics.Registry)
+	ctx := ctrl.SetupSignalHandler()
+	var synced atomic.Bool // the first campaign's caches synced
+	if f.metricsAddr != "0" && f.metricsAddr != "" {
+		go serveMetrics(ctx, log, f.metricsAddr, ctrlmetrics.Registry, 10*time.Second)
+	}
+	if f.healthFile != "" {
+		if err := ensureDir(f.healthFile); err != nil {
+			return fmt.Errorf("--health-file: %w", err)
 		}
+		go writeHealthFile(ctx, log, f.healthFile, 5*time.Second, synced.Load)
+	}
+	var gate *controller.FenceGate
+	if f.leaderElect && f.requireFence {
+		if gate, err = newFenceGate(cfg, scheme, log, metrics, ns, f.leaderElectionID); err != nil {
+			return err
+		}
+	}
+	// A leader whose fence stopped holding steps down (controller.ErrFenceLost): its manager stops
+	// and releases the Lease, and the process campaigns again with a new identity, taking the
+	// Lease only once the fence holds (docs/design.md, "Fencing").
+	for {
+		err := campaign(ctx, f, cfg, scheme, ns, log, metrics, gate, &synced)
+		if errors.Is(err, controller.ErrFenceLost) && ctx.Err() == nil {
+			log.Info("stepped down: campaigning again, taking the Lease once the fence policy fences this controller's writes",
+				"lease", ns+"/"+f.leaderElectionID)
+			continue
+		}
+		return err
+	}
+}
+
+// campaign runs one manager: it campaigns for the Lease ns/--leader-election-id (with leader
+// election) and runs the controller while it leads, until ctx ends or the controller stops.
+func campaign(ctx context.Context, f *controllerFlags, cfg *rest.Config, scheme *runtime.Scheme, ns string, log logr.Logger,
+	metrics *controller.Metrics, gate *controller.FenceGate, synced *atomic.Bool) error {
+	// The leader election lock reports every renewal to the fence, which stamps each status
+	// write with the holder and epoch the fence policy checks (docs/design.md, "Fencing"); with
+	// the gate it takes and renews the Lease only while the fence policy holds.
+	var lock resourcelock.Interface
+	opts := f.opts
+	opts.Fence = controller.NoFence()
+	if f.leaderElect {
 		id, err := leaderIdentity()
 		if err != nil {
 			return err
@@ -175,51 +215,45 @@ func runController(f *controllerFlags) error {
 		if err != nil {
 			return fmt.Errorf("leader election lock: %w", err)
 		}
-		f.opts.Fence = controller.NewFence(f.leaseDuration, time.Now)
+		opts.Fence = controller.NewFence(f.leaseDuration, time.Now)
 		if f.skipLocalFence {
-			f.opts.Fence.SkipLocalCheck()
+			opts.Fence.SkipLocalCheck()
 		}
-		lock = &controller.LeaseObserver{Interface: inner, Fence: f.opts.Fence, Now: time.Now}
-		log.Info("leader election", "identity", id, "lease", ns+"/"+f.leaderElectionID)
+		lock = &controller.LeaseObserver{Interface: inner, Fence: opts.Fence, Now: time.Now, Gate: gate}
+		if gate != nil {
+			opts.Lease = &corev1.ObjectReference{APIVersion: "coordination.k8s.io/v1", Kind: "Lease", Namespace: ns, Name: f.leaderElectionID}
+		}
+		log.Info("leader election", "identity", id, "lease", ns+"/"+f.leaderElectionID, "fenceChecked", gate != nil)
 	}
+	leaseDuration, renewDeadline, retryPeriod := f.leaseDuration, f.renewDeadline, f.retryPeriod
 	mgr, err := ctrl.NewManager(cfg, ctrl.Options{
 		Scheme:                              scheme,
-		Metrics:                             metricsserver.Options{BindAddress: "0"}, // serveMetrics below
+		Metrics:                             metricsserver.Options{BindAddress: "0"}, // serveMetrics
 		HealthProbeBindAddress:              f.probeAddr,
 		LeaderElection:                      f.leaderElect,
 		LeaderElectionID:                    f.leaderElectionID,
 		LeaderElectionNamespace:             ns,
 		LeaderElectionResourceLockInterface: lock,
 		LeaderElectionReleaseOnCancel:       true,
-		LeaseDuration:                       &f.leaseDuration,
-		RenewDeadline:                       &f.renewDeadline,
-		RetryPeriod:                         &f.retryPeriod,
+		LeaseDuration:                       &leaseDuration,
+		RenewDeadline:                       &renewDeadline,
+		RetryPeriod:                         &retryPeriod,
 	})
 	if err != nil {
 		return fmt.Errorf("create manager: %w", err)
 	}
-	metrics := controller.NewMetrics(ctrlmetrics.Registry)
 	c := controller.New(mgr.GetCache(), mgr.GetAPIReader(), mgr.GetClient(),
-		mgr.GetEventRecorderFor("ipwarden-controller"), metrics, log, f.opts)
+		mgr.GetEventRecorderFor("ipwarden-controller"), metrics, log, opts)
 	if err := mgr.Add(c); err != nil {
 		return err
 	}
-	ctx := ctrl.SetupSignalHandler()
-	var synced atomic.Bool
+	syncCtx, stopSync := context.WithCancel(ctx) // ends with this campaign
+	defer stopSync()
 	go func() {
-		if mgr.GetCache().WaitForCacheSync(ctx) {
+		if mgr.GetCache().WaitForCacheSync(syncCtx) {
 			synced.Store(true)
 		}
 	}()
-	if f.metricsAddr != "0" && f.metricsAddr != "" {
-		go serveMetrics(ctx, log, f.metricsAddr, ctrlmetrics.Registry, 10*time.Second)
-	}
-	if f.healthFile != "" {
-		if err := ensureDir(f.healthFile); err != nil {
-			return fmt.Errorf("--health-file: %w", err)
-		}
-		go writeHealthFile(ctx, log, f.healthFile, 5*time.Second, synced.Load)
-	}
 	if err := mgr.AddHealthzCheck("ping", healthz.Ping); err != nil {
 		return err
 	}
@@ -231,44 +265,55 @@ func runController(f *controllerFlags) error {
 	}); err != nil {
 		return err
 	}
-	if f.leaderElect && f.requireFence {
-		if err := waitFencePolicy(ctx, log, mgr.GetAPIReader(), mgr.GetEventRecorderFor("ipwarden-controller"), metrics, ns, f.leaderElectionID); err != nil {
-			return err
-		}
-	}
 	return mgr.Start(ctx)
 }
 
-// waitFencePolicy refuses to lead until the fence policy fences the Lease ns/name
-// (controller.CheckFencePolicy): it says why (log, a Warning event on the Lease,
-// ipwarden_controller_fence_policy_ok 0) and checks again every 10s.
-func waitFencePolicy(ctx context.Context, log logr.Logger, r client.Reader, events record.EventRecorder, m *controller.Metrics, ns, name string) error {
-	lease := &corev1.ObjectReference{APIVersion: "coordination.k8s.io/v1", Kind: "Lease", Namespace: ns, Name: name}
-	said := ""
-	for {
-		view, err := controller.ReadFencePolicy(ctx, r)
-		if err == nil {
-			err = controller.CheckFencePolicy(view, ns, name)
-			if err == nil {
-				m.FencePolicyOK.Set(1)
-				if said != "" {
-					log.Info("the fence policy fences this controller's Lease now: campaigning", "lease", ns+"/"+name)
-				}
-				return nil
-			}
-		}
-		m.FencePolicyOK.Set(0)
-		if msg := err.Error(); msg != said {
-			log.Error(err, "refusing to lead: the API server would not fence this controller's writes", "lease", ns+"/"+name)
-			events.Eventf(lease, corev1.EventTypeWarning, "FencePolicyMissing", "ipwarden controller refuses to lead: %s", msg)
-			said = msg
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("stopped while refusing to lead: %w", err)
-		case <-time.After(10 * time.Second):
-		}
+// newFenceGate is the fence check of every lease operation (controller.FenceGate): it reads the
+// policy and binding with an uncached client and raises its events on the Lease synchronously,
+// so a leader's FenceLost event is sent before it steps down.
+func newFenceGate(cfg *rest.Config, scheme *runtime.Scheme, log logr.Logger, m *controller.Metrics, ns, name string) (*controller.FenceGate, error) {
+	r, err := client.New(rest.CopyConfig(cfg), client.Options{Scheme: scheme})
+	if err != nil {
+		return nil, fmt.Errorf("fence policy client: %w", err)
 	}
+	cs, err := kubernetes.NewForConfig(rest.CopyConfig(cfg))
+	if err != nil {
+		return nil, fmt.Errorf("event client: %w", err)
+	}
+	lease := corev1.ObjectReference{APIVersion: "coordination.k8s.io/v1", Kind: "Lease", Namespace: ns, Name: name}
+	return &controller.FenceGate{
+		Read: func(ctx context.Context) (*admissionv1.ValidatingAdmissionPolicy, *admissionv1.ValidatingAdmissionPolicyBinding, error) {
+			ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+			defer cancel()
+			return controller.ReadFence(ctx, r)
+		},
+		LeaseNamespace: ns, LeaseName: name, Metrics: m, Log: log,
+		Event: func(reason, message string) {
+			if err := warnNow(cs, lease, reason, message); err != nil {
+				log.Error(err, "cannot raise an event on the Lease", "reason", reason)
+			}
+		},
+	}, nil
+}
+
+// warnNow creates a Warning event on obj and returns once the API server answered (an event
+// recorder sends in the background, and may not before the manager stops).
+func warnNow(cs kubernetes.Interface, obj corev1.ObjectReference, reason, message string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	now := metav1.Now()
+	host, _ := os.Hostname()
+	if pod := os.Getenv("POD_NAME"); pod != "" {
+		host = pod
+	}
+	ev := &corev1.Event{
+		ObjectMeta:     metav1.ObjectMeta{Name: fmt.Sprintf("%s.%x", obj.Name, now.UnixNano()), Namespace: obj.Namespace},
+		InvolvedObject: obj, Reason: reason, Message: message, Type: corev1.EventTypeWarning,
+		Source:         corev1.EventSource{Component: "ipwarden-controller", Host: host},
+		FirstTimestamp: now, LastTimestamp: now, Count: 1,
+	}
+	_, err := cs.CoreV1().Events(obj.Namespace).Create(ctx, ev, metav1.CreateOptions{})
+	return err
 }
 
 // leaderIdentity is this process's Lease holder identity: the pod (or host) name and a random

@@ -47,6 +47,10 @@ type Options struct {
 	Now func() time.Time
 	// Fence is the write permit from leader election [NoFence: unfenced, no leader election].
 	Fence *Fence
+	// Lease is the leader election Lease, for events about the fence; with it, a controller that
+	// starts leading probes the API server's fence before it writes (fenceprobe.go) [nil: no
+	// probe].
+	Lease *corev1.ObjectReference
 	// ClaimSettle bounds how long after it starts leading the controller serves only claims
 	// and take-backs, waiting for every node's agent to acknowledge it, before it fills nodes
 	// from the free pool anyway [60s]. Without leader election nothing acknowledges, and it
@@ -198,6 +202,12 @@ func (c *Controller) Start(ctx context.Context) error {
 	}
 	c.metrics.Epoch.Set(float64(c.fence.Epoch()))
 	c.log.Info("leading", "holder", c.fence.Holder(), "epoch", c.fence.Epoch())
+	if err := c.awaitFence(ctx); err != nil {
+		return err
+	}
+	if ctx.Err() != nil {
+		return nil
+	}
 	if err := c.watch(ctx); err != nil {
 		return err
 	}
@@ -217,7 +227,7 @@ func (c *Controller) Start(ctx context.Context) error {
 	}
 	c.log.Info("controller serving", "workers", c.opts.Workers, "resync", c.opts.ResyncPeriod, "claimSettle", max(c.opts.ClaimSettle, 0))
 	c.run(ctx)
-	if cause := context.Cause(ctx); errors.Is(cause, ErrFenced) {
+	if cause := context.Cause(ctx); errors.Is(cause, ErrFenced) || errors.Is(cause, ErrFenceLost) {
 		return cause
 	}
 	return nil
@@ -353,6 +363,9 @@ func (c *Controller) run(ctx context.Context) {
 				}
 			}
 		case <-c.inbox.signal:
+		case <-c.fence.Lost():
+			// The fence gate took the permit and said so (log, event, metrics): step down.
+			c.stop(c.fence.Allow())
 		case r := <-results:
 			c.m.Done(r, c.opts.Now())
 		case <-timer.C:
@@ -379,8 +392,15 @@ func (c *Controller) written(err error) error {
 	return err
 }
 
-// fenced stops the controller at once: another controller leads.
+// fenced stops the controller at once: another controller leads, or (ErrFenceLost) the fence
+// policy no longer fences its writes, which the fence gate reported.
 func (c *Controller) fenced(by string, err error) {
+	if errors.Is(err, ErrFenceLost) {
+		if c.stop != nil {
+			c.stop(err)
+		}
+		return
+	}
 	c.metrics.FencedWrites.WithLabelValues(by).Inc()
 	c.log.Error(err, "write refused: this controller no longer holds its lease; stopping so it restarts as a follower",
 		"refusedBy", by, "holder", c.fence.Holder(), "epoch", c.fence.Epoch())
@@ -483,7 +503,7 @@ func OutcomeOf(err error) Outcome {
 		return Landed
 	case apierrors.IsConflict(err):
 		return Conflict
-	case errors.Is(err, ErrFenced), apierrors.IsInvalid(err), apierrors.IsNotFound(err), apierrors.IsForbidden(err),
+	case errors.Is(err, ErrFenced), errors.Is(err, ErrFenceLost), apierrors.IsInvalid(err), apierrors.IsNotFound(err), apierrors.IsForbidden(err),
 		apierrors.IsBadRequest(err), apierrors.IsAlreadyExists(err):
 		return Rejected
 	default:

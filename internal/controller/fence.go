@@ -23,6 +23,12 @@ const FencePolicyName = "ipwarden-controller-fence"
 // stops at once and the process exits, so it restarts as a follower.
 var ErrFenced = errors.New("fenced: this controller no longer holds the leader election Lease")
 
+// ErrFenceLost means the controller may no longer write because the API server would no longer
+// fence its writes: the fence policy or its binding went away or stopped denying a stale
+// leader's write (JudgeFence). The leader stops writing at once and steps down; it may lead
+// again once the fence holds.
+var ErrFenceLost = errors.New("fence lost: the fence policy no longer denies a stale leader's writes")
+
 // Fence is the controller's write permit (docs/design.md, "Fencing"). Leader election alone is
 // not mutual exclusion: a leader paused past its lease (GC pause, VM stall, SIGSTOP) resumes
 // believing it leads and would write from a stale record. Two checks close that:
@@ -45,6 +51,10 @@ type Fence struct {
 	now      func() time.Time
 	// skipLocal turns off the local lease-expiry check (tests of the server-side fence only).
 	skipLocal bool
+	// lost is set (ErrFenceLost and why) once the fence policy stopped fencing this leader's
+	// writes; lostCh is closed then. For good: the leader steps down.
+	lost   error
+	lostCh chan struct{}
 }
 
 // NewFence returns a fence for a controller with the given Lease duration. Until the leader
@@ -53,7 +63,7 @@ func NewFence(leaseDuration time.Duration, now func() time.Time) *Fence {
 	if now == nil {
 		now = time.Now
 	}
-	return &Fence{duration: leaseDuration, now: now}
+	return &Fence{duration: leaseDuration, now: now, lostCh: make(chan struct{})}
 }
 
 // NoFence is the fence of a controller run without leader election: it allows every write and
@@ -96,8 +106,39 @@ func (f *Fence) Stamp() *ipwardenv1.Fence {
 func (f *Fence) Allow() error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if f.lost != nil {
+		return f.lost
+	}
 	return FenceDecision(f.disabled || f.skipLocal, f.holder, f.validTo, f.now())
 }
+
+// Leading says whether this process holds the Lease as far as it knows (it acquired it and has
+// neither released nor lost it), whatever its clock says of the lease's expiry.
+func (f *Fence) Leading() bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return !f.disabled && f.holder != "" && !f.validTo.IsZero() && f.lost == nil
+}
+
+// Lose takes the write permit for good because the fence policy no longer fences this
+// controller's writes (detail says why): Allow returns ErrFenceLost from now on and Lost is
+// closed. It says whether the fence was leading (false: nothing to lose).
+func (f *Fence) Lose(detail string) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.disabled || f.holder == "" || f.validTo.IsZero() || f.lost != nil {
+		return false
+	}
+	f.lost = fmt.Errorf("%w (%s)", ErrFenceLost, detail)
+	close(f.lostCh)
+	return true
+}
+
+// Lost is closed once Lose took the permit (nil for NoFence: never).
+func (f *Fence) Lost() <-chan struct{} { return f.lostCh }
+
+// isLost says whether Lose took the permit.
+func (f *Fence) isLost() bool { f.mu.Lock(); defer f.mu.Unlock(); return f.lost != nil }
 
 // FenceDecision is Allow's rule: a write is allowed while the lease this process holds has not
 // run out; never before it first acquired one.
@@ -148,15 +189,42 @@ func Outranked(ours *ipwardenv1.Fence, seen *ipwardenv1.Fence) bool {
 }
 
 // LeaseObserver wraps the leader election lock and reports every successful write of the
-// lease by this process to a Fence.
+// lease by this process to a Fence. With a Gate it takes or renews the Lease only while the fence
+// policy fences its writes (FenceGate.Check, at every read and write of the Lease).
 type LeaseObserver struct {
 	resourcelock.Interface
 	Fence *Fence
 	Now   func() time.Time
+	// Gate, if set, judges the fence policy at every lease operation [nil: not checked].
+	Gate *FenceGate
+}
+
+// Get reads the lease. With a Gate it judges the fence first: a standby polls the Lease through
+// Get, so it notices (and says) that its fence went away while it waits.
+func (l *LeaseObserver) Get(ctx context.Context) (*resourcelock.LeaderElectionRecord, []byte, error) {
+	if l.Gate != nil {
+		_ = l.Gate.Check(ctx, l.Fence, l.Interface.Identity())
+	}
+	return l.Interface.Get(ctx)
+}
+
+// mayTake is the gate before this process writes itself into the Lease (acquire or renew): a
+// fresh judgement of the fence, and never again once the fence was lost.
+func (l *LeaseObserver) mayTake(ctx context.Context) error {
+	if l.Fence.isLost() {
+		return fmt.Errorf("not renewing the Lease: %w", ErrFenceLost)
+	}
+	if l.Gate == nil {
+		return nil
+	}
+	return l.Gate.Check(ctx, l.Fence, l.Interface.Identity())
 }
 
 // Create creates the lease and reports it.
 func (l *LeaseObserver) Create(ctx context.Context, rec resourcelock.LeaderElectionRecord) error {
+	if err := l.mayTake(ctx); err != nil {
+		return err
+	}
 	start := l.Now()
 	err := l.Interface.Create(ctx, rec)
 	if err == nil {
@@ -180,6 +248,8 @@ func (l *LeaseObserver) Update(ctx context.Context, rec resourcelock.LeaderElect
 			l.Fence.Renewed(rec, start) // ours ended all the same
 			return fmt.Errorf("not releasing the lease: it is held by %q, not by this process", cur.HolderIdentity)
 		}
+	} else if err := l.mayTake(ctx); err != nil {
+		return err
 	}
 	err := l.Interface.Update(ctx, rec)
 	if err == nil {

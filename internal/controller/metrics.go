@@ -35,13 +35,20 @@ type Metrics struct {
 	GCFailed       prometheus.Counter
 
 	FencedWrites *prometheus.CounterVec
-	// FencePolicyOK is 1 when the fence policy fences this controller's Lease, 0 while the
-	// controller refuses to lead because it does not (CheckFencePolicy).
-	FencePolicyOK  prometheus.Gauge
-	Epoch          prometheus.Gauge
-	ClaimsGranted  *prometheus.CounterVec
-	ClaimConflicts prometheus.Gauge
-	Unacked        prometheus.Gauge
+	// FencePolicyOK is 1 while the fence policy and its binding deny a stale leader's writes
+	// (JudgeFence, at every lease operation), 0 while they do not (the controller refuses to
+	// lead, or stepped down).
+	FencePolicyOK prometheus.Gauge
+	// FenceLost counts the times this process stopped leading because its fence stopped holding,
+	// by reason (FenceProblem).
+	FenceLost *prometheus.CounterVec
+	// FenceUnenforced is 1 while this controller leads but writes nothing because the API
+	// server's fence does not work for it (JudgeFenceProbe).
+	FenceUnenforced prometheus.Gauge
+	Epoch           prometheus.Gauge
+	ClaimsGranted   *prometheus.CounterVec
+	ClaimConflicts  prometheus.Gauge
+	Unacked         prometheus.Gauge
 	// PoolUnobserved: per pool waiting for the nodes (poolsettle.go), the nodes that have not
 	// reported what their pods use in its new addresses.
 	PoolUnobserved *prometheus.GaugeVec
@@ -82,7 +89,11 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 
 		FencedWrites: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "fenced_writes_total", Help: "Writes refused because this controller no longer holds its Lease, by who refused (local: its own lease check; apiserver: the fence policy)."}, []string{"by"}),
 		FencePolicyOK: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "fence_policy_ok",
-			Help: "1 when the fence policy (ValidatingAdmissionPolicy ipwarden-controller-fence) fences this controller's Lease; 0 while it refuses to lead because the policy is missing or reads another Lease."}),
+			Help: "1 while the fence policy (ValidatingAdmissionPolicy ipwarden-controller-fence and its binding) denies a stale leader's writes to this controller's Lease, checked at every lease operation; 0 while it does not: the controller refuses to lead, or stepped down."}),
+		FenceUnenforced: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "fence_unenforced",
+			Help: "1 while this controller leads but writes nothing because the API server's fence does not work for it: a dry-run write with its own fence was denied, or one with another holder's was admitted (kube-apiserver's frozen view of the Lease after the fence was deleted, kubernetes/kubernetes#130887)."}),
+		FenceLost: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "fence_lost_total",
+			Help: "Times this controller stopped writing and stepped down as leader because its fence policy stopped denying a stale leader's writes, by reason (policy_missing, binding_missing, not_denying, fails_open, wrong_lease, check_changed, narrowed)."}, []string{"reason"}),
 		Epoch:          prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "leader_epoch", Help: "The leader election epoch (Lease leaderTransitions) this controller writes with; 0 until it leads."}),
 		ClaimsGranted:  prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "claims_granted_total", Help: "Claimed addresses (used by a node's pods, missing from its status) granted back to the node."}, pool),
 		ClaimConflicts: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "claim_conflict_addresses", Help: "Addresses a node's pods use while another node holds them (must be 0; see ipwarden check)."}),
@@ -95,7 +106,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		reg.MustRegister(m.PoolCapacity, m.PoolAllocated, m.PoolFree, m.PoolCooling, m.PoolExhausted, m.PoolConflicts,
 			m.NodeHeld, m.NodeRequested, m.NodeDeficit, m.NodesInDeficit, m.NodesAtCapacity, m.Nodes,
 			m.Allocations, m.Releases, m.APIWrites, m.SyncDuration, m.SyncErrors, m.QueueDepth, m.AddressesTwice, m.NodesReleased, m.GCCandidates, m.GCCollected, m.GCFailed,
-			m.FencedWrites, m.FencePolicyOK, m.Epoch, m.ClaimsGranted, m.ClaimConflicts, m.Unacked, m.PoolUnobserved)
+			m.FencedWrites, m.FencePolicyOK, m.FenceLost, m.FenceUnenforced, m.Epoch, m.ClaimsGranted, m.ClaimConflicts, m.Unacked, m.PoolUnobserved)
 	}
 	return m
 }

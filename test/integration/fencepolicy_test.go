@@ -38,11 +38,11 @@ func TestControllerRefusesToLeadWithoutItsFence(t *testing.T) {
 			return err
 		}
 		for _, e := range events.Items {
-			if e.Reason == "FencePolicyMissing" && e.InvolvedObject.Name == "ipwarden-elsewhere" && strings.Contains(e.Message, "refuses to lead") {
+			if e.Reason == "FenceInvalid" && e.InvolvedObject.Name == "ipwarden-elsewhere" && strings.Contains(e.Message, "refuses to lead") {
 				return nil
 			}
 		}
-		return fmt.Errorf("no FencePolicyMissing event on Lease ipwarden-elsewhere")
+		return fmt.Errorf("no FenceInvalid event on Lease ipwarden-elsewhere")
 	})
 	if ctrl.logContains(`"msg":"leading"`) {
 		t.Fatal("the controller led without a fence for its Lease")
