@@ -99,7 +99,8 @@ func run(args []string) error {
 	nodes := fs.Int("nodes", 5000, "controller bench: nodes (hollow agents)")
 	perNode := fs.Int("per-node", 30, "controller bench: addresses each node requests")
 	parallel := fs.Int("parallel", 32, "controller bench: concurrent hollow-agent writers")
-	pairs := fs.Int("pairs", 1000, "cni bench: sequential ADD+DEL pairs per plugin for the latency quantiles")
+	pairs := fs.Int("pairs", 1000, "cni bench: sequential ADD+DEL pairs per plugin in each run, for the latency quantiles")
+	cniRunCount := fs.Int("cni-runs", cniRuns, "cni bench: runs of the paired measurement; the goals are judged on the median of the runs' ratios")
 	window := fs.Duration("window", 5*time.Second, "cni bench: duration of each throughput measurement")
 	pods := fs.Int("pods", 110, "burst bench: pods started at once")
 	var scale scaleOptions
@@ -152,7 +153,7 @@ func run(args []string) error {
 				return nil, err
 			}
 			defer env.close()
-			return cniBench(ctx, env, *pairs, *window)
+			return cniBench(ctx, env, *cniRunCount, *pairs, *window)
 		}, false},
 		{"burst", func() ([]figure, error) {
 			env, err := newEnv(ctx, root, bins, true)
