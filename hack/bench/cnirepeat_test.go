@@ -36,7 +36,7 @@ func TestSpreadOf(t *testing.T) {
 		{nil, spread{}},
 		{[]float64{1.1}, spread{1.1, 1.1, 1.1}},
 		{[]float64{1.4, 1.0, 1.1, 1.3, 1.05}, spread{1.1, 1.0, 1.4}}, // one bad run does not move the median
-		{[]float64{1.2, 1.0, 1.4, 1.1}, spread{1.15, 1.0, 1.4}},       // even: the middle two's mean
+		{[]float64{1.2, 1.0, 1.4, 1.1}, spread{1.15, 1.0, 1.4}},      // even: the middle two's mean
 	} {
 		if got := spreadOf(tc.in); got != tc.want {
 			t.Errorf("spreadOf(%v) = %+v, want %+v", tc.in, got, tc.want)
