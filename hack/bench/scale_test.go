@@ -73,7 +73,7 @@ ipwarden_agent_ip_wait_seconds_count 116
 	var fleet histogram
 	fleet = fleet.plus(after, 1).plus(after, 1) // two agents
 	d := fleet.plus(before, -1).plus(before, -1)
-	if d.count != 200 || d.sum != 8 || d.over(0) != 40 || d.over(1) != 2 {
+	if d.count != 200 || d.sum != 8 || d.over(0) != 40 || d.over(0.1) != 4 || d.over(1) != 2 {
 		t.Fatalf("the burst's histogram: count %v sum %v over 0 %v over 1s %v", d.count, d.sum, d.over(0), d.over(1))
 	}
 	for _, tc := range []struct {
