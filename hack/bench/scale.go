@@ -146,7 +146,7 @@ func scaleBench(ctx context.Context, env *benchEnv, o scaleOptions) ([]figure, e
 	// Burst: every node's pods bound at the same moment and their ADDs sent at once to its
 	// agent, burstNodes nodes at a time (scale_burst.go).
 	sc = &scaleRun{env: env, o: o, agents: agents, ctrl: ctrl, log: log}
-	wait0 := ipWait(ctx, metricsAddrs)
+	agents0 := scrapeAgents(ctx, metricsAddrs)
 	burst0, err := apiRequests(ctx, env.cp.Config)
 	if err != nil {
 		return nil, err
@@ -170,7 +170,8 @@ func scaleBench(ctx context.Context, env *benchEnv, o scaleOptions) ([]figure, e
 	if err != nil {
 		return nil, err
 	}
-	wait := ipWait(ctx, metricsAddrs).plus(wait0, -1)
+	ah := scrapeAgents(ctx, metricsAddrs).plus(agents0, -1)
+	wait := ah.ipWait
 	for i := range agents.cfgs {
 		agents.cfgs[i].MetricsAddr = "0" // a restarted agent could not bind its address again at once
 	}
@@ -194,6 +195,10 @@ func scaleBench(ctx context.Context, env *benchEnv, o scaleOptions) ([]figure, e
 			value: fmt.Sprintf("%.0f of %.0f; %s / %s / %s; %s", wait.over(0.001), wait.count, fmtBound(wait, wait.quantile(0.5)), fmtBound(wait, wait.quantile(0.99)),
 				fmtBound(wait, wait.quantile(1)), meanSeconds(wait)),
 			goal: "p99 < 1s", ok: wait.count > 0 && wait.quantile(0.99) <= 1},
+		{name: fmt.Sprintf("scale %d nodes: burst, the agents' own ADD handling p50 / p99 bucket (cni_request_duration_seconds); journal commit p50 / p99 bucket, mean", o.nodes),
+			value: fmt.Sprintf("%s / %s; %s / %s, %s", fmtBound(ah.add, ah.add.quantile(0.5)), fmtBound(ah.add, ah.add.quantile(0.99)),
+				fmtBound(ah.journal, ah.journal.quantile(0.5)), fmtBound(ah.journal, ah.journal.quantile(0.99)), meanSeconds(ah.journal)),
+			goal: "(informational)", ok: true},
 		{name: fmt.Sprintf("scale %d nodes: burst, one node: its pods bound / bound to last ADD answered, p50 / max", o.nodes),
 			value: fmt.Sprintf("%s / %s; %s / %s", q(br.bound, 0.5), q(br.bound, 1), q(br.took, 0.5), q(br.took, 1)), goal: "(informational)", ok: true},
 		{name: fmt.Sprintf("scale %d nodes: burst API writes per node, agents' spec / controller's status (per pod)", o.nodes),
@@ -201,7 +206,7 @@ func scaleBench(ctx context.Context, env *benchEnv, o scaleOptions) ([]figure, e
 				burstWrites.total()/float64(len(br.pods)), burstWrites.summary()),
 			goal: "controller <= 2 per node", ok: burstWrites.of("PUT", "nodeipallocations/status")/n <= 2},
 		{name: fmt.Sprintf("scale %d nodes: controller CPU during the burst; until its writes settled", o.nodes),
-			value: fmt.Sprintf("%.0f%% of a core (%.1f s over %s); %.1f s (%.2f ms per pod)", 100*cpuBurst/burstTime.Seconds(), cpuBurst, burstTime.Round(time.Second),
+			value: fmt.Sprintf("%.0f%% of a core (%.2f s over %s); %.2f s (%.2f ms per pod)", 100*cpuBurst/burstTime.Seconds(), cpuBurst, burstTime.Round(time.Second),
 				cpuSettled, 1000*cpuSettled/float64(max(len(br.pods), 1))),
 			goal: "(informational)", ok: true},
 		{name: fmt.Sprintf("scale %d nodes: controller CPU at rest, RSS after the burst", o.nodes), value: fmt.Sprintf("%.1f%% of a core, %d MiB", 100*restCPU/o.rest.Seconds(), rss>>20), goal: "RSS < 300 MiB", ok: rss < 300<<20},
@@ -230,21 +235,36 @@ func scaleBench(ctx context.Context, env *benchEnv, o scaleOptions) ([]figure, e
 
 func scaleNode(i int) string { return fmt.Sprintf("scale-%05d", i) }
 
-// ipWait is the agents' ip_wait_seconds histograms added up (an agent that does not answer adds
-// nothing).
-func ipWait(ctx context.Context, addrs []string) histogram {
-	hs := make([]histogram, len(addrs))
+// agentHistograms are the histograms the burst reports, each added up over the agents.
+type agentHistograms struct{ ipWait, add, journal histogram }
+
+// scrapeAgents adds up the agents' histograms (an agent that does not answer adds nothing).
+func scrapeAgents(ctx context.Context, addrs []string) agentHistograms {
+	each := make([]agentHistograms, len(addrs))
 	_ = forEach(ctx, len(addrs), 32, func(i int) error {
-		hs[i] = histogramOf(scrape("http://"+addrs[i]+"/metrics"), "ipwarden_agent_ip_wait_seconds")
+		m := scrape("http://" + addrs[i] + "/metrics")
+		each[i] = agentHistograms{
+			ipWait:  histogramOf(m, "ipwarden_agent_ip_wait_seconds", ""),
+			add:     histogramOf(m, "ipwarden_agent_cni_request_duration_seconds", `op="ADD"`),
+			journal: histogramOf(m, "ipwarden_agent_journal_write_seconds", ""),
+		}
 		return nil
 	})
-	var sum histogram
-	for _, h := range hs {
-		if len(h.bounds) > 0 {
-			sum = sum.plus(h, 1)
-		}
+	var sum agentHistograms
+	for _, h := range each {
+		sum = sum.plus(h, 1)
 	}
 	return sum
+}
+
+func (a agentHistograms) plus(o agentHistograms, sign float64) agentHistograms {
+	add := func(h, o histogram) histogram {
+		if len(o.bounds) == 0 {
+			return h
+		}
+		return h.plus(o, sign)
+	}
+	return agentHistograms{ipWait: add(a.ipWait, o.ipWait), add: add(a.add, o.add), journal: add(a.journal, o.journal)}
 }
 
 // meanSeconds is a histogram's mean observation as a duration.

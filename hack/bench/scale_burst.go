@@ -118,12 +118,16 @@ type histogram struct {
 	count, sum  float64
 }
 
-// histogramOf reads histogram name (no labels but le) from one scrape.
-func histogramOf(m metrics, name string) histogram {
-	h := histogram{count: m[name+"_count"], sum: m[name+"_sum"]}
+// histogramOf reads histogram name from one scrape: the series whose labels are exactly label
+// (`op="ADD"`; "" for none) and le.
+func histogramOf(m metrics, name, label string) histogram {
+	series, prefix := "", name+`_bucket{le="`
+	if label != "" {
+		series, prefix = "{"+label+"}", name+"_bucket{"+label+`,le="`
+	}
+	h := histogram{count: m[name+"_count"+series], sum: m[name+"_sum"+series]}
 	type bucket struct{ le, n float64 }
 	var bs []bucket
-	prefix := name + `_bucket{le="`
 	for k, v := range m {
 		le, ok := strings.CutPrefix(k, prefix)
 		if !ok {

@@ -48,7 +48,7 @@ apiserver_longrunning_requests{component="apiserver",group="",resource="pods",sc
 
 func TestIPWaitHistogram(t *testing.T) {
 	scrapeOf := func(body string) histogram {
-		return histogramOf(parseMetrics(strings.NewReader(body)), "ipwarden_agent_ip_wait_seconds")
+		return histogramOf(parseMetrics(strings.NewReader(body)), "ipwarden_agent_ip_wait_seconds", "")
 	}
 	// One agent before the burst: 16 ADDs that found an address ready.
 	before := scrapeOf(`ipwarden_agent_ip_wait_seconds_bucket{le="0"} 16
@@ -95,5 +95,25 @@ ipwarden_agent_ip_wait_seconds_count 116
 	}
 	if got := meanSeconds(d); got != "40ms" {
 		t.Errorf("meanSeconds = %q", got)
+	}
+}
+
+func TestHistogramOfLabeled(t *testing.T) {
+	m := parseMetrics(strings.NewReader(`ipwarden_agent_cni_request_duration_seconds_bucket{op="ADD",le="0.001"} 3
+ipwarden_agent_cni_request_duration_seconds_bucket{op="ADD",le="+Inf"} 5
+ipwarden_agent_cni_request_duration_seconds_sum{op="ADD"} 0.5
+ipwarden_agent_cni_request_duration_seconds_count{op="ADD"} 5
+ipwarden_agent_cni_request_duration_seconds_bucket{op="DEL",le="0.001"} 7
+ipwarden_agent_cni_request_duration_seconds_bucket{op="DEL",le="+Inf"} 7
+ipwarden_agent_cni_request_duration_seconds_count{op="DEL"} 7
+`))
+	h := histogramOf(m, "ipwarden_agent_cni_request_duration_seconds", `op="ADD"`)
+	if h.count != 5 || h.sum != 0.5 || !reflect.DeepEqual(h.cum, []float64{3, 5}) || h.quantile(0.5) != 0.001 {
+		t.Fatalf("ADD histogram %+v", h)
+	}
+	var sum agentHistograms
+	sum = sum.plus(agentHistograms{add: h}, 1).plus(agentHistograms{}, 1) // an agent that did not answer adds nothing
+	if sum.add.count != 5 || len(sum.ipWait.bounds) != 0 {
+		t.Fatalf("sum %+v", sum)
 	}
 }
