@@ -47,7 +47,11 @@ func (a *scaleAgents) start(i int) {
 	cfg := a.cfgs[i]
 	go func() {
 		defer close(done)
-		_ = agent.Run(ctx, cfg)
+		// An agent that ends by itself (its metrics address taken, say) would only show as
+		// not serving ADD minutes later: say why now.
+		if err := agent.Run(ctx, cfg); err != nil && ctx.Err() == nil {
+			fmt.Printf("  agent %s stopped: %v\n", cfg.Node, err)
+		}
 	}()
 }
 
