@@ -99,14 +99,16 @@ func run(args []string) error {
 	nodes := fs.Int("nodes", 5000, "controller bench: nodes (hollow agents)")
 	perNode := fs.Int("per-node", 30, "controller bench: addresses each node requests")
 	parallel := fs.Int("parallel", 32, "controller bench: concurrent hollow-agent writers")
-	pairs := fs.Int("pairs", 1000, "cni bench: sequential ADD+DEL pairs per plugin for the latency quantiles")
+	pairs := fs.Int("pairs", 1000, "cni bench: sequential ADD+DEL pairs per plugin in each run, for the latency quantiles")
+	cniRunCount := fs.Int("cni-runs", cniRuns, "cni bench: runs of the paired measurement; the goals are judged on the median of the runs' ratios")
 	window := fs.Duration("window", 5*time.Second, "cni bench: duration of each throughput measurement")
 	pods := fs.Int("pods", 110, "burst bench: pods started at once")
 	var scale scaleOptions
 	fs.IntVar(&scale.nodes, "scale-nodes", 1000, "scale bench: nodes, each served by the real agent code in this process")
 	fs.IntVar(&scale.pods, "scale-pods", 30, "scale bench: pods bound to every node at once in the burst")
 	fs.DurationVar(&scale.rest, "scale-rest", time.Minute, "scale bench: the quiet window over which writes at rest are counted")
-	fs.IntVar(&scale.workers, "scale-workers", 64, "scale bench: ADDs the runtime stand-in sends at once")
+	fs.IntVar(&scale.workers, "scale-workers", 64, "scale bench: DEL+ADD pairs the runtime stand-in sends at once in the apiserver scenario")
+	fs.IntVar(&scale.burstNodes, "scale-burst-nodes", 10, "scale bench: nodes bursting at once (each binds its scale-pods pods at the same moment and sends their ADDs at once; the next node starts as one ends)")
 	scenarios := fs.String("scale-scenarios", "restart,failover,apiserver", "scale bench: what follows the burst, in order: restart (every agent, 10% at a time), failover (the leading controller killed), apiserver (kube-apiserver restarted); \"\" for none")
 	var churn churnOptions
 	fs.IntVar(&churn.nodes, "churn-nodes", 3, "churn bench: real agents (nodes) on the pool")
@@ -152,7 +154,7 @@ func run(args []string) error {
 				return nil, err
 			}
 			defer env.close()
-			return cniBench(ctx, env, *pairs, *window)
+			return cniBench(ctx, env, *cniRunCount, *pairs, *window)
 		}, false},
 		{"burst", func() ([]figure, error) {
 			env, err := newEnv(ctx, root, bins, true)

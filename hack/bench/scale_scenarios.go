@@ -47,7 +47,11 @@ func (a *scaleAgents) start(i int) {
 	cfg := a.cfgs[i]
 	go func() {
 		defer close(done)
-		_ = agent.Run(ctx, cfg)
+		// An agent that ends by itself (its metrics address taken, say) would only show as
+		// not serving ADD minutes later: say why now.
+		if err := agent.Run(ctx, cfg); err != nil && ctx.Err() == nil {
+			fmt.Printf("  agent %s stopped: %v\n", cfg.Node, err)
+		}
 	}()
 }
 
@@ -92,18 +96,6 @@ type podRef struct {
 	name, uid string
 }
 
-// createPods creates perNode pods bound to each of the given nodes.
-func (s *scaleRun) createPods(ctx context.Context, nodes []int, perNode int, tag string) ([]podRef, error) {
-	pods := make([]podRef, len(nodes)*perNode)
-	err := forEach(ctx, len(pods), 64, func(i int) error {
-		n := nodes[i%len(nodes)]
-		p, err := createPod(ctx, s.env.c, scaleNode(n), fmt.Sprintf("%s-%d-%d", tag, n, i/len(nodes)))
-		pods[i] = podRef{node: n, name: p.name, uid: p.uid}
-		return err
-	})
-	return pods, err
-}
-
 // freeOn is how many addresses agent i holds free (its STATUS), 0 when it does not answer.
 func (s *scaleRun) freeOn(ctx context.Context, i int) int {
 	c, cancel := context.WithTimeout(ctx, 5*time.Second)
@@ -139,29 +131,6 @@ func (s *scaleRun) recreate(ctx context.Context, pods []podRef) ([]time.Duration
 		}
 		start := time.Now()
 		resp, err := cniproto.Call(actx, s.agents.sockets[p.node], add)
-		lat[i] = time.Since(start)
-		if err != nil || resp.Error != nil {
-			failed.Add(1)
-		}
-		return nil
-	})
-	sort.Slice(lat, func(i, j int) bool { return lat[i] < lat[j] })
-	return lat, int(failed.Load())
-}
-
-// addAll runs the runtime stand-in's ADD of every pod (workers at once) and returns the
-// latencies, sorted, and how many failed.
-func (s *scaleRun) addAll(ctx context.Context, pods []podRef) ([]time.Duration, int) {
-	lat := make([]time.Duration, len(pods))
-	var failed atomic.Int64
-	_ = forEach(ctx, len(pods), s.o.workers, func(i int) error {
-		p := pods[i]
-		req := cniproto.Request{Op: cniproto.OpAdd, ContainerID: "sandbox-" + p.name, IfName: "eth0", Netns: "/proc/self/ns/net",
-			Network: "bench", Pod: cniproto.Pod{Namespace: "default", Name: p.name, UID: p.uid}}
-		start := time.Now()
-		actx, cancel := context.WithTimeout(ctx, 90*time.Second)
-		resp, err := cniproto.Call(actx, s.agents.sockets[p.node], req)
-		cancel()
 		lat[i] = time.Since(start)
 		if err != nil || resp.Error != nil {
 			failed.Add(1)
