@@ -53,8 +53,15 @@ func orKey(a ipam.Attachment) string {
 // the mark refuses every ADD of the node, so the node goes back as a whole. The unattributed
 // hold (holdUntil non-zero: the journal was rebuilt from the pods' status and held addresses have
 // no known owner yet): a pod using one of them has no attachment, so it would get no reservation
-// file and host-local could hand its address to a new pod.
-func checkHandback(atts []ipam.Attachment, network string, target handback.Target, holdUntil time.Time) ([]handback.Attachment, error) {
+// file and host-local could hand its address to a new pod. Addresses an older agent recorded as
+// reserved ahead (lost: a sandbox may use one, unknown to the journal) refuse it for the same
+// reason, for as long as their records exist.
+func checkHandback(atts []ipam.Attachment, network string, target handback.Target, holdUntil time.Time, lost int) ([]handback.Attachment, error) {
+	if lost > 0 {
+		return nil, &handback.RefusedError{Problems: []string{fmt.Sprintf(
+			"the journal holds %d addresses an older agent reserved ahead and may have handed out before a crash, to sandboxes it does not name: "+
+				"they would get no reservation file and host-local could hand them to new pods; see docs/operations.md to reclaim them first", lost)}}
+	}
 	if !holdUntil.IsZero() {
 		return nil, &handback.RefusedError{Problems: []string{fmt.Sprintf(
 			"the agent's journal was rebuilt from the pods' status and some held addresses have no known owner yet "+
@@ -103,7 +110,7 @@ func (s *Service) handback(ctx context.Context, req cniproto.Request) *cniproto.
 	s.mu.Lock()
 	cur := s.st.HandedBack()
 	_, holdUntil := s.st.Hold()
-	_, err = checkHandback(s.st.Attachments(), h.Network, target, holdUntil)
+	_, err = checkHandback(s.st.Attachments(), h.Network, target, holdUntil, s.st.LostAhead())
 	s.mu.Unlock()
 	if cur != nil && cur.Network != h.Network {
 		return errResp(cniproto.CodeInvalidConfig, fmt.Sprintf("ipwarden: the node was handed back for network %s at %s, not %s",
@@ -140,12 +147,13 @@ func (s *Service) handback(ctx context.Context, req cniproto.Request) *cniproto.
 		n, changed := s.st.NumPending(), s.changed
 		var atts []ipam.Attachment
 		_, holdUntil := s.st.Hold()
+		lost := s.st.LostAhead()
 		if n == 0 {
 			atts = s.st.Attachments()
 		}
 		s.mu.Unlock()
 		if n == 0 {
-			if _, err := checkHandback(atts, h.Network, target, holdUntil); err != nil {
+			if _, err := checkHandback(atts, h.Network, target, holdUntil, lost); err != nil {
 				if set {
 					s.clearMark()
 				}

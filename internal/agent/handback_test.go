@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
@@ -212,5 +213,35 @@ func TestServiceHandbackRefusedDuringTheUnattributedHold(t *testing.T) {
 	}
 	if h.j.snapshot().Handback != nil || value(t, h.svc.metrics.HandedBack) != 0 {
 		t.Fatal("a handback refused during the hold left a mark")
+	}
+}
+
+// An older agent's records of addresses reserved ahead (lost: possibly a running sandbox's,
+// unknown to the journal) refuse the handback, from the start and whatever the pods report:
+// host-local would get no file for them and could hand them out.
+func TestServiceHandbackRefusedWithLostReservations(t *testing.T) {
+	h := newSvc(t, 100*time.Millisecond, testV4)
+	h.hold(map[string]string{"v4": "10.1.0.10-10.1.0.20"})
+	if resp := h.do(addReq("c1")); resp.Error != nil {
+		t.Fatal(resp.Error)
+	}
+	snap := h.j.snapshot().Apply(ipam.Change{PutAhead: []ipam.Address{{Pool: "v4", Addr: netip.MustParseAddr("10.1.0.15")}}})
+	st := ipam.New("node-a")
+	if problems := st.Restore(snap); len(problems) > 0 {
+		t.Fatal(problems)
+	}
+	j := &memJournal{snap: snap}
+	h.svc = NewService(st, j, ServiceOptions{Node: "node-a", AddressWait: 100 * time.Millisecond, Log: logr.Discard()})
+	h.j = j
+	h.svc.SetPools([]ipam.Pool{testV4}, []string{"v4"})
+	h.svc.SetReady(true)
+	for _, mark := range []bool{false, true} {
+		resp := h.do(handbackReq(hostLocalV4, mark))
+		if resp.Error == nil || !strings.Contains(resp.Error.Msg, "reserved ahead") {
+			t.Fatalf("handback (mark %v) with a lost reservation: %+v, want a refusal naming it", mark, resp.Error)
+		}
+	}
+	if j.snapshot().Handback != nil {
+		t.Fatal("a refused handback left a mark")
 	}
 }
