@@ -134,3 +134,16 @@ func TestRebuildLeavesAnAttachmentWithADelInFlight(t *testing.T) {
 	}
 	h.crash()
 }
+
+// A lost address the node's status no longer holds (its record rewound, say) is claimed, like an
+// attachment's address, so the controller hands it to no other node.
+func TestLostReservationIsClaimed(t *testing.T) {
+	h := newHarness(t, poolV4)
+	h.hold("v4", "10.0.0.8/30")
+	olderJournal(h, "10.0.0.9")
+	h.hold("v4", "10.0.0.10/31")
+	spec := h.s.Spec()
+	if len(spec) != 1 || !spec[0].Claimed.Contains(ip("10.0.0.9")) {
+		t.Fatalf("spec %+v: want 10.0.0.9 claimed", spec)
+	}
+}

@@ -72,7 +72,9 @@ func (p *poolState) claimed() addr.Set {
 	if !p.heldKnown {
 		return addr.Set{}
 	}
-	return p.inUseSet().Subtract(p.held)
+	// An older agent's reservation ahead may be a running sandbox's (lost.go): claimed like an
+	// attachment's address, so the controller hands it to no other node.
+	return p.inUseSet().Union(p.lost).Subtract(p.held)
 }
 
 func deleteCooling(q []Cooling, s addr.Set) []Cooling {

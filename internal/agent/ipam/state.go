@@ -384,7 +384,7 @@ func (s *State) CanServeOffline() bool {
 
 // empty reports whether the pool holds nothing the node must remember.
 func (p *poolState) empty() bool {
-	return p.held.IsEmpty() && len(p.inUse) == 0 && len(p.releasing) == 0 && len(p.cooling) == 0
+	return p.held.IsEmpty() && len(p.inUse) == 0 && len(p.releasing) == 0 && len(p.cooling) == 0 && p.lost.IsEmpty()
 }
 
 // Served returns the pools that select the node, in ADD order.
