@@ -54,6 +54,10 @@ type State struct {
 	handback *HandbackMark
 	// aheadN is how many addresses of each pool ADDs keep reserved ahead (ahead.go).
 	aheadN int
+	// previous: what the previous IPAM of each CNI network reserved at the last reading;
+	// prevAll is every reading together, prevLocal those of node-local reservations (previous.go).
+	previous           map[string]previousReading
+	prevAll, prevLocal addr.Set
 }
 
 // observe advances the state's clock to now.
