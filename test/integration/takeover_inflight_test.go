@@ -123,7 +123,8 @@ func testInflightTakeover(t *testing.T, name string, prev inflightIPAM) {
 	slow := prev.typ + "-slow"
 	wrapper := fmt.Sprintf(`#!/bin/sh
 # %[1]s whose ADD answer waits, after %[1]s has reserved, until %[2]s/gate-<container> is opened.
-out=$(%[3]q)
+# The configuration names this wrapper's type; %[1]s gets its own (Whereabouts checks it).
+out=$(/bin/sed 's/"%[1]s-slow"/"%[1]s"/' | %[3]q)
 rc=$?
 if [ "$CNI_COMMAND" = ADD ]; then
 	: > %[2]q/reserved-"$CNI_CONTAINERID"
