@@ -98,7 +98,9 @@ func TestServiceAddFailsWhenThePreviousIPAMCannotBeRead(t *testing.T) {
 			code: cniproto.CodeTryAgainLater, msg: "not visible to the agent"},
 		{name: "Whereabouts without an API client", prev: `{"type": "whereabouts"}`, code: cniproto.CodeTryAgainLater, msg: "no API client"},
 		{name: "Whereabouts' IPPools cannot be listed", prev: `{"type": "whereabouts"}`, code: cniproto.CodeTryAgainLater, msg: "connection refused",
-			lister: func(context.Context) ([]previous.WhereaboutsPool, error) { return nil, errors.New("connection refused") }},
+			lister: func(context.Context) ([]previous.WhereaboutsPool, error) {
+				return nil, errors.New("connection refused")
+			}},
 		{name: "a relative dataDir", prev: `{"type": "host-local", "dataDir": "data"}`, code: cniproto.CodeInvalidConfig, msg: "absolute"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

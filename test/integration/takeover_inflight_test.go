@@ -166,7 +166,9 @@ exit $rc
 		// The old pods' reservations go with the test (Whereabouts' are the API server's,
 		// which other tests count).
 		old, cid := p, fmt.Sprintf("%s-old-%d", name, i)
-		t.Cleanup(func() { _, _ = runPlugin(t, prev.bin, cniPath, "DEL", oldConf, cid, podArgs("default", old.Name, string(old.UID))) })
+		t.Cleanup(func() {
+			_, _ = runPlugin(t, prev.bin, cniPath, "DEL", oldConf, cid, podArgs("default", old.Name, string(old.UID)))
+		})
 	}
 	if !slices.Equal(olds, []string{ip(16), ip(17)}) {
 		t.Fatalf("the old pods got %v from %s, want %s and %s", olds, prev.typ, ip(16), ip(17))
