@@ -54,11 +54,7 @@ func (s *Service) readPrevious(ctx context.Context, req cniproto.Request) *cnipr
 	if len(req.Previous) == 0 {
 		if pr.any.Load() {
 			pr.mu.Lock()
-			s.mu.Lock()
-			s.st.ClearPrevious(req.Network)
-			s.mu.Unlock()
-			delete(pr.last, req.Network)
-			pr.any.Store(len(pr.last) > 0)
+			s.forgetPrevious(req.Network)
 			pr.mu.Unlock()
 		}
 		return nil
@@ -80,6 +76,7 @@ func (s *Service) readPrevious(ctx context.Context, req cniproto.Request) *cnipr
 				"network", req.Network, "type", src.Type)
 		}
 		s.metrics.PreviousReads.WithLabelValues(src.Type, "unreadable").Inc()
+		s.forgetPrevious(req.Network) // the network's previous IPAM changed to one not read
 		return nil
 	}
 	rctx, cancel := context.WithTimeout(ctx, previousReadTimeout)
@@ -107,6 +104,19 @@ func (s *Service) readPrevious(ctx context.Context, req cniproto.Request) *cnipr
 	pr.last[req.Network] = reserved
 	pr.any.Store(true)
 	return nil
+}
+
+// forgetPrevious drops network's reading, in the state and here. The caller holds s.prev.mu.
+func (s *Service) forgetPrevious(network string) {
+	pr := &s.prev
+	if _, ok := pr.last[network]; !ok {
+		return
+	}
+	s.mu.Lock()
+	s.st.ClearPrevious(network)
+	s.mu.Unlock()
+	delete(pr.last, network)
+	pr.any.Store(len(pr.last) > 0)
 }
 
 // readReservations reads src's reservations: host-local's files under its lock, or Whereabouts'
