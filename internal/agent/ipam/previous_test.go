@@ -1,6 +1,7 @@
 package ipam
 
 import (
+	"errors"
 	"testing"
 	"time"
 
@@ -137,4 +138,24 @@ func TestPreviousReservedStaysOutOfUseUntilReleased(t *testing.T) {
 	if released == 0 {
 		t.Fatal("the node gave nothing back of 32 held with nothing in use: the test shows nothing")
 	}
+}
+
+// A pod that asks for a static address the previous IPAM reserves waits for it (the ADD fails
+// with the address wanted, and the runtime retries) until the previous IPAM releases it.
+func TestPreviousReservedStaticAddressWaits(t *testing.T) {
+	h := newHarness(t, poolV4)
+	h.hold("v4", "10.0.0.8/30")
+	h.s.SetPrevious("net", addr.SetOfAddrs(ip("10.0.0.9")), true)
+	req := AddRequest{Key: key("s"), Pod: PodRef{"ns", "s", "uid-s"}, Meta: PodMeta{IPAddresses: "10.0.0.9", NamespaceKnown: true}}
+	_, _, err := h.s.Add(req, h.now)
+	var short *ShortError
+	if !errors.As(err, &short) || len(short.Wanted) != 1 || short.Wanted[0].Addr != ip("10.0.0.9") {
+		t.Fatalf("static ADD of a previous-reserved address: %v, want it to wait for 10.0.0.9", err)
+	}
+	h.s.SetPrevious("net", addr.Set{}, true)
+	a, ch, err := h.s.Add(req, h.now)
+	if err != nil || a.Addresses[0].Addr != ip("10.0.0.9") {
+		t.Fatalf("static ADD once released: %+v, %v", a, err)
+	}
+	h.commit(ch)
 }
