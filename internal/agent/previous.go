@@ -124,7 +124,7 @@ func (s *Service) forgetPrevious(network string) {
 func (s *Service) readReservations(ctx context.Context, src previous.Source) (addr.Set, error) {
 	switch src.Kind {
 	case previous.HostLocal:
-		return previous.ReadHostLocal(src.Dir)
+		return previous.ReadHostLocal(ctx, src.Dir)
 	case previous.Whereabouts:
 		list := s.prev.whereabouts.Load()
 		if list == nil {

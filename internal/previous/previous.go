@@ -18,6 +18,7 @@
 package previous
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -28,6 +29,7 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+	"time"
 
 	"github.com/ipwarden/ipwarden/internal/addr"
 )
@@ -146,7 +148,10 @@ type Entry struct {
 // holds none (host-local has reserved nothing on this network), but only if its parent (the
 // dataDir) is there: a dataDir this process cannot see (not mounted into the agent's container)
 // is an error, never an empty reading.
-func ReadHostLocal(dir string) (addr.Set, error) {
+//
+// The lock is waited for until ctx ends: host-local holds it for milliseconds per ADD or DEL, and
+// a host-local that hangs holding it must not hang the agent's ADDs with it.
+func ReadHostLocal(ctx context.Context, dir string) (addr.Set, error) {
 	if _, err := os.Stat(dir); errors.Is(err, os.ErrNotExist) {
 		parent := filepath.Dir(dir)
 		if _, perr := os.Stat(parent); perr != nil {
@@ -156,7 +161,7 @@ func ReadHostLocal(dir string) (addr.Set, error) {
 	} else if err != nil {
 		return addr.Set{}, fmt.Errorf("read host-local's reservations in %s: %w", dir, err)
 	}
-	unlock, err := lock(dir)
+	unlock, err := lock(ctx, dir)
 	if err != nil {
 		return addr.Set{}, err
 	}
@@ -176,17 +181,31 @@ func ReadHostLocal(dir string) (addr.Set, error) {
 }
 
 // lock takes host-local's lock on dir: an exclusive flock on dir/lock, as host-local's disk
-// backend takes it for every ADD, DEL and GC (it creates the file as host-local would).
-func lock(dir string) (unlock func(), err error) {
+// backend takes it for every ADD, DEL and GC (it creates the file as host-local would). It tries
+// without blocking, again after a pause growing from 1 ms to 20 ms, until ctx ends.
+func lock(ctx context.Context, dir string) (unlock func(), err error) {
 	f, err := os.OpenFile(filepath.Join(dir, "lock"), os.O_RDONLY|os.O_CREATE, 0o644)
 	if err != nil {
 		return nil, fmt.Errorf("open host-local's lock: %w", err)
 	}
-	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX); err != nil {
-		f.Close()
-		return nil, fmt.Errorf("take host-local's lock %s: %w", f.Name(), err)
+	pause := time.Millisecond
+	for {
+		err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
+		if err == nil {
+			return func() { _ = syscall.Flock(int(f.Fd()), syscall.LOCK_UN); f.Close() }, nil
+		}
+		if !errors.Is(err, syscall.EWOULDBLOCK) && !errors.Is(err, syscall.EINTR) {
+			f.Close()
+			return nil, fmt.Errorf("take host-local's lock %s: %w", f.Name(), err)
+		}
+		select {
+		case <-ctx.Done():
+			f.Close()
+			return nil, fmt.Errorf("host-local's lock %s is held by another process (a host-local ADD or DEL) and was not released in time: %w", f.Name(), ctx.Err())
+		case <-time.After(pause):
+		}
+		pause = min(2*pause, 20*time.Millisecond)
 	}
-	return func() { _ = syscall.Flock(int(f.Fd()), syscall.LOCK_UN); f.Close() }, nil
 }
 
 // WhereaboutsPool is the part of a Whereabouts IPPool object (whereabouts.cni.cncf.io/v1alpha1)

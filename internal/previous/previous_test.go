@@ -1,6 +1,7 @@
 package previous
 
 import (
+	"context"
 	"os"
 	"path/filepath"
 	"strings"
@@ -121,11 +122,11 @@ func TestWhereaboutsPoolOf(t *testing.T) {
 func TestReadHostLocal(t *testing.T) {
 	data := t.TempDir()
 	dir := filepath.Join(data, "podnet")
-	got, err := ReadHostLocal(dir)
+	got, err := ReadHostLocal(context.Background(), dir)
 	if err != nil || !got.IsEmpty() {
 		t.Fatalf("missing network directory: %v, %v; want none", got, err)
 	}
-	if _, err := ReadHostLocal(filepath.Join(data, "nodata", "podnet")); err == nil || !strings.Contains(err.Error(), "not visible") {
+	if _, err := ReadHostLocal(context.Background(), filepath.Join(data, "nodata", "podnet")); err == nil || !strings.Contains(err.Error(), "not visible") {
 		t.Fatalf("missing dataDir: %v, want an error", err)
 	}
 	if err := os.MkdirAll(dir, 0o755); err != nil {
@@ -151,7 +152,7 @@ func TestReadHostLocal(t *testing.T) {
 	}
 	done := make(chan res, 1)
 	go func() {
-		s, err := ReadHostLocal(dir)
+		s, err := ReadHostLocal(context.Background(), dir)
 		done <- res{s, err}
 	}()
 	select {
@@ -171,6 +172,16 @@ func TestReadHostLocal(t *testing.T) {
 	r := <-done
 	if want := mustSet(t, "10.0.0.5-10.0.0.7"); r.err != nil || !r.s.Equal(want) {
 		t.Fatalf("ReadHostLocal = %v, %v; want %v (including the reservation made under the lock)", r.s, r.err, want)
+	}
+
+	// A host-local that never releases its lock: the read gives up when its context ends.
+	if err := syscall.Flock(int(lf.Fd()), syscall.LOCK_EX); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	if _, err := ReadHostLocal(ctx, dir); err == nil || !strings.Contains(err.Error(), "not released in time") {
+		t.Fatalf("ReadHostLocal with the lock held past its context: %v, want an error", err)
 	}
 }
 
