@@ -11,7 +11,8 @@
 //
 // On a node taken over from another IPAM plugin while its pods run, the optional "previous" object
 // is that plugin's "ipam" object, e.g. {"type": "host-local", "ranges": [...], "dataDir": "..."}.
-// ADD never uses it; DEL is delegated to it after the agent's, CHECK when the agent has no
+// ADD never runs it, but forwards it to the agent, which keeps what that IPAM has reserved out of
+// use (host-local's files, Whereabouts' IPPools); DEL is delegated to it after the agent's, CHECK when the agent has no
 // attachment for the container, GC after the agent's (skipped when the plugin has no GC). The
 // delegate runs from CNI_PATH with the network configuration whose "ipam" is "previous".
 //

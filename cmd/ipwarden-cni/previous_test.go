@@ -203,8 +203,8 @@ func TestPreviousOldPodCheckAndDel(t *testing.T) {
 	}
 }
 
-// ADD never reaches the previous IPAM: host-local's dataDir stays empty, and CHECK of the new pod
-// is the agent's alone.
+// ADD never reaches the previous IPAM: host-local's dataDir stays empty (the agent's reading of
+// its reservations creates nothing), and CHECK of the new pod is the agent's alone.
 func TestPreviousAddNeverDelegates(t *testing.T) {
 	dataDir := t.TempDir()
 	sock, reqs := realAgent(t)
@@ -223,8 +223,13 @@ func TestPreviousAddNeverDelegates(t *testing.T) {
 	if ents, err := os.ReadDir(dataDir); err != nil || len(ents) != 0 {
 		t.Fatalf("host-local's dataDir after ADD and CHECK: %v %v, want it empty", ents, err)
 	}
-	if got := reqs(); len(got) != 2 || got[0].Op != cniproto.OpAdd || got[1].Op != cniproto.OpCheck {
+	got := reqs()
+	if len(got) != 2 || got[0].Op != cniproto.OpAdd || got[1].Op != cniproto.OpCheck {
 		t.Fatalf("agent requests %+v", got)
+	}
+	// The ADD carries the "previous" object: the agent reads host-local's reservations first.
+	if string(got[0].Previous) != hostLocalIPAM(dataDir) || got[1].Previous != nil {
+		t.Fatalf("the ADD forwarded previous %s and the CHECK %s; want host-local's ipam object with the ADD only", got[0].Previous, got[1].Previous)
 	}
 }
 

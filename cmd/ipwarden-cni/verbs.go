@@ -40,8 +40,9 @@ const (
 	previousTimeout = 20 * time.Second
 )
 
-// maxPrevious bounds the "previous" object: an IPAM configuration is a few hundred bytes.
-const maxPrevious = 64 << 10
+// maxPrevious bounds the "previous" object: an IPAM configuration is a few hundred bytes. ADD
+// forwards it to the agent, which reads what that IPAM reserved.
+const maxPrevious = cniproto.MaxPrevious
 
 // config is the part of the network configuration the plugin reads.
 type config struct {
@@ -256,7 +257,11 @@ func cmdAdd(args *skel.CmdArgs) error {
 	if err != nil {
 		return err
 	}
-	resp, err := call(c.Socket, request(cniproto.OpAdd, args, c), addTimeout, types.ErrTryAgainLater)
+	req := request(cniproto.OpAdd, args, c)
+	// The agent reads what the previous IPAM reserved (a pod whose ADD went through it just
+	// before the node switched uses an address no pod status shows yet) and keeps it out of use.
+	req.Previous = c.Previous
+	resp, err := call(c.Socket, req, addTimeout, types.ErrTryAgainLater)
 	if err != nil {
 		return err
 	}

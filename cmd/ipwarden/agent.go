@@ -221,10 +221,10 @@ func printList(w io.Writer, resp *cniproto.Response) error {
 		fmt.Fprintf(tw, "HANDED BACK to %s at %s (network %s, reservation files in %s): every ADD is refused; undo: ipwarden agent handback --undo\n\n",
 			h.To, h.At.UTC().Format(time.RFC3339), h.Network, orDash(h.Dir))
 	}
-	fmt.Fprintln(tw, "POOL\tSERVED\tHELD\tIN USE\tADOPTED\tFREE\tCOOLING\tRELEASING\tREQUESTED\tCONFLICTS\tUNATTRIBUTED\tEXHAUSTED")
+	fmt.Fprintln(tw, "POOL\tSERVED\tHELD\tIN USE\tADOPTED\tFREE\tCOOLING\tRELEASING\tREQUESTED\tCONFLICTS\tUNATTRIBUTED\tPREVIOUS\tEXHAUSTED")
 	for _, p := range resp.Pools {
-		fmt.Fprintf(tw, "%s\t%v\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%v\n", p.Pool, p.Served, p.Held, p.InUse, p.Adopted, p.Free, p.Cooling,
-			p.Releasing, p.Requested, p.Conflicts, p.Unattributed, p.Exhausted)
+		fmt.Fprintf(tw, "%s\t%v\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%v\n", p.Pool, p.Served, p.Held, p.InUse, p.Adopted, p.Free, p.Cooling,
+			p.Releasing, p.Requested, p.Conflicts, p.Unattributed, p.PreviousReserved, p.Exhausted)
 	}
 	fmt.Fprintln(tw)
 	if h := resp.Hold; h != nil {

@@ -21,7 +21,7 @@ func TestPrintListShowsTheHold(t *testing.T) {
 		t.Fatal(err)
 	}
 	out := b.String()
-	for _, want := range []string{"UNATTRIBUTED", "ADOPTED", "HOLD 7 addresses of unknown owner", "2026-01-01T00:05:00Z", "waiting for default/web and 2 more"} {
+	for _, want := range []string{"UNATTRIBUTED", "ADOPTED", "PREVIOUS", "HOLD 7 addresses of unknown owner", "2026-01-01T00:05:00Z", "waiting for default/web and 2 more"} {
 		if !strings.Contains(out, want) {
 			t.Fatalf("output lacks %q:\n%s", want, out)
 		}

@@ -300,6 +300,7 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 				svc.SetEvents(events.NewRecorder(eventScheme(cfg.Scheme), corev1.EventSource{Component: "ipwarden-agent", Host: cfg.Node}), kube.NodeRef)
 				svc.SetPodLookup(kube.GetPod)
 				svc.SetPodMeta(kube.PodMeta)
+				svc.SetWhereaboutsLister(kube.ListWhereaboutsPools)
 				collector = NewCollector(svc, kube, CollectorOptions{Grace: cfg.GCGrace, FullCheckInterval: cfg.GCFullCheckInterval,
 					SandboxGrace: cfg.GCSandboxGrace, NetnsDirs: cfg.NetnsDirs, QueueMetrics: svc.Metrics().Queue, Log: log.WithName("gc")})
 				kube.OnPodDelete(collector.OnPodDelete)

@@ -22,6 +22,10 @@ type Metrics struct {
 	// (taken over from the previous IPAM, or a lost journal).
 	Adopted *prometheus.GaugeVec
 	Outside *prometheus.GaugeVec
+	// PreviousReserved: held addresses kept out of use because the previous IPAM reserves them;
+	// PreviousReads counts the readings of its reservations at ADDs, by IPAM type and result.
+	PreviousReserved *prometheus.GaugeVec
+	PreviousReads    *prometheus.CounterVec
 
 	Attachments  prometheus.Gauge
 	OpDuration   *prometheus.HistogramVec
@@ -104,6 +108,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			"Addresses of the pool used by pods whose attachment was recorded from their status.podIPs rather than by an ADD: pods that ran before the node moved to ipwarden (taken over from the previous IPAM), or whose journal was lost. 0 on every node: the takeover is complete."),
 		Unattributed: gauge("pool_unattributed_addresses",
 			"Held addresses no attachment accounts for after the journal was rebuilt from the pods, kept out of use until every pod on the node has reported its addresses or the hold (--rebuild-hold) ends; and addresses an older agent recorded as reserved ahead before a crash, kept out of use for as long as their records exist."),
+		PreviousReserved: gauge("pool_previous_reserved_addresses",
+			"Held addresses of the pool kept out of use because the IPAM the node ran before ipwarden (the CNI configuration's \"previous\") reserves them, as last read at an ADD: a pod that started through it may use them before its status shows it. They become free once that IPAM releases them (the pod's DEL reaches it through \"previous\")."),
+		PreviousReads: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "previous_reads_total",
+			Help: "Readings of the previous IPAM's reservations at ADDs (host-local's files under its lock, Whereabouts' IPPools from the API server), by IPAM type and result: ok, error (the ADD failed with CNI error 11 and is retried), unreadable (another IPAM: nothing is kept out of use)."}, []string{"ipam", "result"}),
 
 		JournalRecovered: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "journal_recovered_total",
 			Help: "Damaged journals moved aside at start (the attachments were rebuilt from the pods), by reason: truncated, corrupt, incompatible_version."}, []string{"reason"}),
@@ -188,7 +196,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			m.Attachments, m.OpDuration, m.IPWait, m.JournalWrite, m.Errors, m.SpecWrites, m.Conflicts, m.RecordRewinds, m.RecordRecreated, m.LeaderAcks,
 			m.GCCandidates, m.GCCollected, m.GCKept, m.GCFailed, m.GCDryRun, m.GCDeleteToFree, m.GCFullChecks, m.GCQueueDepth,
 			m.Unattributed, m.JournalRecovered, m.HoldActive, m.HandedBack, m.Conns, m.Busy, m.BadRequests, m.AbandonedAdds, m.ReleasesInFlight, m.PodUnknown, m.JournalRefused,
-			m.GCSandboxHeld, m.GCSandboxOutlived)
+			m.GCSandboxHeld, m.GCSandboxOutlived, m.PreviousReserved, m.PreviousReads)
 	}
 	return m
 }
@@ -209,10 +217,11 @@ func (m *Metrics) setPools(stats []ipam.PoolStats, attachments int) {
 		m.Unattributed.WithLabelValues(s.Pool).Set(float64(s.Unattributed))
 		m.Adopted.WithLabelValues(s.Pool).Set(float64(s.Adopted))
 		m.Outside.WithLabelValues(s.Pool).Set(float64(s.OutsidePool))
+		m.PreviousReserved.WithLabelValues(s.Pool).Set(float64(s.PreviousReserved))
 	}
 	for p := range m.pools {
 		if !seen[p] {
-			for _, g := range []*prometheus.GaugeVec{m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict, m.Unattributed, m.Adopted, m.Outside} {
+			for _, g := range []*prometheus.GaugeVec{m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict, m.Unattributed, m.Adopted, m.Outside, m.PreviousReserved} {
 				g.DeleteLabelValues(p)
 			}
 		}

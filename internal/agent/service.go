@@ -73,6 +73,8 @@ type Service struct {
 	gate  gate
 	// conflicts remembers reported conflicts so each is logged once.
 	conflicts map[ipam.Address]ipam.Key
+	// prev reads the previous IPAM's reservations at ADDs (previous.go).
+	prev previousReads
 }
 
 // ServiceOptions configure NewService.
@@ -801,6 +803,10 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 			"ipwarden needs the pod's namespace and name to free its address when the pod is gone; for containers that are not "+
 				"Kubernetes pods set \"allowNonKubernetes\": true in the plugin's configuration"), nil
 	}
+	// What the previous IPAM reserved stays out of use: read before the ADD picks (previous.go).
+	if resp := s.readPrevious(ctx, req); resp != nil {
+		return resp, nil
+	}
 	defer s.keys.lock(key)()
 
 	areq := ipam.AddRequest{Key: key, Network: req.Network, Netns: req.Netns, Pools: req.Pools, PoolNetwork: req.PoolNetwork,
@@ -1240,7 +1246,7 @@ func (s *Service) poolStatus() []cniproto.PoolStatus {
 	for i, st := range stats {
 		out[i] = cniproto.PoolStatus{Pool: st.Pool, Served: st.Served, Held: st.Held, InUse: st.InUse, Free: st.Free,
 			Cooling: st.Cooling, Releasing: st.Releasing, Requested: st.Requested, Conflicts: st.Conflicts, Exhausted: st.Exhausted,
-			Unattributed: st.Unattributed, Adopted: st.Adopted}
+			Unattributed: st.Unattributed, Adopted: st.Adopted, PreviousReserved: st.PreviousReserved}
 	}
 	return out
 }

@@ -164,8 +164,8 @@ func addReq(cid string, pools ...string) cniproto.Request {
 		Pod: cniproto.Pod{Namespace: "ns", Name: "pod-" + cid, UID: "uid-" + cid}}
 }
 
-// do handles req and waits until the journal writes of answered requests (DEL, and ADD answered
-// early from addresses reserved ahead) have landed, so the test sees a settled state.
+// do handles req and waits until the journal writes of answered requests (a DEL is answered
+// before its write) have landed, so the test sees a settled state.
 func (h *svcHarness) do(req cniproto.Request) *cniproto.Response {
 	resp := h.svc.Handle(context.Background(), req)
 	if err := h.svc.WaitReleases(context.Background()); err != nil {

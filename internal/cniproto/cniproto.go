@@ -114,11 +114,19 @@ type Request struct {
 	// NonKubernetes is the plugin configuration's "allowNonKubernetes": an ADD without pod
 	// identity (K8S_POD_NAMESPACE, K8S_POD_NAME) is accepted.
 	NonKubernetes bool `json:"nonKubernetes,omitempty"`
+	// Previous is ADD's "previous" object of the network configuration: the ipam object of the
+	// IPAM the node ran before ipwarden. The agent reads what that IPAM reserved (package
+	// previous) before the ADD picks, and keeps those addresses out of use. At most
+	// MaxPrevious bytes.
+	Previous json.RawMessage `json:"previous,omitempty"`
 	// PrevAddresses are the addresses of CHECK's prevResult (CIDR notation).
 	PrevAddresses []string `json:"prevAddresses,omitempty"`
 	// Handback is HANDBACK's request.
 	Handback *HandbackRequest `json:"handback,omitempty"`
 }
+
+// MaxPrevious bounds Request.Previous (previous.MaxConfig).
+const MaxPrevious = 16 << 10
 
 // MaxHandbackConfig bounds HandbackRequest.To (handback.MaxConfig).
 const MaxHandbackConfig = 16 << 10
@@ -224,6 +232,9 @@ type PoolStatus struct {
 	// Adopted counts addresses of attachments recorded from pods' status.podIPs rather than by
 	// an ADD: pods that ran before the node moved to ipwarden, or whose journal was lost.
 	Adopted int `json:"adopted,omitempty"`
+	// PreviousReserved counts held addresses kept out of use because the previous IPAM reserves
+	// them (a pod that started through it may use them before its status shows it).
+	PreviousReserved int `json:"previousReserved,omitempty"`
 }
 
 // Hold is the unattributed hold after the agent rebuilt its journal from the pods: held
@@ -460,6 +471,9 @@ func (r *Request) Validate() *Error {
 		if n := len(p); n > MaxName {
 			return &Error{Code: CodeInvalidConfig, Msg: fmt.Sprintf("ipwarden: pool name too long (%d bytes, at most %d)", n, MaxName)}
 		}
+	}
+	if n := len(r.Previous); n > MaxPrevious {
+		return &Error{Code: CodeInvalidConfig, Msg: fmt.Sprintf("ipwarden: the \"previous\" ipam configuration is too long (%d bytes, at most %d)", n, MaxPrevious)}
 	}
 	if h := r.Handback; h != nil {
 		if n := len(h.To); n > MaxHandbackConfig {

@@ -167,18 +167,28 @@ func runPlugin(t *testing.T, bin, cniPath, verb, conf, containerID, podArgs stri
 // whereaboutsReservations counts the allocations in Whereabouts' IPPool objects.
 func whereaboutsReservations(t *testing.T) int {
 	t.Helper()
-	list := &unstructured.UnstructuredList{}
-	list.SetGroupVersionKind(schema.GroupVersionKind{Group: "whereabouts.cni.cncf.io", Version: "v1alpha1", Kind: "IPPoolList"})
-	if err := k8s.List(context.Background(), list); err != nil {
-		t.Fatalf("list Whereabouts IPPools: %v", err)
-	}
 	n := 0
-	for _, p := range list.Items {
-		rs, err := localcluster.WhereaboutsPoolReservations(p.Object)
+	for _, p := range whereaboutsPools(t) {
+		rs, err := localcluster.WhereaboutsPoolReservations(p)
 		if err != nil {
 			t.Fatal(err)
 		}
 		n += len(rs)
 	}
 	return n
+}
+
+// whereaboutsPools lists Whereabouts' IPPool objects (their JSON form).
+func whereaboutsPools(t *testing.T) []map[string]any {
+	t.Helper()
+	list := &unstructured.UnstructuredList{}
+	list.SetGroupVersionKind(schema.GroupVersionKind{Group: "whereabouts.cni.cncf.io", Version: "v1alpha1", Kind: "IPPoolList"})
+	if err := k8s.List(context.Background(), list); err != nil {
+		t.Fatalf("list Whereabouts IPPools: %v", err)
+	}
+	var out []map[string]any
+	for _, p := range list.Items {
+		out = append(out, p.Object)
+	}
+	return out
 }

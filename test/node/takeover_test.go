@@ -51,6 +51,9 @@ type previousIPAM struct {
 	// reservations compares what it holds with want, the pods it handed addresses to (their
 	// addresses and sandboxes): nil when it must hold nothing.
 	reservations func(ctx context.Context, n *realNode, want []pod) error
+	// agentPatch is more of the test overlay's patches ("" for none): what the agent needs to
+	// read the previous IPAM's reservations.
+	agentPatch func(n *realNode) string
 }
 
 // takeoverOldRange is the previous IPAM's range: takeoverOld addresses, inside the pool to come.
@@ -90,6 +93,7 @@ func TestRealNodeTakeover(t *testing.T) {
 		reservations: func(ctx context.Context, n *realNode, want []pod) error {
 			return hostLocalReservations(filepath.Join(n.dir, "host-local"), want)
 		},
+		agentPatch: func(n *realNode) string { return hostLocalMountPatch(filepath.Join(n.dir, "host-local")) },
 	})
 }
 
@@ -153,6 +157,9 @@ func testTakeover(t *testing.T, prev previousIPAM) {
   patch: |
     - {op: add, path: /spec/template/spec/containers/0/args/-, value: --gc-grace=10s}
 `
+	if prev.agentPatch != nil {
+		n.overlayPatches += prev.agentPatch(n)
+	}
 	n.pool = ipwardenv1.IPPoolSpec{
 		CIDRs: []ipwardenv1.CIDR{poolCIDR},
 		Exclude: []ipwardenv1.IPOrCIDR{"10.244.0.0/29", "10.244.0.8/31", "10.244.0.16/28",
@@ -251,6 +258,18 @@ func testTakeover(t *testing.T, prev previousIPAM) {
 	})
 	n.t = t
 	n.logf("takeover from %s: test body took %s (preparation %s)", prev.typ, time.Since(began).Round(time.Second), prep.Prepared.Round(time.Second))
+}
+
+// hostLocalMountPatch is an overlay patch that mounts host-local's dataDir into the agent's
+// container at the same path: every ADD with host-local as "previous" reads its reservations
+// there (deploy/ mounts only host-local's default, /var/lib/cni/networks).
+func hostLocalMountPatch(dataDir string) string {
+	return fmt.Sprintf(`
+- target: {kind: DaemonSet, name: ipwarden-agent, namespace: ipwarden-system}
+  patch: |
+    - {op: add, path: /spec/template/spec/containers/0/volumeMounts/-, value: {name: test-host-local, mountPath: %s}}
+    - {op: add, path: /spec/template/spec/volumes/-, value: {name: test-host-local, hostPath: {path: %s, type: DirectoryOrCreate}}}
+`, dataDir, dataDir)
 }
 
 // newPods are the pods of the Deployment "new".

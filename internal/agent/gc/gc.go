@@ -199,14 +199,19 @@ type Selection struct {
 	RecheckAt time.Time
 }
 
+// PendingRecheck is how soon Select looks again at a deleted pod's attachment that was in flight
+// (its journal write takes about a millisecond).
+const PendingRecheck = 200 * time.Millisecond
+
 // Select picks the attachments to check for pod name n at now:
 //
 //   - every attachment whose pod UID is among the deletions of pods named n, at any age;
 //   - every attachment of pod name n that is at least grace old and whose pod the cache does not
 //     show (by UID, or by name when it has no UID).
 //
-// In-flight attachments are never picked. An attachment of name n without a UID that is still
-// in its grace period while a deletion of that name is known sets RecheckAt to the end of it.
+// In-flight attachments are never picked; one of a deleted pod sets RecheckAt to PendingRecheck
+// from now. An attachment of name n without a UID that is still in its grace period while a
+// deletion of that name is known sets RecheckAt to the end of it.
 func Select(n Name, atts []Attachment, cache Cache, deletions []Deletion, now time.Time, grace time.Duration) Selection {
 	byUID := map[string]*Deletion{}
 	var latest *Deletion
@@ -223,6 +228,16 @@ func Select(n Name, atts []Attachment, cache Cache, deletions []Deletion, now ti
 	var sel Selection
 	for _, a := range atts {
 		if a.Pending {
+			// In flight (an ADD, or an adoption from the pod's status, being journaled): never a
+			// candidate now. But a deletion of its pod must not be forgotten: an adopted
+			// attachment gets no DEL, so it would stay until the full check. Look again once
+			// the write has landed.
+			an, named := NameOf(a.Pod)
+			if (a.Pod.UID != "" && byUID[a.Pod.UID] != nil) || (a.Pod.UID == "" && named && an == n && latest != nil) {
+				if t := now.Add(PendingRecheck); sel.RecheckAt.IsZero() || t.Before(sel.RecheckAt) {
+					sel.RecheckAt = t
+				}
+			}
 			continue
 		}
 		if d := byUID[a.Pod.UID]; a.Pod.UID != "" && d != nil {

@@ -198,7 +198,8 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 					"the journal does not name (an older agent's reservation ahead, left by a crash); it stays out of use", a, name, s.node)}
 			}
 			_, rel := p.releasing[a]
-			if rel || !p.heldKnown || !p.held.Contains(a) || p.unattributed.Contains(a) || s.recordMissing {
+			// An address the previous IPAM reserves (previous.go) waits like one not held yet.
+			if rel || !p.heldKnown || !p.held.Contains(a) || p.unattributed.Contains(a) || s.prevAll.Contains(a) || s.recordMissing {
 				if reason, ok := s.refused[name][a]; ok && !(p.heldKnown && p.held.Contains(a)) {
 					return Attachment{}, Change{}, &StaticUnavailableError{Msg: fmt.Sprintf("address %s of pool %s cannot move to node %s: %s", a, name, s.node, reason)}
 				}

@@ -39,7 +39,7 @@ func (s *State) Demand(pool string) int {
 	inUse := 0
 	if ok {
 		// held out of use, as if in use
-		inUse = len(p.inUse) + count(p.unattributed.Union(p.lost).Subtract(p.inUseSet()))
+		inUse = len(p.inUse) + count(p.unattributed.Union(p.lost).Subtract(p.inUseSet())) + count(s.previousOut(p))
 		for _, freed := range p.cooling {
 			if !p.cooled(freed, s.clock) {
 				inUse++
@@ -157,7 +157,8 @@ func (s *State) Release(now time.Time) ReleasePlan {
 		holding := p.held.Subtract(p.relSet)
 		// Static addresses pods here ask for are never given back (static.go).
 		free := holding.Subtract(p.inUseSet()).Subtract(p.unattributed).Subtract(s.wanted(name)).
-			Subtract(p.lost) // an older agent's reservations ahead: of unknown owner (lost.go)
+			Subtract(p.lost).   // an older agent's reservations ahead: of unknown owner (lost.go)
+			Subtract(s.prevAll) // reserved by the previous IPAM (previous.go)
 		// Free addresses the pool's current spec no longer covers are given back at once
 		// (they are never handed out); addresses in use drain as their pods go (see PlanDel).
 		// Addresses of unknown owner (the hold after a rebuild) are neither.
@@ -234,7 +235,7 @@ func (s *State) Spec() []PoolRequest {
 			rs := rel.Ranges()[:MaxReleasingBlocks]
 			rel = addr.NewSet(rs...)
 		}
-		claimed := p.claimed()
+		claimed := p.claimed().Union(s.previousClaims(p))
 		if claimed.NumRanges() > MaxReleasingBlocks {
 			claimed = addr.NewSet(claimed.Ranges()[:MaxReleasingBlocks]...)
 		}
@@ -286,6 +287,9 @@ type PoolStats struct {
 	Adopted int
 	// Unattributed counts held addresses kept out of use by the hold after a rebuild.
 	Unattributed int
+	// PreviousReserved counts held addresses kept out of use because the previous IPAM reserves
+	// them (previous.go).
+	PreviousReserved int
 }
 
 // Stats returns per-pool counts at now, sorted by pool.
@@ -312,7 +316,9 @@ func (s *State) Stats(now time.Time) []PoolStats {
 			}
 		}
 		if p.heldKnown {
-			st.Free = count(p.fresh)
+			prevOut := s.previousOut(p)
+			st.PreviousReserved = count(prevOut)
+			st.Free = count(p.fresh.Subtract(prevOut))
 			st.Conflicts = count(p.inUseSet().Subtract(p.held))
 		}
 		for _, c := range p.coolq {
@@ -320,6 +326,9 @@ func (s *State) Stats(now time.Time) []PoolStats {
 				continue
 			}
 			if p.heldKnown && p.cooled(c.FreedAt, now) {
+				if s.prevAll.Contains(c.Addr) {
+					continue // counted in PreviousReserved
+				}
 				st.Free++
 			} else {
 				st.Cooling++

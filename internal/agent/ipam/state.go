@@ -52,6 +52,10 @@ type State struct {
 	recordMissing bool
 	// handback is the handback mark (handback.go): while set, every ADD is refused.
 	handback *HandbackMark
+	// previous: what the previous IPAM of each CNI network reserved at the last reading;
+	// prevAll is every reading together, prevLocal those of node-local reservations (previous.go).
+	previous           map[string]previousReading
+	prevAll, prevLocal addr.Set
 }
 
 // observe advances the state's clock to now.

@@ -133,7 +133,7 @@ func (s *State) SetWantedElsewhere(m map[string]addr.Set) { s.elsewhere = m }
 // reserved is what pool must not hand out to an ordinary ADD: static addresses wanted here or
 // elsewhere.
 func (s *State) reserved(pool string) addr.Set {
-	return s.wanted(pool).Union(s.elsewhere[pool]).Union(s.stickyReserved(pool))
+	return s.wanted(pool).Union(s.elsewhere[pool]).Union(s.stickyReserved(pool)).Union(s.prevAll)
 }
 
 // SetRefused records the wanted addresses the controller refused, per pool, with its reasons
