@@ -446,6 +446,12 @@ func (c *Controller) perform(ctx context.Context, op Op) OpResult {
 		var list ipwardenv1.NodeIPAllocationList
 		r.Err = c.reader.List(ctx, &list)
 		r.Allocs = list.Items
+	case OpListNodePods:
+		var list corev1.PodList
+		r.Err = c.reader.List(ctx, &list, client.MatchingFields{"spec.nodeName": op.Node})
+		if r.Err == nil {
+			r.PodAddrs = PodAddrs(list.Items)
+		}
 	default:
 		r.Err = fmt.Errorf("unknown operation %v", op.Kind)
 	}

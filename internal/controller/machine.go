@@ -32,8 +32,8 @@ import (
 // The rules, each with a table test in machine_test.go:
 //   - claims before fills: a new leader fills from the free pool only once every node's agent has
 //     acknowledged it, or --claim-settle passed (State.Settling; checkReports);
-//   - a pool that appears or grows hands out none of its free addresses until every node observed
-//     it, or --pool-settle passed (checkReports);
+//   - a pool that appears or grows hands out none of its free addresses until every node whose pods
+//     may use them observed it, or --pool-settle passed (PoolWaits; checkReports);
 //   - a node's lifecycle write (create, orphan delete, owner fix) comes before its fill, and a fill
 //     never runs beside another task of the same node (one task per node);
 //   - addresses left pending by a write with no answer are settled from a fresh read before the
@@ -71,11 +71,14 @@ const (
 	OpReadAgentLease
 	// OpListAllocations lists every NodeIPAllocation from the API server (the audit).
 	OpListAllocations
+	// OpListNodePods lists the Pods bound to node Op.Node from the API server; the result is the
+	// addresses its running pods report (OpResult.PodAddrs), for a pool settle (PoolWaits).
+	OpListNodePods
 )
 
 var opKindNames = [...]string{"create NodeIPAllocation", "delete NodeIPAllocation", "patch NodeIPAllocation owner",
 	"write NodeIPAllocation status", "write IPPool status", "read Node", "read NodeIPAllocation", "read IPPool",
-	"read agent Lease", "list NodeIPAllocations"}
+	"read agent Lease", "list NodeIPAllocations", "list the node's Pods"}
 
 func (k OpKind) String() string {
 	if int(k) < len(opKindNames) {
@@ -114,6 +117,9 @@ type OpResult struct {
 	LeaseDuration time.Duration
 	// Allocs: OpListAllocations's objects.
 	Allocs []ipwardenv1.NodeIPAllocation
+	// PodAddrs: OpListNodePods's answer, every address in status.podIPs of the node's pods that
+	// may run (not finished, not on the host network).
+	PodAddrs addr.Set
 }
 
 // Event is a Kubernetes event to record about Object.
@@ -179,6 +185,16 @@ type opOwner struct {
 	node  string // a task's op
 	pool  string // a pool write's op
 	audit bool
+	pods  string // a pool settle's read of this node's pods
+}
+
+// podRead is one read of a node's pods for the pool settles: issued then, answered (done) with
+// the addresses its running pods report, or failed (retry after podReadAfter).
+type podRead struct {
+	issued time.Time
+	done   bool
+	addrs  addr.Set
+	retry  time.Time
 }
 
 // auditRun is an audit in progress: a first list, and when it found addresses held twice, a
@@ -213,6 +229,8 @@ type Machine struct {
 	claimSettleAt   time.Time // the claim settle bound; zero once its pass ran
 	reportsDirty    bool      // a node or allocation changed while reports are awaited
 	nextReportCheck time.Time
+	podReads        map[string]*podRead // pool settles' reads of silent nodes' pods, by node
+	podReadAt       time.Time           // a silent node's pods are due to be read then
 	agentSeen       map[string]*nodelease.Observer
 	rechecks        map[string]time.Time // deleted nodes whose agent Lease to look at again
 	nodeFlags       map[string][2]bool   // deficit, at capacity: for the fleet gauges
@@ -244,7 +262,7 @@ func NewMachine(opts Options, m *Metrics, log logr.Logger) *Machine {
 		opts: opts, state: NewState(opts.Exhaustion), sched: s, metrics: m, log: log,
 		nodes: map[string]*metav1.PartialObjectMetadata{}, allocs: map[string]*ipwardenv1.NodeIPAllocation{},
 		pools: map[string]*ipwardenv1.IPPool{}, tasks: map[string]*task{}, poolRuns: map[string]*poolRun{},
-		ops: map[uint64]opOwner{}, agentSeen: map[string]*nodelease.Observer{}, rechecks: map[string]time.Time{},
+		ops: map[uint64]opOwner{}, agentSeen: map[string]*nodelease.Observer{}, rechecks: map[string]time.Time{}, podReads: map[string]*podRead{},
 		nodeFlags: map[string][2]bool{}, poolWritten: map[string]time.Time{},
 	}
 }
@@ -343,16 +361,19 @@ func (m *Machine) PoolChanged(obj *ipwardenv1.IPPool, now time.Time) {
 	if old != nil && old.Generation == obj.Generation && old.UID == obj.UID {
 		return // its status: kept for the next write, nothing to decide
 	}
-	settle := m.opts.PoolSettle > 0 && m.state.PoolGrows(obj)
+	var added addr.Set
+	if m.opts.PoolSettle > 0 {
+		added = m.state.PoolGrowth(obj)
+	}
 	affected := m.state.SetPool(obj)
-	if settle {
-		m.state.StartPoolSettle(obj.Name, string(obj.UID), obj.Generation, now.Add(m.opts.PoolSettle))
+	if !added.IsEmpty() {
+		m.state.StartPoolSettle(obj.Name, string(obj.UID), obj.Generation, added, now, now.Add(m.opts.PoolSettle))
 		m.reportsDirty = true
 		m.nextReportCheck = time.Time{}
-		m.log.Info("pool is new or gained addresses: its free addresses wait until every node has reported what its running pods use in it",
-			"pool", obj.Name, "generation", obj.Generation, "poolSettle", m.opts.PoolSettle.String())
+		m.log.Info("pool is new or gained addresses: its free addresses wait until the nodes whose pods may use them have reported what their running pods use in it",
+			"pool", obj.Name, "generation", obj.Generation, "added", added.String(), "poolSettle", m.opts.PoolSettle.String())
 		m.event(obj, corev1.EventTypeNormal, "PoolSettling",
-			"waiting up to %s for every node to report the addresses its running pods use in this pool before handing out its free addresses", m.opts.PoolSettle)
+			"waiting up to %s for the nodes it selects, and any other node whose pods use its new addresses, to report the addresses their running pods use in this pool before handing out its free addresses", m.opts.PoolSettle)
 	}
 	m.poolWake = true
 	if affected {
@@ -410,6 +431,11 @@ func (m *Machine) Tick(now time.Time) {
 			m.reportsDirty = true
 			m.nextReportCheck = time.Time{}
 		}
+	}
+	if !m.podReadAt.IsZero() && !now.Before(m.podReadAt) {
+		m.podReadAt = time.Time{}
+		m.reportsDirty = true
+		m.nextReportCheck = time.Time{}
 	}
 	for _, name := range sortedKeys(m.rechecks) {
 		if !now.Before(m.rechecks[name]) {
@@ -487,6 +513,7 @@ func (m *Machine) wake(now time.Time) time.Time {
 	for _, st := range m.state.PoolsSettling() {
 		at(st.Until)
 	}
+	at(m.podReadAt)
 	for _, t := range m.rechecks {
 		at(t)
 	}
@@ -580,7 +607,8 @@ func (m *Machine) enqueueEach(names []string, now time.Time) {
 // --- reports: acknowledgements and pool settles ----------------------------------------------
 
 // checkReports ends the claim settle once every node's agent acknowledged this leader, and each
-// pool settle once every node observed the pool or its bound passed.
+// pool settle once every node whose pods may use its new addresses observed the pool (PoolWaits),
+// or its bound passed. It reads the pods of the silent nodes the pool does not select.
 func (m *Machine) checkReports(now time.Time) {
 	m.reportsDirty = false
 	m.nextReportCheck = now.Add(reportCheckInterval)
@@ -601,11 +629,11 @@ func (m *Machine) checkReports(now time.Time) {
 	}
 	ended := false
 	for _, st := range settles {
-		missing := PoolUnobserved(allocs, selected, st.Pool, st.UID, st.Generation)
+		missing, read := PoolWaits(allocs, m.settleNodes(st, selected), st.Pool, st.UID, st.Generation, st.Added)
 		m.metrics.PoolUnobserved.WithLabelValues(st.Pool).Set(float64(len(missing)))
 		switch {
 		case len(missing) == 0:
-			m.log.Info("every node reported the addresses its pods use in the pool; filling from its free addresses",
+			m.log.Info("every node whose pods may use the pool's new addresses reported them; filling from its free addresses",
 				"pool", st.Pool, "generation", st.Generation)
 		case !now.Before(st.Until):
 			m.log.Error(nil, "nodes did not report the addresses their pods use in the new or grown pool within --pool-settle; filling from its free addresses anyway. "+
@@ -617,14 +645,80 @@ func (m *Machine) checkReports(now time.Time) {
 					len(missing), m.opts.PoolSettle, firstN(missing, 10))
 			}
 		default:
+			m.readPods(read, st.Started.Add(podReadAfter), now)
 			continue // Tick looks again at the bound
 		}
 		m.state.EndPoolSettle(st.Pool)
 		ended = true
 	}
+	if len(m.state.PoolsSettling()) == 0 {
+		m.podReadAt = time.Time{}
+		for name, rd := range m.podReads {
+			if rd.done || !rd.retry.IsZero() {
+				delete(m.podReads, name) // answered: no settle needs it (one in flight is dropped at its answer)
+			}
+		}
+	}
 	if ended {
 		m.enqueueAll(now)
 	}
+}
+
+// settleNodes is what PoolWaits needs of every existing node for settle st: whether the pool, or
+// any serving pool (selected), selects it, and its pods read since the settle started.
+func (m *Machine) settleNodes(st PoolSettle, selected map[string]bool) map[string]SettleNode {
+	out := make(map[string]SettleNode, len(selected))
+	for name, byAny := range selected {
+		n := SettleNode{AnyPool: byAny}
+		if obj := m.nodes[name]; obj != nil {
+			n.Selected = m.state.PoolSelects(st.Pool, obj.Labels)
+		}
+		if rd := m.podReads[name]; rd != nil && rd.done && !rd.issued.Before(st.Started) {
+			n.Pods = &rd.addrs
+		}
+		out[name] = n
+	}
+	return out
+}
+
+// readPods issues a read of the pods of each node in names that has none in flight, from due on
+// (a node that failed is read again podReadAfter later); before due it only asks to be woken.
+func (m *Machine) readPods(names []string, due, now time.Time) {
+	for _, name := range names {
+		rd := m.podReads[name]
+		at := due
+		if rd != nil && !rd.retry.IsZero() && rd.retry.After(at) {
+			at = rd.retry
+		}
+		if rd != nil && !rd.done && rd.retry.IsZero() {
+			continue // in flight
+		}
+		if now.Before(at) {
+			if m.podReadAt.IsZero() || at.Before(m.podReadAt) {
+				m.podReadAt = at
+			}
+			continue
+		}
+		m.podReads[name] = &podRead{issued: now}
+		m.issue(opOwner{pods: name}, Op{Kind: OpListNodePods, Node: name})
+	}
+}
+
+// podsDone records the answer to a read of node's pods and has the settles look again.
+func (m *Machine) podsDone(node string, r OpResult, now time.Time) {
+	rd := m.podReads[node]
+	if rd == nil || len(m.state.PoolsSettling()) == 0 {
+		delete(m.podReads, node)
+		return
+	}
+	if r.Err != nil {
+		rd.retry = now.Add(podReadAfter)
+		m.log.Error(r.Err, "could not list the pods of a node a settling pool waits for; reading them again later", "node", node, "retryIn", podReadAfter.String())
+	} else {
+		rd.done, rd.addrs = true, r.PodAddrs
+	}
+	m.reportsDirty = true
+	m.nextReportCheck = time.Time{}
 }
 
 func (m *Machine) unacknowledged() []string {
@@ -796,6 +890,8 @@ func (m *Machine) Done(r OpResult, now time.Time) {
 	switch {
 	case owner.audit:
 		m.auditDone(r, now)
+	case owner.pods != "":
+		m.podsDone(owner.pods, r, now)
 	case owner.pool != "":
 		m.poolDone(owner.pool, r, now)
 	default:

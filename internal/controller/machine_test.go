@@ -31,6 +31,7 @@ type world struct {
 	allocs map[string]*ipwardenv1.NodeIPAllocation
 	pools  map[string]*ipwardenv1.IPPool
 	nodes  map[string]bool
+	pods   map[string]addr.Set // what each node's running pods report (OpListNodePods)
 	rv     int
 	queue  []Op
 	events []Event
@@ -261,6 +262,8 @@ func (w *world) perform(op Op) {
 		for _, n := range sortedKeys(w.allocs) {
 			r.Allocs = append(r.Allocs, *w.allocs[n])
 		}
+	case OpListNodePods:
+		r.PodAddrs = w.pods[op.Node]
 	}
 	w.m.Done(r, w.now)
 }
@@ -409,6 +412,80 @@ func TestMachinePoolSettle(t *testing.T) {
 			}
 			if !slices.Contains(w.eventReasons(), tc.wantEvent) {
 				t.Fatalf("events %v, want %s", w.eventReasons(), tc.wantEvent)
+			}
+		})
+	}
+}
+
+// A new pool that selects node a waits for a alone, not for the silent nodes b and c another pool
+// selects: their pods are read podReadAfter into the settle (a's are not), and unless a pod of
+// theirs uses an address of the new pool (the previous IPAM's), a is filled then, long before
+// --pool-settle. A read that fails is made again.
+func TestMachinePoolSettleWaitsForTheNodesItMayServe(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		cPods    string // what node c's running pods report
+		failOnce bool   // the first read of b's pods fails
+		filledAt time.Duration
+		event    string
+	}{
+		{"no silent node's pod uses the new addresses", "10.0.0.9", false, podReadAfter, "PoolSettling"},
+		{"a read fails and is made again", "", true, 2 * podReadAfter, "PoolSettling"},
+		{"a pod on silent node c uses one", "10.1.0.3", false, time.Minute, "PoolSettleTimedOut"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w := newWorld(t, Options{PoolSettle: time.Minute}, testPool("p", "10.0.0.0/28", time.Minute))
+			w.pods = map[string]addr.Set{"b": set(t, "10.0.0.5")}
+			if tc.cPods != "" {
+				w.pods["c"] = set(t, tc.cPods)
+			}
+			failed := false
+			w.answer = func(op Op) (error, bool) {
+				if tc.failOnce && op.Kind == OpListNodePods && op.Node == "b" && !failed {
+					failed = true
+					return errTimeout, true
+				}
+				return nil, false
+			}
+			for _, n := range []string{"a", "b", "c"} {
+				w.addNode(n, spec("p", 0))
+			}
+			w.lead("")
+			w.run()
+			a := nodeObj("a")
+			a.Labels = map[string]string{"pool": "q"}
+			w.m.NodeChanged(a, w.now)
+			q := testPool("q", "10.1.0.0/28", time.Minute)
+			q.Spec.NodeSelector = &metav1.LabelSelector{MatchLabels: map[string]string{"pool": "q"}}
+			q.Generation, q.UID, q.ResourceVersion = 1, "uid-q", w.version()
+			w.pools["q"] = &q
+			start := w.now
+			w.m.PoolChanged(&q, w.now)
+			w.setSpec("a", ipwardenv1.NodeIPAllocationSpec{Pools: []ipwardenv1.NodePoolRequest{{Pool: "q", Requested: 4}},
+				ObservedPools: []ipwardenv1.ObservedPool{{Pool: "q", UID: "uid-q", Generation: 1}}})
+			var reads []string
+			for w.now.Sub(start) <= 2*time.Minute && count(w.statusHeldBy("a")) == 0 {
+				for _, op := range w.run() {
+					if strings.HasPrefix(op, OpListNodePods.String()) {
+						reads = append(reads, op)
+					}
+				}
+				if count(w.statusHeldBy("a")) == 0 {
+					w.now = w.now.Add(time.Second)
+				}
+			}
+			if got := w.now.Sub(start); count(w.statusHeldBy("a")) != 4 || got < tc.filledAt || got > tc.filledAt+time.Second {
+				t.Fatalf("a holds %v %s after the pool appeared, want 4 addresses within a second after %s", w.statusHeldBy("a"), got, tc.filledAt)
+			}
+			want := []string{"list the node's Pods b", "list the node's Pods c"}
+			if tc.failOnce {
+				want = append(want, "list the node's Pods b")
+			}
+			if !slices.Equal(reads, want) {
+				t.Fatalf("pod reads %v, want %v (the selected node's pods are never read)", reads, want)
+			}
+			if !slices.Contains(w.eventReasons(), tc.event) {
+				t.Fatalf("events %v, want %s", w.eventReasons(), tc.event)
 			}
 		})
 	}

@@ -1,62 +1,95 @@
 package controller
 
 import (
+	"net/netip"
 	"slices"
 	"sort"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/labels"
+
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
+	"github.com/ipwarden/ipwarden/internal/addr"
 	"github.com/ipwarden/ipwarden/internal/ippool"
+	"github.com/ipwarden/ipwarden/internal/podinfo"
 )
 
-// A pool's new addresses wait for the nodes (docs/design.md, "Taking over from another IPAM").
+// A pool's new addresses wait for the nodes whose pods may use them (docs/design.md, "Taking
+// over from another IPAM").
 //
 // Running pods can use addresses ipwarden never handed out: pods of the IPAM the cluster ran
 // before (host-local, Whereabouts, Calico), still running on a node whose CNI configuration was
 // switched to ipwarden. Each agent records the addresses its node's running pods report inside
-// any pool it knows and claims them (ipam.State.Rebuild, on every pod event), and lists the pools
-// it did that with in spec.observedPools. A pool that appears, or gains addresses, while this
-// controller leads is therefore not filled from its free part until every node has observed its
-// new generation, or until --pool-settle passes (an agent that is down cannot report; the Warning
-// event PoolSettleTimedOut names the nodes). Claims and take-backs are served meanwhile. Pools
-// present when the controller starts leading wait for the leader's acknowledgements instead
-// (claims.go), which the agents write with the same list.
+// any pool it knows, selected or not, and claims them (ipam.State.Rebuild, on every pod event),
+// and lists the pools it did that with in spec.observedPools. A pool that appears, or gains
+// addresses, while this controller leads is therefore not filled from its free part until the
+// nodes that may use its new addresses have observed its new generation, or until --pool-settle
+// passes (an agent that is down cannot report; the Warning event PoolSettleTimedOut names the
+// nodes). Claims and take-backs are served meanwhile. Pools present when the controller starts
+// leading wait for the leader's acknowledgements instead (claims.go), which the agents write with
+// the same list.
+//
+// Which nodes may use them (PoolWaits): every node the pool selects (its pods draw from the pool,
+// and its agent is the one that reports them); and a node the pool does not select only when its
+// record or its pods show such an address: its NodeIPAllocation holds or claims one under another
+// pool (a deleted pool the new addresses reuse), or a running pod bound to it reports one in
+// status.podIPs (a pod of the previous IPAM, which its agent would claim). The controller reads
+// the pods of a node it does not select only once the node has been silent for podReadAfter
+// (one LIST of the node's pods; a running agent usually reports before that), so a node whose
+// agent is down or not yet started holds up no pool that does not select it, unless its pods use
+// the new addresses.
+
+// podReadAfter is how long a settling pool waits for a node it does not select to report before
+// it reads that node's pods instead (an agent that runs reports within a second or two; reading
+// every node's pods at once would cost a LIST per node for every new pool).
+const podReadAfter = 2 * time.Second
 
 // poolSettle is a pool waiting for the nodes to observe its generation.
 type poolSettle struct {
 	uid        string
 	generation int64
+	added      addr.Set // the addresses the new generation hands out that the last did not
+	started    time.Time
 	until      time.Time
 }
 
-// PoolSettle is one pool waiting for the nodes: its UID and generation, and until when at most.
+// PoolSettle is one pool waiting for the nodes: its UID and generation, the addresses it gained,
+// when it started waiting and until when at most.
 type PoolSettle struct {
 	Pool       string
 	UID        string
 	Generation int64
+	Added      addr.Set
+	Started    time.Time
 	Until      time.Time
 }
 
-// PoolGrows says whether obj would make its pool hand out an address it does not hand out now:
-// a pool this State does not know yet, or one whose new spec adds addresses. A spec that cannot
-// be parsed adds nothing.
-func (s *State) PoolGrows(obj *ipwardenv1.IPPool) bool {
+// PoolGrowth is the addresses obj would make its pool hand out that it does not hand out now:
+// all of a pool this State does not know yet (or knows deleted or invalid), the addresses a new
+// spec adds to a known one. A spec that cannot be parsed adds nothing.
+func (s *State) PoolGrowth(obj *ipwardenv1.IPPool) addr.Set {
 	cfg, err := ippool.Parse(obj.Spec)
 	if err != nil {
-		return false
+		return addr.Set{}
 	}
 	p, known := s.pools[obj.Name]
 	if !known || p.deleted || p.parseErr != nil {
-		return !cfg.Addresses.IsEmpty()
+		return cfg.Addresses
 	}
-	return !cfg.Addresses.Subtract(p.cfg.Addresses).IsEmpty()
+	return cfg.Addresses.Subtract(p.cfg.Addresses)
 }
 
+// PoolGrows says whether obj would make its pool hand out an address it does not hand out now
+// (PoolGrowth is not empty).
+func (s *State) PoolGrows(obj *ipwardenv1.IPPool) bool { return !s.PoolGrowth(obj).IsEmpty() }
+
 // StartPoolSettle makes PlanFill hand out none of pool's free addresses until EndPoolSettle, or
-// until until, whichever comes first; uid and generation are what the nodes must observe.
-func (s *State) StartPoolSettle(pool, uid string, generation int64, until time.Time) {
+// until until, whichever comes first; uid and generation are what the nodes must observe, added
+// the addresses the nodes' pods may already use, started when the wait began.
+func (s *State) StartPoolSettle(pool, uid string, generation int64, added addr.Set, started, until time.Time) {
 	p := s.pool(pool)
-	p.settle = &poolSettle{uid: uid, generation: generation, until: until}
+	p.settle = &poolSettle{uid: uid, generation: generation, added: added, started: started, until: until}
 }
 
 // EndPoolSettle lets PlanFill fill from pool's free addresses again.
@@ -71,7 +104,7 @@ func (s *State) PoolsSettling() []PoolSettle {
 	var out []PoolSettle
 	for _, name := range sortedKeys(s.pools) {
 		if st := s.pools[name].settle; st != nil {
-			out = append(out, PoolSettle{Pool: name, UID: st.uid, Generation: st.generation, Until: st.until})
+			out = append(out, PoolSettle{Pool: name, UID: st.uid, Generation: st.generation, Added: st.added, Started: st.started, Until: st.until})
 		}
 	}
 	return out
@@ -82,35 +115,105 @@ func (p *poolState) settlingAt(now time.Time) bool {
 	return p.settle != nil && now.Before(p.settle.until)
 }
 
-// PoolUnobserved lists, sorted, the nodes that have not observed generation of the pool with uid:
-// nodes maps every existing Node to whether a serving pool selects it (as for Unacknowledged).
-// A node counts when it exists and its NodeIPAllocation's spec.observedPools lacks the pool at
-// that UID and generation or later, or when a pool selects it and its NodeIPAllocation is missing
-// or being deleted (its agent has nowhere to report). A node no pool selects and that has no
-// NodeIPAllocation has no agent that could report, and does not count.
-func PoolUnobserved(allocs []ipwardenv1.NodeIPAllocation, nodes map[string]bool, pool, uid string, generation int64) []string {
-	var out []string
-	has := map[string]bool{}
+// PoolSelects says whether pool, serving, selects a node with labels l.
+func (s *State) PoolSelects(pool string, l map[string]string) bool {
+	p, ok := s.pools[pool]
+	return ok && p.serving() && p.cfg.NodeSelector.Matches(labels.Set(l))
+}
+
+// SettleNode is what PoolWaits knows of one existing Node.
+type SettleNode struct {
+	// Selected: the settling pool selects the node. AnyPool: some serving pool does.
+	Selected, AnyPool bool
+	// Pods is what the node's running pods report in status.podIPs, read after the settle
+	// started (nil: not read).
+	Pods *addr.Set
+}
+
+// PoolWaits decides which nodes the free addresses of a settling pool (pool with uid at
+// generation, added its new addresses) wait for, sorted, and which of them to read the pods of,
+// sorted. allocs are the NodeIPAllocations, nodes every existing Node. A node that exists and
+// whose NodeIPAllocation (not being deleted) lists the pool in spec.observedPools at that UID and
+// generation or later waits for nothing. Otherwise it is waited for when
+//
+//   - the pool selects it (its agent reports what its pods use; a missing or deleting object
+//     first has to be back: the agent has nowhere to report);
+//   - its NodeIPAllocation holds (status) or claims (spec) an address of added under another pool:
+//     a deleted pool whose addresses the new ones reuse, whose pods its agent claims in this one;
+//   - some serving pool selects it or it has a NodeIPAllocation (an agent that may claim), and its
+//     pods have not been read yet (read lists it), or a running pod of it reports an address of
+//     added (a pod of the previous IPAM: its agent claims it).
+//
+// A node no pool selects and that has no NodeIPAllocation has no agent that could claim, and a
+// NodeIPAllocation without its Node waits for deletion, not for an agent: neither counts.
+func PoolWaits(allocs []ipwardenv1.NodeIPAllocation, nodes map[string]SettleNode, pool, uid string, generation int64, added addr.Set) (wait, read []string) {
+	seen := map[string]bool{}
 	for i := range allocs {
 		a := &allocs[i]
-		if _, exists := nodes[a.Name]; !exists {
+		n, exists := nodes[a.Name]
+		if !exists {
 			continue
 		}
-		if a.DeletionTimestamp == nil {
-			has[a.Name] = true
-			if slices.ContainsFunc(a.Spec.ObservedPools, func(o ipwardenv1.ObservedPool) bool {
-				return o.Pool == pool && o.UID == uid && o.Generation >= generation
-			}) {
-				continue
-			}
+		seen[a.Name] = true
+		if a.DeletionTimestamp == nil && slices.ContainsFunc(a.Spec.ObservedPools, func(o ipwardenv1.ObservedPool) bool {
+			return o.Pool == pool && o.UID == uid && o.Generation >= generation
+		}) {
+			continue
 		}
-		out = append(out, a.Name)
-	}
-	for name, selected := range nodes {
-		if selected && !has[name] && !slices.Contains(out, name) {
-			out = append(out, name)
+		switch {
+		case n.Selected, recordUses(a, pool, added):
+			wait = append(wait, a.Name)
+		case n.Pods == nil:
+			wait, read = append(wait, a.Name), append(read, a.Name)
+		case n.Pods.Overlaps(added):
+			wait = append(wait, a.Name)
 		}
 	}
-	sort.Strings(out)
-	return out
+	for name, n := range nodes {
+		switch {
+		case seen[name] || !n.AnyPool:
+		case n.Selected:
+			wait = append(wait, name)
+		case n.Pods == nil:
+			wait, read = append(wait, name), append(read, name)
+		case n.Pods.Overlaps(added):
+			wait = append(wait, name)
+		}
+	}
+	sort.Strings(wait)
+	sort.Strings(read)
+	return wait, read
+}
+
+// PodAddrs is every address the pods that may run report in status.podIPs (not finished, not on
+// the host network: the pods whose addresses an agent adopts; podinfo, the one Pod conversion).
+func PodAddrs(pods []corev1.Pod) addr.Set {
+	var as []netip.Addr
+	for i := range pods {
+		if v := podinfo.Of(&pods[i]); !v.HostNetwork && !v.Finished {
+			as = append(as, v.IPs...)
+		}
+	}
+	return addr.SetOfAddrs(as...)
+}
+
+// recordUses says whether a holds or claims an address of added under a pool other than pool.
+func recordUses(a *ipwardenv1.NodeIPAllocation, pool string, added addr.Set) bool {
+	for _, st := range a.Status.Pools {
+		if st.Pool == pool {
+			continue
+		}
+		if held, err := addr.ParseSet(st.Addresses); err == nil && held.Overlaps(added) {
+			return true
+		}
+	}
+	for _, req := range a.Spec.Pools {
+		if req.Pool == pool {
+			continue
+		}
+		if c, err := addr.ParseSet(blocks(req.Claimed)); err == nil && c.Overlaps(added) {
+			return true
+		}
+	}
+	return false
 }

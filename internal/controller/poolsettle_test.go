@@ -5,9 +5,11 @@ import (
 	"testing"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
+	"github.com/ipwarden/ipwarden/internal/addr"
 )
 
 func TestPoolGrows(t *testing.T) {
@@ -65,7 +67,7 @@ func TestPoolSettleServesClaimsOnly(t *testing.T) {
 				t.Fatal("a new pool does not grow")
 			}
 			s.SetPool(&p)
-			s.StartPoolSettle("p", "uid-p", 1, t0.Add(time.Minute))
+			s.StartPoolSettle("p", "uid-p", 1, set(t, "10.0.0.0/28"), t0, t0.Add(time.Minute))
 			if tc.end {
 				s.EndPoolSettle("p")
 			}
@@ -83,34 +85,99 @@ func TestPoolSettleServesClaimsOnly(t *testing.T) {
 	}
 }
 
-func TestPoolUnobserved(t *testing.T) {
+// Which nodes a settling pool's free addresses wait for: the nodes it selects until they
+// observed it; another node only while its pods are unread, or when its record or its running
+// pods show an address the pool gained.
+func TestPoolWaits(t *testing.T) {
 	obs := func(name string, pools ...ipwardenv1.ObservedPool) ipwardenv1.NodeIPAllocation {
 		return ipwardenv1.NodeIPAllocation{ObjectMeta: metav1.ObjectMeta{Name: name}, Spec: ipwardenv1.NodeIPAllocationSpec{ObservedPools: pools}}
 	}
+	seen := ipwardenv1.ObservedPool{Pool: "p", UID: "u", Generation: 2}
 	now := metav1.Now()
-	deleting := obs("d", ipwardenv1.ObservedPool{Pool: "p", UID: "u", Generation: 2})
+	deleting := obs("d", seen)
 	deleting.DeletionTimestamp = &now
+	// An unselected node holding, under the deleted pool "old", addresses p now hands out.
+	holdsOld := obs("h")
+	holdsOld.Status.Pools = []ipwardenv1.NodePoolStatus{{Pool: "old", Addresses: []string{"10.0.0.4/30"}}}
+	holdsElsewhere := obs("h")
+	holdsElsewhere.Status.Pools = []ipwardenv1.NodePoolStatus{{Pool: "q", Addresses: []string{"10.9.0.0/30"}}}
+	holdsInP := obs("h") // its holding in p itself is in the record already
+	holdsInP.Status.Pools = []ipwardenv1.NodePoolStatus{{Pool: "p", Addresses: []string{"10.0.0.4/30"}}}
+	claimsOld := obs("h")
+	claimsOld.Spec.Pools = []ipwardenv1.NodePoolRequest{{Pool: "old", Claimed: []ipwardenv1.AddressBlock{"10.0.0.9"}}}
+
+	added := set(t, "10.0.0.0/28")
+	none, inside, outside := set(t), set(t, "10.0.0.7", "10.9.0.1"), set(t, "10.9.0.1", "10.0.1.7")
+	sel := SettleNode{Selected: true, AnyPool: true}
+	other := SettleNode{AnyPool: true} // another pool selects it, its pods unread
+	otherRead := func(pods addr.Set) SettleNode { return SettleNode{AnyPool: true, Pods: &pods} }
 	for _, tc := range []struct {
-		name   string
-		allocs []ipwardenv1.NodeIPAllocation
-		nodes  map[string]bool
-		want   string
+		name       string
+		allocs     []ipwardenv1.NodeIPAllocation
+		nodes      map[string]SettleNode
+		wait, read string
 	}{
-		{"observed at the generation", []ipwardenv1.NodeIPAllocation{obs("a", ipwardenv1.ObservedPool{Pool: "p", UID: "u", Generation: 2})}, map[string]bool{"a": true}, ""},
-		{"observed later generation", []ipwardenv1.NodeIPAllocation{obs("a", ipwardenv1.ObservedPool{Pool: "p", UID: "u", Generation: 3})}, map[string]bool{"a": true}, ""},
-		{"older generation", []ipwardenv1.NodeIPAllocation{obs("a", ipwardenv1.ObservedPool{Pool: "p", UID: "u", Generation: 1})}, map[string]bool{"a": true}, "a"},
-		{"a pool of the same name before", []ipwardenv1.NodeIPAllocation{obs("a", ipwardenv1.ObservedPool{Pool: "p", UID: "old", Generation: 5})}, map[string]bool{"a": true}, "a"},
-		{"nothing observed (an old agent)", []ipwardenv1.NodeIPAllocation{obs("a")}, map[string]bool{"a": true}, "a"},
-		{"selected node without its object", nil, map[string]bool{"b": true}, "b"},
-		{"object being deleted", []ipwardenv1.NodeIPAllocation{deleting}, map[string]bool{"d": true}, "d"},
-		{"node gone: its object waits for deletion, not for an agent", []ipwardenv1.NodeIPAllocation{obs("gone")}, map[string]bool{}, ""},
-		{"node no pool selects, no object: no agent to wait for", nil, map[string]bool{"c": false}, ""},
-		{"sorted", []ipwardenv1.NodeIPAllocation{obs("z"), obs("a")}, map[string]bool{"a": true, "z": true}, "a,z"},
+		// The nodes the pool selects: until they observed it.
+		{"selected, observed at the generation", []ipwardenv1.NodeIPAllocation{obs("a", seen)}, map[string]SettleNode{"a": sel}, "", ""},
+		{"selected, observed a later generation", []ipwardenv1.NodeIPAllocation{obs("a", ipwardenv1.ObservedPool{Pool: "p", UID: "u", Generation: 3})}, map[string]SettleNode{"a": sel}, "", ""},
+		{"selected, older generation", []ipwardenv1.NodeIPAllocation{obs("a", ipwardenv1.ObservedPool{Pool: "p", UID: "u", Generation: 1})}, map[string]SettleNode{"a": sel}, "a", ""},
+		{"selected, a pool of the same name before", []ipwardenv1.NodeIPAllocation{obs("a", ipwardenv1.ObservedPool{Pool: "p", UID: "old", Generation: 5})}, map[string]SettleNode{"a": sel}, "a", ""},
+		{"selected, nothing observed (an old agent)", []ipwardenv1.NodeIPAllocation{obs("a")}, map[string]SettleNode{"a": sel}, "a", ""},
+		{"selected, its pods read and empty: still its agent", []ipwardenv1.NodeIPAllocation{obs("a")}, map[string]SettleNode{"a": {Selected: true, AnyPool: true, Pods: &none}}, "a", ""},
+		{"selected without its object", nil, map[string]SettleNode{"b": sel}, "b", ""},
+		{"selected, object being deleted", []ipwardenv1.NodeIPAllocation{deleting}, map[string]SettleNode{"d": sel}, "d", ""},
+		// Nodes it does not select: only while their pods are unread, or when they use its new addresses.
+		{"other, silent, pods unread: wait and read", []ipwardenv1.NodeIPAllocation{obs("o")}, map[string]SettleNode{"o": other}, "o", "o"},
+		{"other, observed: nothing to read", []ipwardenv1.NodeIPAllocation{obs("o", seen)}, map[string]SettleNode{"o": other}, "", ""},
+		{"other, silent, no pod uses the new addresses", []ipwardenv1.NodeIPAllocation{obs("o")}, map[string]SettleNode{"o": otherRead(none)}, "", ""},
+		{"other, silent, pods use addresses outside them", []ipwardenv1.NodeIPAllocation{obs("o")}, map[string]SettleNode{"o": otherRead(outside)}, "", ""},
+		{"other, silent, a pod uses one of them", []ipwardenv1.NodeIPAllocation{obs("o")}, map[string]SettleNode{"o": otherRead(inside)}, "o", ""},
+		{"other, a pod uses one, then observed", []ipwardenv1.NodeIPAllocation{obs("o", seen)}, map[string]SettleNode{"o": otherRead(inside)}, "", ""},
+		{"other, holds them under a deleted pool", []ipwardenv1.NodeIPAllocation{holdsOld}, map[string]SettleNode{"h": otherRead(none)}, "h", ""},
+		{"other, holds them under a deleted pool, pods unread: no read needed", []ipwardenv1.NodeIPAllocation{holdsOld}, map[string]SettleNode{"h": other}, "h", ""},
+		{"other, claims one under another pool", []ipwardenv1.NodeIPAllocation{claimsOld}, map[string]SettleNode{"h": otherRead(none)}, "h", ""},
+		{"other, holds other addresses", []ipwardenv1.NodeIPAllocation{holdsElsewhere}, map[string]SettleNode{"h": otherRead(none)}, "", ""},
+		{"other, holds some of this pool (in the record)", []ipwardenv1.NodeIPAllocation{holdsInP}, map[string]SettleNode{"h": otherRead(none)}, "", ""},
+		{"other without its object, selected by another pool: read", nil, map[string]SettleNode{"o": other}, "o", "o"},
+		{"other without its object, a pod uses one", nil, map[string]SettleNode{"o": otherRead(inside)}, "o", ""},
+		{"other without its object, no pod uses one", nil, map[string]SettleNode{"o": otherRead(none)}, "", ""},
+		{"no pool selects it, no object: no agent to wait for", nil, map[string]SettleNode{"c": {}}, "", ""},
+		{"no pool selects it, has an object (drains): read", []ipwardenv1.NodeIPAllocation{obs("c")}, map[string]SettleNode{"c": {}}, "c", "c"},
+		{"node gone: its object waits for deletion, not for an agent", []ipwardenv1.NodeIPAllocation{obs("gone")}, map[string]SettleNode{}, "", ""},
+		{"sorted", []ipwardenv1.NodeIPAllocation{obs("z"), obs("y"), obs("a")}, map[string]SettleNode{"a": sel, "z": other, "y": other}, "a,y,z", "y,z"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if got := strings.Join(PoolUnobserved(tc.allocs, tc.nodes, "p", "u", 2), ","); got != tc.want {
-				t.Fatalf("PoolUnobserved = %q, want %q", got, tc.want)
+			wait, read := PoolWaits(tc.allocs, tc.nodes, "p", "u", 2, added)
+			if got := strings.Join(wait, ","); got != tc.wait {
+				t.Errorf("waits for %q, want %q", got, tc.wait)
+			}
+			if got := strings.Join(read, ","); got != tc.read {
+				t.Errorf("reads the pods of %q, want %q", got, tc.read)
 			}
 		})
+	}
+}
+
+// The addresses a node's pods report that an agent would adopt: not a finished pod's, not a
+// host-network pod's (the node's own address).
+func TestPodAddrs(t *testing.T) {
+	pod := func(phase corev1.PodPhase, hostNet bool, ips ...string) corev1.Pod {
+		p := corev1.Pod{Spec: corev1.PodSpec{HostNetwork: hostNet}, Status: corev1.PodStatus{Phase: phase}}
+		for _, ip := range ips {
+			p.Status.PodIPs = append(p.Status.PodIPs, corev1.PodIP{IP: ip})
+		}
+		return p
+	}
+	got := PodAddrs([]corev1.Pod{
+		pod(corev1.PodRunning, false, "10.0.0.5", "fd00::5"),
+		pod(corev1.PodPending, false, "10.0.0.6"),
+		pod(corev1.PodSucceeded, false, "10.0.0.7"),
+		pod(corev1.PodFailed, false, "10.0.0.8"),
+		pod(corev1.PodRunning, true, "192.168.0.1"),
+		pod(corev1.PodRunning, false, "not-an-address"),
+		pod(corev1.PodPending, false),
+	})
+	if want := set(t, "10.0.0.5-10.0.0.6", "fd00::5"); !got.Equal(want) {
+		t.Fatalf("PodAddrs = %v, want %v", got, want)
 	}
 }
