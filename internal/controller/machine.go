@@ -32,8 +32,9 @@ import (
 // The rules, each with a table test in machine_test.go:
 //   - claims before fills: a new leader fills from the free pool only once every node's agent has
 //     acknowledged it, or --claim-settle passed (State.Settling; checkReports);
-//   - a pool that appears or grows hands out none of its free addresses until every node whose pods
-//     may use them observed it, or --pool-settle passed (PoolWaits; checkReports);
+//   - a pool that appears or grows hands out none of its free addresses until every node observed
+//     it, or had its pods read (after podReadAfter) and they use none of them, or --pool-settle
+//     passed (PoolWaits; checkReports);
 //   - a node's lifecycle write (create, orphan delete, owner fix) comes before its fill, and a fill
 //     never runs beside another task of the same node (one task per node);
 //   - addresses left pending by a write with no answer are settled from a fresh read before the
@@ -664,15 +665,12 @@ func (m *Machine) checkReports(now time.Time) {
 	}
 }
 
-// settleNodes is what PoolWaits needs of every existing node for settle st: whether the pool, or
-// any serving pool (selected), selects it, and its pods read since the settle started.
+// settleNodes is what PoolWaits needs of every existing node for settle st: whether a serving pool
+// selects it (selected), and its pods read since the settle started.
 func (m *Machine) settleNodes(st PoolSettle, selected map[string]bool) map[string]SettleNode {
 	out := make(map[string]SettleNode, len(selected))
-	for name, byAny := range selected {
-		n := SettleNode{AnyPool: byAny}
-		if obj := m.nodes[name]; obj != nil {
-			n.Selected = m.state.PoolSelects(st.Pool, obj.Labels)
-		}
+	for name, sel := range selected {
+		n := SettleNode{Selected: sel}
 		if rd := m.podReads[name]; rd != nil && rd.done && !rd.issued.Before(st.Started) {
 			n.Pods = &rd.addrs
 		}

@@ -417,10 +417,10 @@ func TestMachinePoolSettle(t *testing.T) {
 	}
 }
 
-// A new pool that selects node a waits for a alone, not for the silent nodes b and c another pool
-// selects: their pods are read podReadAfter into the settle (a's are not), and unless a pod of
-// theirs uses an address of the new pool (the previous IPAM's), a is filled then, long before
-// --pool-settle. A read that fails is made again.
+// A new pool that selects nodes a and d waits for a's report, and for the silent nodes (d, whose
+// agent is down, and b and c, which another pool selects) only podReadAfter: then their pods are
+// read (a's are not: it reported), and unless a pod of theirs uses an address of the new pool (the
+// previous IPAM's), a is filled then, long before --pool-settle. A read that fails is made again.
 func TestMachinePoolSettleWaitsForTheNodesItMayServe(t *testing.T) {
 	for _, tc := range []struct {
 		name     string
@@ -447,14 +447,16 @@ func TestMachinePoolSettleWaitsForTheNodesItMayServe(t *testing.T) {
 				}
 				return nil, false
 			}
-			for _, n := range []string{"a", "b", "c"} {
+			for _, n := range []string{"a", "b", "c", "d"} {
 				w.addNode(n, spec("p", 0))
 			}
 			w.lead("")
 			w.run()
-			a := nodeObj("a")
-			a.Labels = map[string]string{"pool": "q"}
-			w.m.NodeChanged(a, w.now)
+			for _, n := range []string{"a", "d"} {
+				obj := nodeObj(n)
+				obj.Labels = map[string]string{"pool": "q"}
+				w.m.NodeChanged(obj, w.now)
+			}
 			q := testPool("q", "10.1.0.0/28", time.Minute)
 			q.Spec.NodeSelector = &metav1.LabelSelector{MatchLabels: map[string]string{"pool": "q"}}
 			q.Generation, q.UID, q.ResourceVersion = 1, "uid-q", w.version()
@@ -477,12 +479,12 @@ func TestMachinePoolSettleWaitsForTheNodesItMayServe(t *testing.T) {
 			if got := w.now.Sub(start); count(w.statusHeldBy("a")) != 4 || got < tc.filledAt || got > tc.filledAt+time.Second {
 				t.Fatalf("a holds %v %s after the pool appeared, want 4 addresses within a second after %s", w.statusHeldBy("a"), got, tc.filledAt)
 			}
-			want := []string{"list the node's Pods b", "list the node's Pods c"}
+			want := []string{"list the node's Pods b", "list the node's Pods c", "list the node's Pods d"}
 			if tc.failOnce {
 				want = append(want, "list the node's Pods b")
 			}
 			if !slices.Equal(reads, want) {
-				t.Fatalf("pod reads %v, want %v (the selected node's pods are never read)", reads, want)
+				t.Fatalf("pod reads %v, want %v (the reporting node's pods are never read)", reads, want)
 			}
 			if !slices.Contains(w.eventReasons(), tc.event) {
 				t.Fatalf("events %v, want %s", w.eventReasons(), tc.event)

@@ -3,11 +3,9 @@ package controller
 import (
 	"net/netip"
 	"slices"
-	"sort"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	"k8s.io/apimachinery/pkg/labels"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/addr"
@@ -30,19 +28,21 @@ import (
 // leading wait for the leader's acknowledgements instead (claims.go), which the agents write with
 // the same list.
 //
-// Which nodes may use them (PoolWaits): every node the pool selects (its pods draw from the pool,
-// and its agent is the one that reports them); and a node the pool does not select only when its
-// record or its pods show such an address: its NodeIPAllocation holds or claims one under another
-// pool (a deleted pool the new addresses reuse), or a running pod bound to it reports one in
-// status.podIPs (a pod of the previous IPAM, which its agent would claim). The controller reads
-// the pods of a node it does not select only once the node has been silent for podReadAfter
-// (one LIST of the node's pods; a running agent usually reports before that), so a node whose
-// agent is down or not yet started holds up no pool that does not select it, unless its pods use
-// the new addresses.
+// Which nodes (PoolWaits): a node's pods use an address of the pool's that ipwarden did not hand
+// out only when the address is in its running pods' status.podIPs (the agent adopts from nothing
+// else) or in its own record under another pool (a deleted pool whose addresses the new ones
+// reuse). Every node that could have an agent (one some pool selects, or with a NodeIPAllocation)
+// is waited for until it observed the pool; but one that stays silent for podReadAfter (its agent
+// down or not started yet: nodes being added, a DaemonSet rolling out) has its pods read instead
+// (one LIST of the pods bound to it), and it is waited for further only when they report an
+// address the pool gained, which its agent would claim. So a node whose agent is down holds up a
+// new or grown pool for podReadAfter, not --pool-settle, unless its pods use the pool's new
+// addresses (a takeover from the previous IPAM); whether the pool selects it does not matter:
+// the agents adopt in every pool they know.
 
-// podReadAfter is how long a settling pool waits for a node it does not select to report before
-// it reads that node's pods instead (an agent that runs reports within a second or two; reading
-// every node's pods at once would cost a LIST per node for every new pool).
+// podReadAfter is how long a settling pool waits for a node to report before it reads that node's
+// pods instead (an agent that runs reports within a second or two; reading every node's pods at
+// once would cost a LIST per node for every new pool).
 const podReadAfter = 2 * time.Second
 
 // poolSettle is a pool waiting for the nodes to observe its generation.
@@ -115,64 +115,44 @@ func (p *poolState) settlingAt(now time.Time) bool {
 	return p.settle != nil && now.Before(p.settle.until)
 }
 
-// PoolSelects says whether pool, serving, selects a node with labels l.
-func (s *State) PoolSelects(pool string, l map[string]string) bool {
-	p, ok := s.pools[pool]
-	return ok && p.serving() && p.cfg.NodeSelector.Matches(labels.Set(l))
-}
-
 // SettleNode is what PoolWaits knows of one existing Node.
 type SettleNode struct {
-	// Selected: the settling pool selects the node. AnyPool: some serving pool does.
-	Selected, AnyPool bool
+	// Selected: some serving pool selects the node.
+	Selected bool
 	// Pods is what the node's running pods report in status.podIPs, read after the settle
 	// started (nil: not read).
 	Pods *addr.Set
 }
 
 // PoolWaits decides which nodes the free addresses of a settling pool (pool with uid at
-// generation, added its new addresses) wait for, sorted, and which of them to read the pods of,
-// sorted. allocs are the NodeIPAllocations, nodes every existing Node. A node that exists and
-// whose NodeIPAllocation (not being deleted) lists the pool in spec.observedPools at that UID and
-// generation or later waits for nothing. Otherwise it is waited for when
+// generation, added its new addresses) wait for, sorted, and which of those to read the pods of,
+// sorted. allocs are the NodeIPAllocations, nodes every existing Node. A node whose
+// NodeIPAllocation (not being deleted) lists the pool in spec.observedPools at that UID and
+// generation or later waits for nothing: its agent claimed what its pods use. Otherwise a node
+// that some serving pool selects or that has a NodeIPAllocation (an agent that may claim) is
+// waited for when
 //
-//   - the pool selects it (its agent reports what its pods use; a missing or deleting object
-//     first has to be back: the agent has nowhere to report);
-//   - its NodeIPAllocation holds (status) or claims (spec) an address of added under another pool:
-//     a deleted pool whose addresses the new ones reuse, whose pods its agent claims in this one;
-//   - some serving pool selects it or it has a NodeIPAllocation (an agent that may claim), and its
-//     pods have not been read yet (read lists it), or a running pod of it reports an address of
-//     added (a pod of the previous IPAM: its agent claims it).
+//   - its NodeIPAllocation holds (status) or claims (spec) an address of added under another pool
+//     (a deleted pool whose addresses the new ones reuse: its agent claims them in this one);
+//   - its pods have not been read since the settle started (read lists it);
+//   - a running pod bound to it reports an address of added (a pod of the previous IPAM: its
+//     agent claims it once it reports).
 //
 // A node no pool selects and that has no NodeIPAllocation has no agent that could claim, and a
 // NodeIPAllocation without its Node waits for deletion, not for an agent: neither counts.
 func PoolWaits(allocs []ipwardenv1.NodeIPAllocation, nodes map[string]SettleNode, pool, uid string, generation int64, added addr.Set) (wait, read []string) {
-	seen := map[string]bool{}
+	byName := make(map[string]*ipwardenv1.NodeIPAllocation, len(allocs))
 	for i := range allocs {
-		a := &allocs[i]
-		n, exists := nodes[a.Name]
-		if !exists {
-			continue
-		}
-		seen[a.Name] = true
-		if a.DeletionTimestamp == nil && slices.ContainsFunc(a.Spec.ObservedPools, func(o ipwardenv1.ObservedPool) bool {
-			return o.Pool == pool && o.UID == uid && o.Generation >= generation
-		}) {
-			continue
-		}
-		switch {
-		case n.Selected, recordUses(a, pool, added):
-			wait = append(wait, a.Name)
-		case n.Pods == nil:
-			wait, read = append(wait, a.Name), append(read, a.Name)
-		case n.Pods.Overlaps(added):
-			wait = append(wait, a.Name)
-		}
+		byName[allocs[i].Name] = &allocs[i]
 	}
-	for name, n := range nodes {
+	for _, name := range sortedKeys(nodes) {
+		n, a := nodes[name], byName[name]
 		switch {
-		case seen[name] || !n.AnyPool:
-		case n.Selected:
+		case a == nil && !n.Selected:
+		case a != nil && a.DeletionTimestamp == nil && slices.ContainsFunc(a.Spec.ObservedPools, func(o ipwardenv1.ObservedPool) bool {
+			return o.Pool == pool && o.UID == uid && o.Generation >= generation
+		}):
+		case a != nil && recordUses(a, pool, added):
 			wait = append(wait, name)
 		case n.Pods == nil:
 			wait, read = append(wait, name), append(read, name)
@@ -180,8 +160,6 @@ func PoolWaits(allocs []ipwardenv1.NodeIPAllocation, nodes map[string]SettleNode
 			wait = append(wait, name)
 		}
 	}
-	sort.Strings(wait)
-	sort.Strings(read)
 	return wait, read
 }
 

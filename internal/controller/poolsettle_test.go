@@ -85,9 +85,9 @@ func TestPoolSettleServesClaimsOnly(t *testing.T) {
 	}
 }
 
-// Which nodes a settling pool's free addresses wait for: the nodes it selects until they
-// observed it; another node only while its pods are unread, or when its record or its running
-// pods show an address the pool gained.
+// Which nodes a settling pool's free addresses wait for: every node that could have an agent
+// until it observed the pool, unless its pods were read and use none of the new addresses; a node
+// whose record or pods show one of them until it observed the pool.
 func TestPoolWaits(t *testing.T) {
 	obs := func(name string, pools ...ipwardenv1.ObservedPool) ipwardenv1.NodeIPAllocation {
 		return ipwardenv1.NodeIPAllocation{ObjectMeta: metav1.ObjectMeta{Name: name}, Spec: ipwardenv1.NodeIPAllocationSpec{ObservedPools: pools}}
@@ -96,7 +96,7 @@ func TestPoolWaits(t *testing.T) {
 	now := metav1.Now()
 	deleting := obs("d", seen)
 	deleting.DeletionTimestamp = &now
-	// An unselected node holding, under the deleted pool "old", addresses p now hands out.
+	// A node holding, under the deleted pool "old", addresses p now hands out.
 	holdsOld := obs("h")
 	holdsOld.Status.Pools = []ipwardenv1.NodePoolStatus{{Pool: "old", Addresses: []string{"10.0.0.4/30"}}}
 	holdsElsewhere := obs("h")
@@ -108,43 +108,36 @@ func TestPoolWaits(t *testing.T) {
 
 	added := set(t, "10.0.0.0/28")
 	none, inside, outside := set(t), set(t, "10.0.0.7", "10.9.0.1"), set(t, "10.9.0.1", "10.0.1.7")
-	sel := SettleNode{Selected: true, AnyPool: true}
-	other := SettleNode{AnyPool: true} // another pool selects it, its pods unread
-	otherRead := func(pods addr.Set) SettleNode { return SettleNode{AnyPool: true, Pods: &pods} }
+	unread := SettleNode{Selected: true}
+	read := func(pods addr.Set) SettleNode { return SettleNode{Selected: true, Pods: &pods} }
 	for _, tc := range []struct {
 		name       string
 		allocs     []ipwardenv1.NodeIPAllocation
 		nodes      map[string]SettleNode
 		wait, read string
 	}{
-		// The nodes the pool selects: until they observed it.
-		{"selected, observed at the generation", []ipwardenv1.NodeIPAllocation{obs("a", seen)}, map[string]SettleNode{"a": sel}, "", ""},
-		{"selected, observed a later generation", []ipwardenv1.NodeIPAllocation{obs("a", ipwardenv1.ObservedPool{Pool: "p", UID: "u", Generation: 3})}, map[string]SettleNode{"a": sel}, "", ""},
-		{"selected, older generation", []ipwardenv1.NodeIPAllocation{obs("a", ipwardenv1.ObservedPool{Pool: "p", UID: "u", Generation: 1})}, map[string]SettleNode{"a": sel}, "a", ""},
-		{"selected, a pool of the same name before", []ipwardenv1.NodeIPAllocation{obs("a", ipwardenv1.ObservedPool{Pool: "p", UID: "old", Generation: 5})}, map[string]SettleNode{"a": sel}, "a", ""},
-		{"selected, nothing observed (an old agent)", []ipwardenv1.NodeIPAllocation{obs("a")}, map[string]SettleNode{"a": sel}, "a", ""},
-		{"selected, its pods read and empty: still its agent", []ipwardenv1.NodeIPAllocation{obs("a")}, map[string]SettleNode{"a": {Selected: true, AnyPool: true, Pods: &none}}, "a", ""},
-		{"selected without its object", nil, map[string]SettleNode{"b": sel}, "b", ""},
-		{"selected, object being deleted", []ipwardenv1.NodeIPAllocation{deleting}, map[string]SettleNode{"d": sel}, "d", ""},
-		// Nodes it does not select: only while their pods are unread, or when they use its new addresses.
-		{"other, silent, pods unread: wait and read", []ipwardenv1.NodeIPAllocation{obs("o")}, map[string]SettleNode{"o": other}, "o", "o"},
-		{"other, observed: nothing to read", []ipwardenv1.NodeIPAllocation{obs("o", seen)}, map[string]SettleNode{"o": other}, "", ""},
-		{"other, silent, no pod uses the new addresses", []ipwardenv1.NodeIPAllocation{obs("o")}, map[string]SettleNode{"o": otherRead(none)}, "", ""},
-		{"other, silent, pods use addresses outside them", []ipwardenv1.NodeIPAllocation{obs("o")}, map[string]SettleNode{"o": otherRead(outside)}, "", ""},
-		{"other, silent, a pod uses one of them", []ipwardenv1.NodeIPAllocation{obs("o")}, map[string]SettleNode{"o": otherRead(inside)}, "o", ""},
-		{"other, a pod uses one, then observed", []ipwardenv1.NodeIPAllocation{obs("o", seen)}, map[string]SettleNode{"o": otherRead(inside)}, "", ""},
-		{"other, holds them under a deleted pool", []ipwardenv1.NodeIPAllocation{holdsOld}, map[string]SettleNode{"h": otherRead(none)}, "h", ""},
-		{"other, holds them under a deleted pool, pods unread: no read needed", []ipwardenv1.NodeIPAllocation{holdsOld}, map[string]SettleNode{"h": other}, "h", ""},
-		{"other, claims one under another pool", []ipwardenv1.NodeIPAllocation{claimsOld}, map[string]SettleNode{"h": otherRead(none)}, "h", ""},
-		{"other, holds other addresses", []ipwardenv1.NodeIPAllocation{holdsElsewhere}, map[string]SettleNode{"h": otherRead(none)}, "", ""},
-		{"other, holds some of this pool (in the record)", []ipwardenv1.NodeIPAllocation{holdsInP}, map[string]SettleNode{"h": otherRead(none)}, "", ""},
-		{"other without its object, selected by another pool: read", nil, map[string]SettleNode{"o": other}, "o", "o"},
-		{"other without its object, a pod uses one", nil, map[string]SettleNode{"o": otherRead(inside)}, "o", ""},
-		{"other without its object, no pod uses one", nil, map[string]SettleNode{"o": otherRead(none)}, "", ""},
+		{"observed at the generation", []ipwardenv1.NodeIPAllocation{obs("a", seen)}, map[string]SettleNode{"a": unread}, "", ""},
+		{"observed a later generation", []ipwardenv1.NodeIPAllocation{obs("a", ipwardenv1.ObservedPool{Pool: "p", UID: "u", Generation: 3})}, map[string]SettleNode{"a": unread}, "", ""},
+		{"observed, a pod uses a new address (claimed)", []ipwardenv1.NodeIPAllocation{obs("a", seen)}, map[string]SettleNode{"a": read(inside)}, "", ""},
+		{"older generation, pods unread: wait and read", []ipwardenv1.NodeIPAllocation{obs("a", ipwardenv1.ObservedPool{Pool: "p", UID: "u", Generation: 1})}, map[string]SettleNode{"a": unread}, "a", "a"},
+		{"a pool of the same name before", []ipwardenv1.NodeIPAllocation{obs("a", ipwardenv1.ObservedPool{Pool: "p", UID: "old", Generation: 5})}, map[string]SettleNode{"a": unread}, "a", "a"},
+		{"nothing observed (an old agent, or down)", []ipwardenv1.NodeIPAllocation{obs("a")}, map[string]SettleNode{"a": unread}, "a", "a"},
+		{"silent, no pod", []ipwardenv1.NodeIPAllocation{obs("a")}, map[string]SettleNode{"a": read(none)}, "", ""},
+		{"silent, pods use addresses outside the new ones", []ipwardenv1.NodeIPAllocation{obs("a")}, map[string]SettleNode{"a": read(outside)}, "", ""},
+		{"silent, a pod uses a new address", []ipwardenv1.NodeIPAllocation{obs("a")}, map[string]SettleNode{"a": read(inside)}, "a", ""},
+		{"silent, no pool selects it, has an object (drains)", []ipwardenv1.NodeIPAllocation{obs("c")}, map[string]SettleNode{"c": {Pods: &inside}}, "c", ""},
+		{"holds new addresses under a deleted pool", []ipwardenv1.NodeIPAllocation{holdsOld}, map[string]SettleNode{"h": read(none)}, "h", ""},
+		{"holds new addresses under a deleted pool, pods unread: no read needed", []ipwardenv1.NodeIPAllocation{holdsOld}, map[string]SettleNode{"h": unread}, "h", ""},
+		{"claims a new address under another pool", []ipwardenv1.NodeIPAllocation{claimsOld}, map[string]SettleNode{"h": read(none)}, "h", ""},
+		{"holds other addresses", []ipwardenv1.NodeIPAllocation{holdsElsewhere}, map[string]SettleNode{"h": read(none)}, "", ""},
+		{"holds some of this pool (in the record)", []ipwardenv1.NodeIPAllocation{holdsInP}, map[string]SettleNode{"h": read(none)}, "", ""},
+		{"selected, without its object: read", nil, map[string]SettleNode{"b": unread}, "b", "b"},
+		{"selected, without its object, a pod uses a new address", nil, map[string]SettleNode{"b": read(inside)}, "b", ""},
+		{"selected, without its object, no pod uses one", nil, map[string]SettleNode{"b": read(none)}, "", ""},
+		{"object being deleted: not an observation", []ipwardenv1.NodeIPAllocation{deleting}, map[string]SettleNode{"d": unread}, "d", "d"},
 		{"no pool selects it, no object: no agent to wait for", nil, map[string]SettleNode{"c": {}}, "", ""},
-		{"no pool selects it, has an object (drains): read", []ipwardenv1.NodeIPAllocation{obs("c")}, map[string]SettleNode{"c": {}}, "c", "c"},
 		{"node gone: its object waits for deletion, not for an agent", []ipwardenv1.NodeIPAllocation{obs("gone")}, map[string]SettleNode{}, "", ""},
-		{"sorted", []ipwardenv1.NodeIPAllocation{obs("z"), obs("y"), obs("a")}, map[string]SettleNode{"a": sel, "z": other, "y": other}, "a,y,z", "y,z"},
+		{"sorted", []ipwardenv1.NodeIPAllocation{obs("z"), obs("y"), obs("a")}, map[string]SettleNode{"a": read(inside), "z": unread, "y": unread}, "a,y,z", "y,z"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			wait, read := PoolWaits(tc.allocs, tc.nodes, "p", "u", 2, added)
