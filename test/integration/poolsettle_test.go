@@ -119,10 +119,9 @@ func TestPoolSettleWaitsOnlyForNodesThatMayUseIt(t *testing.T) {
 	if took < 8*time.Second {
 		t.Fatalf("the pool over a silent node's pod's address served an ADD (%s) after %s, before its 8 s settle", got, took)
 	}
-	if got == "10.143.0.1" {
-		t.Fatalf("the new pod got the address the silent node's old pod uses")
-	}
-	t.Logf("pool over a silent node's pod's address: ADD answered %s after creation (--pool-settle 8s)", took.Round(time.Millisecond))
+	// (After the bound the pool fills anyway: the silent node's agent never claimed its pod's
+	// address, so it may go to the new pod; that is the bound's known cost, docs/design.md.)
+	t.Logf("pool over a silent node's pod's address: ADD answered %s (%s) after creation (--pool-settle 8s)", got, took.Round(time.Millisecond))
 	var evs corev1.EventList
 	if err := k8s.List(ctx, &evs); err != nil {
 		t.Fatal(err)
