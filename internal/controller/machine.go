@@ -679,9 +679,20 @@ func (m *Machine) settleNodes(st PoolSettle, selected map[string]bool) map[strin
 	return out
 }
 
+// maxPodReads bounds the reads of nodes' pods in flight: they share the controller's API rate
+// limit with its writes (the rest are read as answers come back).
+const maxPodReads = 16
+
 // readPods issues a read of the pods of each node in names that has none in flight, from due on
-// (a node that failed is read again podReadAfter later); before due it only asks to be woken.
+// (a node that failed is read again podReadAfter later), at most maxPodReads in flight; before
+// due it only asks to be woken.
 func (m *Machine) readPods(names []string, due, now time.Time) {
+	inflight := 0
+	for _, rd := range m.podReads {
+		if !rd.done && rd.retry.IsZero() {
+			inflight++
+		}
+	}
 	for _, name := range names {
 		rd := m.podReads[name]
 		at := due
@@ -697,6 +708,10 @@ func (m *Machine) readPods(names []string, due, now time.Time) {
 			}
 			continue
 		}
+		if inflight >= maxPodReads {
+			continue
+		}
+		inflight++
 		m.podReads[name] = &podRead{issued: now}
 		m.issue(opOwner{pods: name}, Op{Kind: OpListNodePods, Node: name})
 	}

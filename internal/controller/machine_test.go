@@ -493,6 +493,47 @@ func TestMachinePoolSettleWaitsForTheNodesItMayServe(t *testing.T) {
 	}
 }
 
+// Many silent nodes (a fleet whose agents are not started yet) are read at most maxPodReads at a
+// time; the rest as answers come back, and the pool fills once every one was read.
+func TestMachinePoolSettleBoundsPodReads(t *testing.T) {
+	w := newWorld(t, Options{PoolSettle: time.Minute}, testPool("p", "10.0.0.0/24", time.Minute))
+	const silent = maxPodReads + 5
+	for i := range silent {
+		w.addNode(fmt.Sprintf("s%02d", i), spec("p", 0))
+	}
+	w.addNode("a", spec("p", 0))
+	w.lead("")
+	w.run()
+	q := testPool("q", "10.1.0.0/28", time.Minute)
+	q.Generation, q.UID, q.ResourceVersion = 1, "uid-q", w.version()
+	w.pools["q"] = &q
+	w.m.PoolChanged(&q, w.now)
+	w.setSpec("a", ipwardenv1.NodeIPAllocationSpec{Pools: []ipwardenv1.NodePoolRequest{{Pool: "q", Requested: 4}},
+		ObservedPools: []ipwardenv1.ObservedPool{{Pool: "q", UID: "uid-q", Generation: 1}}})
+	w.hold = func(op Op) bool { return op.Kind == OpListNodePods }
+	w.run()
+	if len(w.held) != 0 {
+		t.Fatalf("%d pod reads before podReadAfter", len(w.held))
+	}
+	w.now = w.now.Add(podReadAfter)
+	w.run()
+	if len(w.held) != maxPodReads {
+		t.Fatalf("%d pod reads in flight, want %d", len(w.held), maxPodReads)
+	}
+	w.hold = nil
+	w.release()
+	w.run()
+	reads := 0
+	for _, op := range w.done {
+		if strings.HasPrefix(op, OpListNodePods.String()) {
+			reads++
+		}
+	}
+	if reads != silent || count(w.statusHeldBy("a")) != 4 {
+		t.Fatalf("%d pod reads, a holds %v; want %d reads and 4 addresses", reads, w.statusHeldBy("a"), silent)
+	}
+}
+
 // What each outcome of the node status write leads to: a conflict re-reads and writes again; a
 // write with no answer is settled from a fresh read before the node is planned again; a status a
 // newer leader wrote stops this one.
