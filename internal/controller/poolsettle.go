@@ -86,9 +86,13 @@ func (s *State) PoolGrows(obj *ipwardenv1.IPPool) bool { return !s.PoolGrowth(ob
 
 // StartPoolSettle makes PlanFill hand out none of pool's free addresses until EndPoolSettle, or
 // until until, whichever comes first; uid and generation are what the nodes must observe, added
-// the addresses the nodes' pods may already use, started when the wait began.
+// the addresses the nodes' pods may already use, started when the wait began. A pool that grows
+// again while it settles waits for both growths, from the first start.
 func (s *State) StartPoolSettle(pool, uid string, generation int64, added addr.Set, started, until time.Time) {
 	p := s.pool(pool)
+	if old := p.settle; old != nil && old.uid == uid {
+		added, started = old.added.Union(added), old.started
+	}
 	p.settle = &poolSettle{uid: uid, generation: generation, added: added, started: started, until: until}
 }
 

@@ -85,6 +85,24 @@ func TestPoolSettleServesClaimsOnly(t *testing.T) {
 	}
 }
 
+// A pool that grows again while it settles waits for both growths' addresses, from the first
+// start (a read of the nodes' pods since then still counts), until the later bound; a pool of
+// the same name with another UID starts afresh.
+func TestStartPoolSettleTwice(t *testing.T) {
+	s := NewState(DefaultExhaustionMarks)
+	s.StartPoolSettle("p", "u", 1, set(t, "10.0.0.0/28"), t0, t0.Add(time.Minute))
+	s.StartPoolSettle("p", "u", 2, set(t, "10.0.1.0/28"), t0.Add(time.Second), t0.Add(time.Minute+time.Second))
+	got := s.PoolsSettling()
+	if len(got) != 1 || got[0].Generation != 2 || !got[0].Added.Equal(set(t, "10.0.0.0/28", "10.0.1.0/28")) ||
+		!got[0].Started.Equal(t0) || !got[0].Until.Equal(t0.Add(time.Minute+time.Second)) {
+		t.Fatalf("settle after a second growth: %+v", got)
+	}
+	s.StartPoolSettle("p", "v", 1, set(t, "10.0.2.0/28"), t0.Add(2*time.Second), t0.Add(time.Hour))
+	if got := s.PoolsSettling(); !got[0].Added.Equal(set(t, "10.0.2.0/28")) || !got[0].Started.Equal(t0.Add(2*time.Second)) {
+		t.Fatalf("a new pool of the same name kept the old one's settle: %+v", got)
+	}
+}
+
 // Which nodes a settling pool's free addresses wait for: every node that could have an agent
 // until it observed the pool, unless its pods were read and use none of the new addresses; a node
 // whose record or pods show one of them until it observed the pool.
