@@ -634,7 +634,7 @@ func (m *Machine) checkReports(now time.Time) {
 		m.metrics.PoolUnobserved.WithLabelValues(st.Pool).Set(float64(len(missing)))
 		switch {
 		case len(missing) == 0:
-			m.log.Info("every node whose pods may use the pool's new addresses reported them; filling from its free addresses",
+			m.log.Info("every node has reported the pool, or had its pods read with none using its new addresses; filling from its free addresses",
 				"pool", st.Pool, "generation", st.Generation)
 		case !now.Before(st.Until):
 			m.log.Error(nil, "nodes did not report the addresses their pods use in the new or grown pool within --pool-settle; filling from its free addresses anyway. "+

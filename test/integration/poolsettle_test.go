@@ -10,6 +10,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/util/retry"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
@@ -57,15 +58,25 @@ func TestPoolSettleWaitsOnlyForNodesThatMayUseIt(t *testing.T) {
 		}
 	}
 
-	// addWithin creates a pod on the running node and ADDs it from pool, measuring from since.
+	// addWithin creates a pod on the running node and ADDs it from pool, measuring from since. An
+	// ADD the agent refuses because it has not seen the pool yet is tried again, as a runtime
+	// retries a sandbox; any other failure (the address wait ran out) fails the test.
 	addWithin := func(pod, pool string, since time.Time) (string, time.Duration) {
 		t.Helper()
 		p := createBoundPod(t, pod, "psettle-run")
-		r, e := cni(t, "ADD", pluginConf("1.1.0", a.socket, pool), pod, podArgs("default", p.Name, string(p.UID)))
-		if e != nil {
-			t.Fatalf("ADD of %s from pool %s failed %s after the pool changed: %v", pod, pool, time.Since(since).Round(time.Millisecond), e)
-		}
-		return addrOf(t, r.IPs[0].Address).String(), time.Since(since)
+		var got string
+		eventually(t, 30*time.Second, "the agent to know pool "+pool, func() error {
+			r, e := cni(t, "ADD", pluginConf("1.1.0", a.socket, pool), pod, podArgs("default", p.Name, string(p.UID)))
+			if e != nil && strings.Contains(e.Msg, "is not an IPPool the agent knows") {
+				return e
+			}
+			if e != nil {
+				t.Fatalf("ADD of %s from pool %s failed %s after the pool changed: %v", pod, pool, time.Since(since).Round(time.Millisecond), e)
+			}
+			got = addrOf(t, r.IPs[0].Address).String()
+			return nil
+		})
+		return got, time.Since(since)
 	}
 	scaling := ipwardenv1.Scaling{BatchSize: 1, BufferPercent: 0, MaxPerNode: 16, ReleaseDelay: &metav1.Duration{}}
 	pool := &ipwardenv1.IPPool{ObjectMeta: metav1.ObjectMeta{Name: "psettle"}, Spec: ipwardenv1.IPPoolSpec{
@@ -86,11 +97,13 @@ func TestPoolSettleWaitsOnlyForNodesThatMayUseIt(t *testing.T) {
 
 	// The pool grows by a CIDR while its only address is in use: the next ADD needs the new one.
 	grown := time.Now()
-	if err := k8s.Get(ctx, client.ObjectKeyFromObject(pool), pool); err != nil {
-		t.Fatal(err)
-	}
-	pool.Spec.CIDRs = append(pool.Spec.CIDRs, "10.141.0.2/32")
-	if err := k8s.Update(ctx, pool); err != nil {
+	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error { // the controller writes its status
+		if err := k8s.Get(ctx, client.ObjectKeyFromObject(pool), pool); err != nil {
+			return err
+		}
+		pool.Spec.CIDRs = append(pool.Spec.CIDRs, "10.141.0.2/32")
+		return k8s.Update(ctx, pool)
+	}); err != nil {
 		t.Fatal(err)
 	}
 	got, took = addWithin("psettle-new2", "psettle", grown)
@@ -106,7 +119,15 @@ func TestPoolSettleWaitsOnlyForNodesThatMayUseIt(t *testing.T) {
 	// for that node, and for no other, until --pool-settle (8 s here) passes.
 	ctrl.kill()
 	<-ctrl.done
-	startController(t, "--pool-settle=8s")
+	ctrl = startController(t, "--pool-settle=8s")
+	// The pool must appear while the controller leads (a pool it finds when it starts leading is
+	// covered by the leader settle instead).
+	eventually(t, 30*time.Second, "the new controller to serve", func() error {
+		if !ctrl.logContains(`"msg":"controller serving"`) {
+			return fmt.Errorf("not serving yet")
+		}
+		return nil
+	})
 	taken := &ipwardenv1.IPPool{ObjectMeta: metav1.ObjectMeta{Name: "psettle-taken"}, Spec: ipwardenv1.IPPoolSpec{
 		CIDRs: []ipwardenv1.CIDR{"10.143.0.0/29"}, Scaling: scaling, ReuseCooldown: cooldown(0),
 		NodeSelector: &metav1.LabelSelector{MatchLabels: map[string]string{"ipwarden.test/agent": "psettle"}}}}
