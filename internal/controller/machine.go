@@ -371,10 +371,10 @@ func (m *Machine) PoolChanged(obj *ipwardenv1.IPPool, now time.Time) {
 		m.state.StartPoolSettle(obj.Name, string(obj.UID), obj.Generation, added, now, now.Add(m.opts.PoolSettle))
 		m.reportsDirty = true
 		m.nextReportCheck = time.Time{}
-		m.log.Info("pool is new or gained addresses: its free addresses wait until the nodes whose pods may use them have reported what their running pods use in it",
+		m.log.Info("pool is new or gained addresses: its free addresses wait until every node has reported what its running pods use in it, or had its pods read",
 			"pool", obj.Name, "generation", obj.Generation, "added", added.String(), "poolSettle", m.opts.PoolSettle.String())
 		m.event(obj, corev1.EventTypeNormal, "PoolSettling",
-			"waiting up to %s for the nodes it selects, and any other node whose pods use its new addresses, to report the addresses their running pods use in this pool before handing out its free addresses", m.opts.PoolSettle)
+			"waiting up to %s for every node to report the addresses its running pods use in this pool (a node silent for %s has its pods read instead) before handing out its free addresses", m.opts.PoolSettle, podReadAfter)
 	}
 	m.poolWake = true
 	if affected {
@@ -608,8 +608,8 @@ func (m *Machine) enqueueEach(names []string, now time.Time) {
 // --- reports: acknowledgements and pool settles ----------------------------------------------
 
 // checkReports ends the claim settle once every node's agent acknowledged this leader, and each
-// pool settle once every node whose pods may use its new addresses observed the pool (PoolWaits),
-// or its bound passed. It reads the pods of the silent nodes the pool does not select.
+// pool settle once no node whose pods may use its new addresses is left (PoolWaits) or its bound
+// passed. It reads the pods of the nodes silent for podReadAfter.
 func (m *Machine) checkReports(now time.Time) {
 	m.reportsDirty = false
 	m.nextReportCheck = now.Add(reportCheckInterval)
