@@ -198,6 +198,14 @@ type podRead struct {
 	retry  time.Time
 }
 
+// settleProgress is how many nodes had observed a settling pool (the one that started then) at
+// the last check, and when that count last grew (PodReadDue).
+type settleProgress struct {
+	started  time.Time
+	observed int
+	at       time.Time
+}
+
 // auditRun is an audit in progress: a first list, and when it found addresses held twice, a
 // second one auditConfirmDelay later (ConfirmTwice).
 type auditRun struct {
@@ -230,8 +238,9 @@ type Machine struct {
 	claimSettleAt   time.Time // the claim settle bound; zero once its pass ran
 	reportsDirty    bool      // a node or allocation changed while reports are awaited
 	nextReportCheck time.Time
-	podReads        map[string]*podRead // pool settles' reads of silent nodes' pods, by node
-	podReadAt       time.Time           // a silent node's pods are due to be read then
+	podReads        map[string]*podRead        // pool settles' reads of silent nodes' pods, by node
+	podReadAt       time.Time                  // a silent node's pods are due to be read then
+	settleProgress  map[string]*settleProgress // per settling pool: when a node last reported it
 	agentSeen       map[string]*nodelease.Observer
 	rechecks        map[string]time.Time // deleted nodes whose agent Lease to look at again
 	nodeFlags       map[string][2]bool   // deficit, at capacity: for the fleet gauges
@@ -264,7 +273,8 @@ func NewMachine(opts Options, m *Metrics, log logr.Logger) *Machine {
 		nodes: map[string]*metav1.PartialObjectMetadata{}, allocs: map[string]*ipwardenv1.NodeIPAllocation{},
 		pools: map[string]*ipwardenv1.IPPool{}, tasks: map[string]*task{}, poolRuns: map[string]*poolRun{},
 		ops: map[uint64]opOwner{}, agentSeen: map[string]*nodelease.Observer{}, rechecks: map[string]time.Time{}, podReads: map[string]*podRead{},
-		nodeFlags: map[string][2]bool{}, poolWritten: map[string]time.Time{},
+		settleProgress: map[string]*settleProgress{},
+		nodeFlags:      map[string][2]bool{}, poolWritten: map[string]time.Time{},
 	}
 }
 
@@ -630,7 +640,15 @@ func (m *Machine) checkReports(now time.Time) {
 	}
 	ended := false
 	for _, st := range settles {
-		missing, read := PoolWaits(allocs, m.settleNodes(st, selected), st.Pool, st.UID, st.Generation, st.Added)
+		missing, read, observed := PoolWaits(allocs, m.settleNodes(st, selected), st.Pool, st.UID, st.Generation, st.Added)
+		pr := m.settleProgress[st.Pool]
+		if pr == nil || !pr.started.Equal(st.Started) {
+			pr = &settleProgress{started: st.Started}
+			m.settleProgress[st.Pool] = pr
+		}
+		if observed > pr.observed {
+			pr.observed, pr.at = observed, now
+		}
 		m.metrics.PoolUnobserved.WithLabelValues(st.Pool).Set(float64(len(missing)))
 		switch {
 		case len(missing) == 0:
@@ -646,11 +664,16 @@ func (m *Machine) checkReports(now time.Time) {
 					len(missing), m.opts.PoolSettle, firstN(missing, 10))
 			}
 		default:
-			m.readPods(read, st.Started.Add(podReadAfter), now)
+			m.readPods(read, PodReadDue(st.Started, pr.at), now)
 			continue // Tick looks again at the bound
 		}
 		m.state.EndPoolSettle(st.Pool)
 		ended = true
+	}
+	for pool := range m.settleProgress {
+		if !m.state.PoolSettlingNow(pool) {
+			delete(m.settleProgress, pool)
+		}
 	}
 	if len(m.state.PoolsSettling()) == 0 {
 		m.podReadAt = time.Time{}

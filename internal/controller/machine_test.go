@@ -534,6 +534,46 @@ func TestMachinePoolSettleBoundsPodReads(t *testing.T) {
 	}
 }
 
+// While agents are still reporting a new pool, silent nodes' pods are not read: the reads start
+// podReadAfter after the last report.
+func TestMachinePoolSettleReadsOnceReportsStop(t *testing.T) {
+	w := newWorld(t, Options{PoolSettle: time.Minute}, testPool("p", "10.0.0.0/28", time.Minute))
+	for _, n := range []string{"a", "b", "e"} {
+		w.addNode(n, spec("p", 0))
+	}
+	w.lead("")
+	w.run()
+	q := testPool("q", "10.1.0.0/28", time.Minute)
+	q.Generation, q.UID, q.ResourceVersion = 1, "uid-q", w.version()
+	w.pools["q"] = &q
+	start := w.now
+	w.m.PoolChanged(&q, w.now)
+	observe := func(n string, requested int32) {
+		w.setSpec(n, ipwardenv1.NodeIPAllocationSpec{Pools: []ipwardenv1.NodePoolRequest{{Pool: "q", Requested: requested}},
+			ObservedPools: []ipwardenv1.ObservedPool{{Pool: "q", UID: "uid-q", Generation: 1}}})
+	}
+	observe("a", 4)
+	firstRead, reportedAt := time.Duration(-1), time.Duration(-1)
+	for w.now.Sub(start) <= 10*time.Second && count(w.statusHeldBy("a")) == 0 {
+		if reportedAt < 0 && w.now.Sub(start) >= 1500*time.Millisecond {
+			observe("e", 0) // a slow agent's report
+			reportedAt = w.now.Sub(start)
+		}
+		for _, op := range w.run() {
+			if strings.HasPrefix(op, OpListNodePods.String()) && firstRead < 0 {
+				firstRead = w.now.Sub(start)
+			}
+		}
+		w.now = w.now.Add(500 * time.Millisecond)
+	}
+	if want := reportedAt + podReadAfter; reportedAt < 0 || firstRead < want || firstRead > want+time.Second {
+		t.Fatalf("first pod read %s after the pool appeared, want at %s (the last report plus %s)", firstRead, want, podReadAfter)
+	}
+	if count(w.statusHeldBy("a")) != 4 {
+		t.Fatalf("a holds %v", w.statusHeldBy("a"))
+	}
+}
+
 // What each outcome of the node status write leads to: a conflict re-reads and writes again; a
 // write with no answer is settled from a fresh read before the node is planned again; a status a
 // newer leader wrote stops this one.

@@ -32,8 +32,9 @@ import (
 // out only when the address is in its running pods' status.podIPs (the agent adopts from nothing
 // else) or in its own record under another pool (a deleted pool whose addresses the new ones
 // reuse). Every node that could have an agent (one some pool selects, or with a NodeIPAllocation)
-// is waited for until it observed the pool; but one that stays silent for podReadAfter (its agent
-// down or not started yet: nodes being added, a DaemonSet rolling out) has its pods read instead
+// is waited for until it observed the pool; but one still silent once no node has reported the
+// pool for podReadAfter (PodReadDue; its agent down or not started yet: nodes being added, a
+// DaemonSet rolling out) has its pods read instead
 // (one LIST of the pods bound to it), and it is waited for further only when they report an
 // address the pool gained, which its agent would claim. So a node whose agent is down holds up a
 // new or grown pool for podReadAfter, not --pool-settle, unless its pods use the pool's new
@@ -103,6 +104,12 @@ func (s *State) EndPoolSettle(pool string) {
 	}
 }
 
+// PoolSettlingNow says whether pool has a settle that has not ended (its bound may have passed).
+func (s *State) PoolSettlingNow(pool string) bool {
+	p, ok := s.pools[pool]
+	return ok && p.settle != nil
+}
+
 // PoolsSettling lists the pools waiting for the nodes, by name.
 func (s *State) PoolsSettling() []PoolSettle {
 	var out []PoolSettle
@@ -144,7 +151,10 @@ type SettleNode struct {
 //
 // A node no pool selects and that has no NodeIPAllocation has no agent that could claim, and a
 // NodeIPAllocation without its Node waits for deletion, not for an agent: neither counts.
-func PoolWaits(allocs []ipwardenv1.NodeIPAllocation, nodes map[string]SettleNode, pool, uid string, generation int64, added addr.Set) (wait, read []string) {
+//
+// observed counts the nodes that observed the pool: while it grows, running agents are still
+// reporting, and the reads wait (PodReadDue).
+func PoolWaits(allocs []ipwardenv1.NodeIPAllocation, nodes map[string]SettleNode, pool, uid string, generation int64, added addr.Set) (wait, read []string, observed int) {
 	byName := make(map[string]*ipwardenv1.NodeIPAllocation, len(allocs))
 	for i := range allocs {
 		byName[allocs[i].Name] = &allocs[i]
@@ -156,6 +166,7 @@ func PoolWaits(allocs []ipwardenv1.NodeIPAllocation, nodes map[string]SettleNode
 		case a != nil && a.DeletionTimestamp == nil && slices.ContainsFunc(a.Spec.ObservedPools, func(o ipwardenv1.ObservedPool) bool {
 			return o.Pool == pool && o.UID == uid && o.Generation >= generation
 		}):
+			observed++
 		case a != nil && recordUses(a, pool, added):
 			wait = append(wait, name)
 		case n.Pods == nil:
@@ -164,7 +175,20 @@ func PoolWaits(allocs []ipwardenv1.NodeIPAllocation, nodes map[string]SettleNode
 			wait = append(wait, name)
 		}
 	}
-	return wait, read
+	return wait, read, observed
+}
+
+// PodReadDue is when the silent nodes of a pool settle that started at started get their pods
+// read: podReadAfter after the start, or after the last time another node reported the pool
+// (progress), whichever is later. While running agents are still reporting (a thousand of them
+// write their specs at once), reading the pods of the nodes they have not reached yet would cost a
+// LIST each and slow their reports and the fills down; once the reports have stopped for
+// podReadAfter, the nodes left silent are the ones whose agents do not run.
+func PodReadDue(started, progress time.Time) time.Time {
+	if progress.After(started) {
+		started = progress
+	}
+	return started.Add(podReadAfter)
 }
 
 // PodAddrs is every address the pods that may run report in status.podIPs (not finished, not on

@@ -158,12 +158,48 @@ func TestPoolWaits(t *testing.T) {
 		{"sorted", []ipwardenv1.NodeIPAllocation{obs("z"), obs("y"), obs("a")}, map[string]SettleNode{"a": read(inside), "z": unread, "y": unread}, "a,y,z", "y,z"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			wait, read := PoolWaits(tc.allocs, tc.nodes, "p", "u", 2, added)
+			wait, read, _ := PoolWaits(tc.allocs, tc.nodes, "p", "u", 2, added)
 			if got := strings.Join(wait, ","); got != tc.wait {
 				t.Errorf("waits for %q, want %q", got, tc.wait)
 			}
 			if got := strings.Join(read, ","); got != tc.read {
 				t.Errorf("reads the pods of %q, want %q", got, tc.read)
+			}
+		})
+	}
+}
+
+// PoolWaits counts the nodes that observed the pool (the reads wait while it grows).
+func TestPoolWaitsCountsObservers(t *testing.T) {
+	seen := ipwardenv1.NodeIPAllocationSpec{ObservedPools: []ipwardenv1.ObservedPool{{Pool: "p", UID: "u", Generation: 2}}}
+	allocs := []ipwardenv1.NodeIPAllocation{
+		{ObjectMeta: metav1.ObjectMeta{Name: "a"}, Spec: seen},
+		{ObjectMeta: metav1.ObjectMeta{Name: "b"}, Spec: seen},
+		{ObjectMeta: metav1.ObjectMeta{Name: "c"}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "gone"}, Spec: seen}, // no Node: not counted
+	}
+	nodes := map[string]SettleNode{"a": {Selected: true}, "b": {Selected: true}, "c": {Selected: true}}
+	if wait, read, observed := PoolWaits(allocs, nodes, "p", "u", 2, set(t, "10.0.0.0/28")); observed != 2 ||
+		strings.Join(wait, ",") != "c" || strings.Join(read, ",") != "c" {
+		t.Fatalf("PoolWaits = %v, %v, %d observed; want c, c, 2", wait, read, observed)
+	}
+}
+
+// A silent node's pods are read podReadAfter after the settle started, or after the last report
+// of another node, whichever is later.
+func TestPodReadDue(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		progress time.Time
+		want     time.Time
+	}{
+		{"no report yet", time.Time{}, t0.Add(podReadAfter)},
+		{"a report at the start", t0, t0.Add(podReadAfter)},
+		{"reports still coming", t0.Add(5 * time.Second), t0.Add(5*time.Second + podReadAfter)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := PodReadDue(t0, tc.progress); !got.Equal(tc.want) {
+				t.Fatalf("PodReadDue = %s, want %s", got.Sub(t0), tc.want.Sub(t0))
 			}
 		})
 	}
