@@ -33,7 +33,7 @@ import (
 //   - claims before fills: a new leader fills from the free pool only once every node's agent has
 //     acknowledged it, or --claim-settle passed (State.Settling; checkReports);
 //   - a pool that appears or grows hands out none of its free addresses until every node observed
-//     it, or had its pods read (after podReadAfter) and they use none of them, or --pool-settle
+//     it, or had its pods read (PodReadDue) and they use none of them, or --pool-settle
 //     passed (PoolWaits; checkReports);
 //   - a node's lifecycle write (create, orphan delete, owner fix) comes before its fill, and a fill
 //     never runs beside another task of the same node (one task per node);
@@ -384,7 +384,7 @@ func (m *Machine) PoolChanged(obj *ipwardenv1.IPPool, now time.Time) {
 		m.log.Info("pool is new or gained addresses: its free addresses wait until every node has reported what its running pods use in it, or had its pods read",
 			"pool", obj.Name, "generation", obj.Generation, "added", added.String(), "poolSettle", m.opts.PoolSettle.String())
 		m.event(obj, corev1.EventTypeNormal, "PoolSettling",
-			"waiting up to %s for every node to report the addresses its running pods use in this pool (a node silent for %s has its pods read instead) before handing out its free addresses", m.opts.PoolSettle, podReadAfter)
+			"waiting up to %s for every node to report the addresses its running pods use in this pool (a node still silent %s after the last report has its pods read instead) before handing out its free addresses", m.opts.PoolSettle, podReadAfter)
 	}
 	m.poolWake = true
 	if affected {
@@ -619,7 +619,7 @@ func (m *Machine) enqueueEach(names []string, now time.Time) {
 
 // checkReports ends the claim settle once every node's agent acknowledged this leader, and each
 // pool settle once no node whose pods may use its new addresses is left (PoolWaits) or its bound
-// passed. It reads the pods of the nodes silent for podReadAfter.
+// passed. It reads the pods of the nodes still silent podReadAfter after the last report (PodReadDue).
 func (m *Machine) checkReports(now time.Time) {
 	m.reportsDirty = false
 	m.nextReportCheck = now.Add(reportCheckInterval)
