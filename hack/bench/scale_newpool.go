@@ -7,6 +7,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/util/retry"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
@@ -89,8 +90,13 @@ func (s *scaleRun) newPool(ctx context.Context) ([]figure, error) {
 	if err := c.Get(ctx, client.ObjectKey{Name: scaleNode(0)}, &node); err != nil {
 		return nil, err
 	}
-	node.Labels["ipwarden.io/bench-newpool"] = "one"
-	if err := c.Update(ctx, &node); err != nil {
+	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		if err := c.Get(ctx, client.ObjectKey{Name: scaleNode(0)}, &node); err != nil {
+			return err
+		}
+		node.Labels["ipwarden.io/bench-newpool"] = "one"
+		return c.Update(ctx, &node)
+	}); err != nil {
 		return nil, err
 	}
 	one := pool("bench-newpool-one", "10.81.0.1/32", map[string]string{"ipwarden.io/bench-newpool": "one"})
@@ -103,12 +109,14 @@ func (s *scaleRun) newPool(ctx context.Context) ([]figure, error) {
 		return nil, err
 	}
 	// That pool grows by a CIDR while its one address is in use.
-	if err := c.Get(ctx, client.ObjectKeyFromObject(one), one); err != nil {
-		return nil, err
-	}
-	one.Spec.CIDRs = append(one.Spec.CIDRs, "10.81.0.2/32")
 	t0 = time.Now()
-	if err := c.Update(ctx, one); err != nil {
+	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error { // the controller writes its status
+		if err := c.Get(ctx, client.ObjectKeyFromObject(one), one); err != nil {
+			return err
+		}
+		one.Spec.CIDRs = append(one.Spec.CIDRs, "10.81.0.2/32")
+		return c.Update(ctx, one)
+	}); err != nil {
 		return nil, err
 	}
 	waitGrown, failGrown, err := firstAdd("newpool-grown", one.Name, t0)
