@@ -150,6 +150,6 @@ func (s *scaleRun) newPool(ctx context.Context) ([]figure, error) {
 		{name: name("that pool grown by a CIDR, next pod's wait"), value: waitGrown.Round(time.Millisecond).String(), goal: goal, ok: waitGrown < 30*time.Second},
 		{name: name("the three pool changes: LISTs of pods (the controller's reads of silent nodes), agents' spec PATCHes, status PUTs"),
 			value: fmt.Sprintf("%.0f / %.0f / %.0f", reqs.of("LIST", "pods"), reqs.of("PATCH", "nodeipallocations"), reqs.of("PUT", "nodeipallocations/status")),
-			goal: "(informational)", ok: true},
+			goal:  "(informational)", ok: true},
 	}, nil
 }
