@@ -94,9 +94,6 @@ func (s *scaleRun) newPool(ctx context.Context) ([]figure, error) {
 	}
 	// A pool over node 0 alone.
 	var node corev1.Node
-	if err := c.Get(ctx, client.ObjectKey{Name: scaleNode(0)}, &node); err != nil {
-		return nil, err
-	}
 	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
 		if err := c.Get(ctx, client.ObjectKey{Name: scaleNode(0)}, &node); err != nil {
 			return err
