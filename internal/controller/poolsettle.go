@@ -81,10 +81,6 @@ func (s *State) PoolGrowth(obj *ipwardenv1.IPPool) addr.Set {
 	return cfg.Addresses.Subtract(p.cfg.Addresses)
 }
 
-// PoolGrows says whether obj would make its pool hand out an address it does not hand out now
-// (PoolGrowth is not empty).
-func (s *State) PoolGrows(obj *ipwardenv1.IPPool) bool { return !s.PoolGrowth(obj).IsEmpty() }
-
 // StartPoolSettle makes PlanFill hand out none of pool's free addresses until EndPoolSettle, or
 // until until, whichever comes first; uid and generation are what the nodes must observe, added
 // the addresses the nodes' pods may already use, started when the wait began. A pool that grows

@@ -12,7 +12,7 @@ import (
 	"github.com/ipwarden/ipwarden/internal/addr"
 )
 
-func TestPoolGrows(t *testing.T) {
+func TestPoolGrowth(t *testing.T) {
 	s := NewState(DefaultExhaustionMarks)
 	known := testPool("p", "10.0.0.0/28", time.Minute)
 	s.Rebuild([]ipwardenv1.IPPool{known}, nil, t0)
@@ -22,23 +22,23 @@ func TestPoolGrows(t *testing.T) {
 	for _, tc := range []struct {
 		name string
 		pool ipwardenv1.IPPool
-		want bool
+		want string // the addresses added
 	}{
-		{"unknown pool", testPool("q", "10.1.0.0/28", time.Minute), true},
-		{"same addresses", known, false},
-		{"more CIDRs", testPool("p", "10.0.0.0/27", time.Minute), true},
-		{"fewer addresses", excluded, false},
-		{"unparsable", bad, false},
+		{"unknown pool", testPool("q", "10.1.0.0/28", time.Minute), "10.1.0.1-10.1.0.14"},
+		{"same addresses", known, ""},
+		{"more CIDRs", testPool("p", "10.0.0.0/27", time.Minute), "10.0.0.15-10.0.0.30"},
+		{"fewer addresses", excluded, ""},
+		{"unparsable", bad, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if got := s.PoolGrows(&tc.pool); got != tc.want {
-				t.Fatalf("PoolGrows = %v, want %v", got, tc.want)
+			if got := s.PoolGrowth(&tc.pool); got.String() != tc.want {
+				t.Fatalf("PoolGrowth = %q, want %q", got.String(), tc.want)
 			}
 		})
 	}
 	// An exclusion lifted later gives addresses back: that grows the pool again.
 	s.SetPool(&excluded)
-	if !s.PoolGrows(&known) {
+	if got := s.PoolGrowth(&known); got.IsEmpty() {
 		t.Fatal("lifting an exclusion does not count as growth")
 	}
 }
@@ -63,7 +63,7 @@ func TestPoolSettleServesClaimsOnly(t *testing.T) {
 			s.Rebuild(nil, nil, t0)
 			p := testPool("p", "10.0.0.0/28", time.Minute)
 			p.UID, p.Generation = "uid-p", 1
-			if !s.PoolGrows(&p) {
+			if s.PoolGrowth(&p).IsEmpty() {
 				t.Fatal("a new pool does not grow")
 			}
 			s.SetPool(&p)
