@@ -364,7 +364,7 @@ func (m *Machine) nodeMoved(name string, now time.Time) {
 }
 
 // PoolChanged: the IPPool informer delivered obj (added or updated). A new generation changes
-// the record; a new or grown pool starts its settle (PoolGrows).
+// the record; a new or grown pool starts its settle (PoolGrowth).
 func (m *Machine) PoolChanged(obj *ipwardenv1.IPPool, now time.Time) {
 	m.record(Input{Kind: InPoolChanged, At: now, Pool: obj})
 	old := m.pools[obj.Name]
