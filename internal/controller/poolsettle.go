@@ -140,7 +140,9 @@ type SettleNode struct {
 // waited for when
 //
 //   - its NodeIPAllocation holds (status) or claims (spec) an address of added under another pool
-//     (a deleted pool whose addresses the new ones reuse: its agent claims them in this one);
+//     (a deleted pool whose addresses the new ones reuse: its pods may still use them, and this
+//     pool's record does not hold them; a pool deleted and created again under its own name
+//     keeps its holders' addresses in its record);
 //   - its pods have not been read since the settle started (read lists it);
 //   - a running pod bound to it reports an address of added (a pod of the previous IPAM: its
 //     agent claims it once it reports).
