@@ -83,7 +83,8 @@ type NodeIPAllocationSpec struct {
 	// the claims above: the addresses its running pods report inside those pools, whoever gave
 	// them out (a previous IPAM included), are in use on this node and claimed. A controller
 	// fills no node from the free part of a new or grown pool until every node has observed
-	// that pool's generation (or its --pool-settle bound passes), so no address a running pod
+	// that pool's generation, or stayed silent and had its pods read with none reporting one of
+	// the pool's new addresses (or its --pool-settle bound passes), so no address a running pod
 	// uses is handed to another pod.
 	// +kubebuilder:validation:MaxItems=256
 	// +listType=map

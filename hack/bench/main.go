@@ -109,7 +109,7 @@ func run(args []string) error {
 	fs.DurationVar(&scale.rest, "scale-rest", time.Minute, "scale bench: the quiet window over which writes at rest are counted")
 	fs.IntVar(&scale.workers, "scale-workers", 64, "scale bench: DEL+ADD pairs the runtime stand-in sends at once in the apiserver scenario")
 	fs.IntVar(&scale.burstNodes, "scale-burst-nodes", 10, "scale bench: nodes bursting at once (each binds its scale-pods pods at the same moment and sends their ADDs at once; the next node starts as one ends)")
-	scenarios := fs.String("scale-scenarios", "restart,failover,apiserver", "scale bench: what follows the burst, in order: restart (every agent, 10% at a time), failover (the leading controller killed), apiserver (kube-apiserver restarted); \"\" for none")
+	scenarios := fs.String("scale-scenarios", "restart,failover,apiserver,newpool", "scale bench: what follows the burst, in order: restart (every agent, 10% at a time), failover (the leading controller killed), apiserver (kube-apiserver restarted), newpool (a pool created and grown with 1% of the agents down); \"\" for none")
 	var churn churnOptions
 	fs.IntVar(&churn.nodes, "churn-nodes", 3, "churn bench: real agents (nodes) on the pool")
 	fs.IntVar(&churn.pods, "churn-pods", 30, "churn bench: pods bound to each node")

@@ -37,7 +37,8 @@ type scaleOptions struct {
 	// sends their ADDs at once; the next node starts as one ends.
 	burstNodes int
 	// scenarios run after the burst, in order: restart (every agent, 10 % at a time), failover
-	// (the leading controller killed), apiserver (kube-apiserver restarted).
+	// (the leading controller killed), apiserver (kube-apiserver restarted), newpool (a pool
+	// created and grown with 1 % of the agents down).
 	scenarios []string
 }
 
@@ -220,9 +221,11 @@ func scaleBench(ctx context.Context, env *benchEnv, o scaleOptions) ([]figure, e
 			more, err = sc.failover(ctx)
 		case "apiserver":
 			more, err = sc.apiserverRestart(ctx)
+		case "newpool":
+			more, err = sc.newPool(ctx)
 		case "":
 		default:
-			err = fmt.Errorf("unknown scale scenario %q: use restart, failover, apiserver", name)
+			err = fmt.Errorf("unknown scale scenario %q: use restart, failover, apiserver, newpool", name)
 		}
 		if err != nil {
 			return figs, fmt.Errorf("scenario %s: %w", name, err)

@@ -68,8 +68,9 @@ type Options struct {
 	// agents' default --lease-duration].
 	AgentLeaseDuration time.Duration
 	// PoolSettle bounds how long a pool that appears or gains addresses while the controller
-	// leads keeps its free addresses from every node, waiting for each node's agent to report
-	// what its running pods use in it (spec.observedPools; poolsettle.go) [60s; <0: not at all].
+	// leads keeps its free addresses from every node, waiting for the nodes whose pods may use
+	// them to report what their running pods use in it (spec.observedPools; a silent node's pods
+	// are read after podReadAfter instead; poolsettle.go) [60s; <0: not at all].
 	PoolSettle time.Duration
 }
 
@@ -466,6 +467,12 @@ func (c *Controller) perform(ctx context.Context, op Op) OpResult {
 		var list ipwardenv1.NodeIPAllocationList
 		r.Err = c.reader.List(ctx, &list)
 		r.Allocs = list.Items
+	case OpListNodePods:
+		var list corev1.PodList
+		r.Err = c.reader.List(ctx, &list, client.MatchingFields{"spec.nodeName": op.Node})
+		if r.Err == nil {
+			r.PodAddrs = PodAddrs(list.Items)
+		}
 	default:
 		r.Err = fmt.Errorf("unknown operation %v", op.Kind)
 	}

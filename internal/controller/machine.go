@@ -33,7 +33,8 @@ import (
 //   - claims before fills: a new leader fills from the free pool only once every node's agent has
 //     acknowledged it, or --claim-settle passed (State.Settling; checkReports);
 //   - a pool that appears or grows hands out none of its free addresses until every node observed
-//     it, or --pool-settle passed (checkReports);
+//     it, or had its pods read (PodReadDue) and they use none of them, or --pool-settle
+//     passed (PoolWaits; checkReports);
 //   - a node's lifecycle write (create, orphan delete, owner fix) comes before its fill, and a fill
 //     never runs beside another task of the same node (one task per node);
 //   - addresses left pending by a write with no answer are settled from a fresh read before the
@@ -71,11 +72,14 @@ const (
 	OpReadAgentLease
 	// OpListAllocations lists every NodeIPAllocation from the API server (the audit).
 	OpListAllocations
+	// OpListNodePods lists the Pods bound to node Op.Node from the API server; the result is the
+	// addresses its running pods report (OpResult.PodAddrs), for a pool settle (PoolWaits).
+	OpListNodePods
 )
 
 var opKindNames = [...]string{"create NodeIPAllocation", "delete NodeIPAllocation", "patch NodeIPAllocation owner",
 	"write NodeIPAllocation status", "write IPPool status", "read Node", "read NodeIPAllocation", "read IPPool",
-	"read agent Lease", "list NodeIPAllocations"}
+	"read agent Lease", "list NodeIPAllocations", "list the node's Pods"}
 
 func (k OpKind) String() string {
 	if int(k) < len(opKindNames) {
@@ -114,6 +118,9 @@ type OpResult struct {
 	LeaseDuration time.Duration
 	// Allocs: OpListAllocations's objects.
 	Allocs []ipwardenv1.NodeIPAllocation
+	// PodAddrs: OpListNodePods's answer, every address in status.podIPs of the node's pods that
+	// may run (not finished, not on the host network).
+	PodAddrs addr.Set
 }
 
 // Event is a Kubernetes event to record about Object.
@@ -179,6 +186,24 @@ type opOwner struct {
 	node  string // a task's op
 	pool  string // a pool write's op
 	audit bool
+	pods  string // a pool settle's read of this node's pods
+}
+
+// podRead is one read of a node's pods for the pool settles: issued then, answered (done) with
+// the addresses its running pods report, or failed (retry after podReadAfter).
+type podRead struct {
+	issued time.Time
+	done   bool
+	addrs  addr.Set
+	retry  time.Time
+}
+
+// settleProgress is how many nodes had observed a settling pool (the one that started then) at
+// the last check, and when that count last grew (PodReadDue).
+type settleProgress struct {
+	started  time.Time
+	observed int
+	at       time.Time
 }
 
 // auditRun is an audit in progress: a first list, and when it found addresses held twice, a
@@ -213,6 +238,9 @@ type Machine struct {
 	claimSettleAt   time.Time // the claim settle bound; zero once its pass ran
 	reportsDirty    bool      // a node or allocation changed while reports are awaited
 	nextReportCheck time.Time
+	podReads        map[string]*podRead        // pool settles' reads of silent nodes' pods, by node
+	podReadAt       time.Time                  // a silent node's pods are due to be read then
+	settleProgress  map[string]*settleProgress // per settling pool: when a node last reported it
 	agentSeen       map[string]*nodelease.Observer
 	rechecks        map[string]time.Time // deleted nodes whose agent Lease to look at again
 	nodeFlags       map[string][2]bool   // deficit, at capacity: for the fleet gauges
@@ -244,8 +272,9 @@ func NewMachine(opts Options, m *Metrics, log logr.Logger) *Machine {
 		opts: opts, state: NewState(opts.Exhaustion), sched: s, metrics: m, log: log,
 		nodes: map[string]*metav1.PartialObjectMetadata{}, allocs: map[string]*ipwardenv1.NodeIPAllocation{},
 		pools: map[string]*ipwardenv1.IPPool{}, tasks: map[string]*task{}, poolRuns: map[string]*poolRun{},
-		ops: map[uint64]opOwner{}, agentSeen: map[string]*nodelease.Observer{}, rechecks: map[string]time.Time{},
-		nodeFlags: map[string][2]bool{}, poolWritten: map[string]time.Time{},
+		ops: map[uint64]opOwner{}, agentSeen: map[string]*nodelease.Observer{}, rechecks: map[string]time.Time{}, podReads: map[string]*podRead{},
+		settleProgress: map[string]*settleProgress{},
+		nodeFlags:      map[string][2]bool{}, poolWritten: map[string]time.Time{},
 	}
 }
 
@@ -335,7 +364,7 @@ func (m *Machine) nodeMoved(name string, now time.Time) {
 }
 
 // PoolChanged: the IPPool informer delivered obj (added or updated). A new generation changes
-// the record; a new or grown pool starts its settle (PoolGrows).
+// the record; a new or grown pool starts its settle (PoolGrowth).
 func (m *Machine) PoolChanged(obj *ipwardenv1.IPPool, now time.Time) {
 	m.record(Input{Kind: InPoolChanged, At: now, Pool: obj})
 	old := m.pools[obj.Name]
@@ -343,16 +372,19 @@ func (m *Machine) PoolChanged(obj *ipwardenv1.IPPool, now time.Time) {
 	if old != nil && old.Generation == obj.Generation && old.UID == obj.UID {
 		return // its status: kept for the next write, nothing to decide
 	}
-	settle := m.opts.PoolSettle > 0 && m.state.PoolGrows(obj)
+	var added addr.Set
+	if m.opts.PoolSettle > 0 {
+		added = m.state.PoolGrowth(obj)
+	}
 	affected := m.state.SetPool(obj)
-	if settle {
-		m.state.StartPoolSettle(obj.Name, string(obj.UID), obj.Generation, now.Add(m.opts.PoolSettle))
+	if !added.IsEmpty() {
+		m.state.StartPoolSettle(obj.Name, string(obj.UID), obj.Generation, added, now, now.Add(m.opts.PoolSettle))
 		m.reportsDirty = true
 		m.nextReportCheck = time.Time{}
-		m.log.Info("pool is new or gained addresses: its free addresses wait until every node has reported what its running pods use in it",
-			"pool", obj.Name, "generation", obj.Generation, "poolSettle", m.opts.PoolSettle.String())
+		m.log.Info("pool is new or gained addresses: its free addresses wait until every node has reported what its running pods use in it, or had its pods read",
+			"pool", obj.Name, "generation", obj.Generation, "added", added.String(), "poolSettle", m.opts.PoolSettle.String())
 		m.event(obj, corev1.EventTypeNormal, "PoolSettling",
-			"waiting up to %s for every node to report the addresses its running pods use in this pool before handing out its free addresses", m.opts.PoolSettle)
+			"waiting up to %s for every node to report the addresses its running pods use in this pool (a node still silent %s after the last report has its pods read instead) before handing out its free addresses", m.opts.PoolSettle, podReadAfter)
 	}
 	m.poolWake = true
 	if affected {
@@ -410,6 +442,11 @@ func (m *Machine) Tick(now time.Time) {
 			m.reportsDirty = true
 			m.nextReportCheck = time.Time{}
 		}
+	}
+	if !m.podReadAt.IsZero() && !now.Before(m.podReadAt) {
+		m.podReadAt = time.Time{}
+		m.reportsDirty = true
+		m.nextReportCheck = time.Time{}
 	}
 	for _, name := range sortedKeys(m.rechecks) {
 		if !now.Before(m.rechecks[name]) {
@@ -487,6 +524,7 @@ func (m *Machine) wake(now time.Time) time.Time {
 	for _, st := range m.state.PoolsSettling() {
 		at(st.Until)
 	}
+	at(m.podReadAt)
 	for _, t := range m.rechecks {
 		at(t)
 	}
@@ -580,7 +618,8 @@ func (m *Machine) enqueueEach(names []string, now time.Time) {
 // --- reports: acknowledgements and pool settles ----------------------------------------------
 
 // checkReports ends the claim settle once every node's agent acknowledged this leader, and each
-// pool settle once every node observed the pool or its bound passed.
+// pool settle once no node whose pods may use its new addresses is left (PoolWaits) or its bound
+// passed. It reads the pods of the nodes still silent podReadAfter after the last report (PodReadDue).
 func (m *Machine) checkReports(now time.Time) {
 	m.reportsDirty = false
 	m.nextReportCheck = now.Add(reportCheckInterval)
@@ -601,11 +640,19 @@ func (m *Machine) checkReports(now time.Time) {
 	}
 	ended := false
 	for _, st := range settles {
-		missing := PoolUnobserved(allocs, selected, st.Pool, st.UID, st.Generation)
+		missing, read, observed := PoolWaits(allocs, m.settleNodes(st, selected), st.Pool, st.UID, st.Generation, st.Added)
+		pr := m.settleProgress[st.Pool]
+		if pr == nil || !pr.started.Equal(st.Started) {
+			pr = &settleProgress{started: st.Started}
+			m.settleProgress[st.Pool] = pr
+		}
+		if observed > pr.observed {
+			pr.observed, pr.at = observed, now
+		}
 		m.metrics.PoolUnobserved.WithLabelValues(st.Pool).Set(float64(len(missing)))
 		switch {
 		case len(missing) == 0:
-			m.log.Info("every node reported the addresses its pods use in the pool; filling from its free addresses",
+			m.log.Info("every node has reported the pool, or had its pods read with none using its new addresses; filling from its free addresses",
 				"pool", st.Pool, "generation", st.Generation)
 		case !now.Before(st.Until):
 			m.log.Error(nil, "nodes did not report the addresses their pods use in the new or grown pool within --pool-settle; filling from its free addresses anyway. "+
@@ -617,14 +664,97 @@ func (m *Machine) checkReports(now time.Time) {
 					len(missing), m.opts.PoolSettle, firstN(missing, 10))
 			}
 		default:
+			m.readPods(read, PodReadDue(st.Started, pr.at), now)
 			continue // Tick looks again at the bound
 		}
 		m.state.EndPoolSettle(st.Pool)
 		ended = true
 	}
+	for pool := range m.settleProgress {
+		if !m.state.PoolSettlingNow(pool) {
+			delete(m.settleProgress, pool)
+		}
+	}
+	if len(m.state.PoolsSettling()) == 0 {
+		m.podReadAt = time.Time{}
+		for name, rd := range m.podReads {
+			if rd.done || !rd.retry.IsZero() {
+				delete(m.podReads, name) // answered: no settle needs it (one in flight is dropped at its answer)
+			}
+		}
+	}
 	if ended {
 		m.enqueueAll(now)
 	}
+}
+
+// settleNodes is what PoolWaits needs of every existing node for settle st: whether a serving pool
+// selects it (selected), and its pods read since the settle started.
+func (m *Machine) settleNodes(st PoolSettle, selected map[string]bool) map[string]SettleNode {
+	out := make(map[string]SettleNode, len(selected))
+	for name, sel := range selected {
+		n := SettleNode{Selected: sel}
+		if rd := m.podReads[name]; rd != nil && rd.done && !rd.issued.Before(st.Started) {
+			n.Pods = &rd.addrs
+		}
+		out[name] = n
+	}
+	return out
+}
+
+// maxPodReads bounds the reads of nodes' pods in flight: they share the controller's API rate
+// limit with its writes (the rest are read as answers come back).
+const maxPodReads = 16
+
+// readPods issues a read of the pods of each node in names that has none in flight, from due on
+// (a node that failed is read again podReadAfter later), at most maxPodReads in flight; before
+// due it only asks to be woken.
+func (m *Machine) readPods(names []string, due, now time.Time) {
+	inflight := 0
+	for _, rd := range m.podReads {
+		if !rd.done && rd.retry.IsZero() {
+			inflight++
+		}
+	}
+	for _, name := range names {
+		rd := m.podReads[name]
+		at := due
+		if rd != nil && !rd.retry.IsZero() && rd.retry.After(at) {
+			at = rd.retry
+		}
+		if rd != nil && !rd.done && rd.retry.IsZero() {
+			continue // in flight
+		}
+		if now.Before(at) {
+			if m.podReadAt.IsZero() || at.Before(m.podReadAt) {
+				m.podReadAt = at
+			}
+			continue
+		}
+		if inflight >= maxPodReads {
+			continue
+		}
+		inflight++
+		m.podReads[name] = &podRead{issued: now}
+		m.issue(opOwner{pods: name}, Op{Kind: OpListNodePods, Node: name})
+	}
+}
+
+// podsDone records the answer to a read of node's pods and has the settles look again.
+func (m *Machine) podsDone(node string, r OpResult, now time.Time) {
+	rd := m.podReads[node]
+	if rd == nil || len(m.state.PoolsSettling()) == 0 {
+		delete(m.podReads, node)
+		return
+	}
+	if r.Err != nil {
+		rd.retry = now.Add(podReadAfter)
+		m.log.Error(r.Err, "could not list the pods of a node a settling pool waits for; reading them again later", "node", node, "retryIn", podReadAfter.String())
+	} else {
+		rd.done, rd.addrs = true, r.PodAddrs
+	}
+	m.reportsDirty = true
+	m.nextReportCheck = time.Time{}
 }
 
 func (m *Machine) unacknowledged() []string {
@@ -796,6 +926,8 @@ func (m *Machine) Done(r OpResult, now time.Time) {
 	switch {
 	case owner.audit:
 		m.auditDone(r, now)
+	case owner.pods != "":
+		m.podsDone(owner.pods, r, now)
 	case owner.pool != "":
 		m.poolDone(owner.pool, r, now)
 	default:

@@ -31,6 +31,7 @@ type world struct {
 	allocs map[string]*ipwardenv1.NodeIPAllocation
 	pools  map[string]*ipwardenv1.IPPool
 	nodes  map[string]bool
+	pods   map[string]addr.Set // what each node's running pods report (OpListNodePods)
 	rv     int
 	queue  []Op
 	events []Event
@@ -261,6 +262,8 @@ func (w *world) perform(op Op) {
 		for _, n := range sortedKeys(w.allocs) {
 			r.Allocs = append(r.Allocs, *w.allocs[n])
 		}
+	case OpListNodePods:
+		r.PodAddrs = w.pods[op.Node]
 	}
 	w.m.Done(r, w.now)
 }
@@ -411,6 +414,163 @@ func TestMachinePoolSettle(t *testing.T) {
 				t.Fatalf("events %v, want %s", w.eventReasons(), tc.wantEvent)
 			}
 		})
+	}
+}
+
+// A new pool that selects nodes a and d waits for a's report, and for the silent nodes (d, whose
+// agent is down, and b and c, which another pool selects) only podReadAfter: then their pods are
+// read (a's are not: it reported), and unless a pod of theirs uses an address of the new pool (the
+// previous IPAM's), a is filled then, long before --pool-settle. A read that fails is made again.
+func TestMachinePoolSettleWaitsForTheNodesItMayServe(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		cPods    string // what node c's running pods report
+		failOnce bool   // the first read of b's pods fails
+		filledAt time.Duration
+		event    string
+	}{
+		{"no silent node's pod uses the new addresses", "10.0.0.9", false, podReadAfter, "PoolSettling"},
+		{"a read fails and is made again", "", true, 2 * podReadAfter, "PoolSettling"},
+		{"a pod on silent node c uses one", "10.1.0.3", false, time.Minute, "PoolSettleTimedOut"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w := newWorld(t, Options{PoolSettle: time.Minute}, testPool("p", "10.0.0.0/28", time.Minute))
+			w.pods = map[string]addr.Set{"b": set(t, "10.0.0.5")}
+			if tc.cPods != "" {
+				w.pods["c"] = set(t, tc.cPods)
+			}
+			failed := false
+			w.answer = func(op Op) (error, bool) {
+				if tc.failOnce && op.Kind == OpListNodePods && op.Node == "b" && !failed {
+					failed = true
+					return errTimeout, true
+				}
+				return nil, false
+			}
+			for _, n := range []string{"a", "b", "c", "d"} {
+				w.addNode(n, spec("p", 0))
+			}
+			w.lead("")
+			w.run()
+			for _, n := range []string{"a", "d"} {
+				obj := nodeObj(n)
+				obj.Labels = map[string]string{"pool": "q"}
+				w.m.NodeChanged(obj, w.now)
+			}
+			q := testPool("q", "10.1.0.0/28", time.Minute)
+			q.Spec.NodeSelector = &metav1.LabelSelector{MatchLabels: map[string]string{"pool": "q"}}
+			q.Generation, q.UID, q.ResourceVersion = 1, "uid-q", w.version()
+			w.pools["q"] = &q
+			start := w.now
+			w.m.PoolChanged(&q, w.now)
+			w.setSpec("a", ipwardenv1.NodeIPAllocationSpec{Pools: []ipwardenv1.NodePoolRequest{{Pool: "q", Requested: 4}},
+				ObservedPools: []ipwardenv1.ObservedPool{{Pool: "q", UID: "uid-q", Generation: 1}}})
+			var reads []string
+			for w.now.Sub(start) <= 2*time.Minute && count(w.statusHeldBy("a")) == 0 {
+				for _, op := range w.run() {
+					if strings.HasPrefix(op, OpListNodePods.String()) {
+						reads = append(reads, op)
+					}
+				}
+				if count(w.statusHeldBy("a")) == 0 {
+					w.now = w.now.Add(time.Second)
+				}
+			}
+			if got := w.now.Sub(start); count(w.statusHeldBy("a")) != 4 || got < tc.filledAt || got > tc.filledAt+time.Second {
+				t.Fatalf("a holds %v %s after the pool appeared, want 4 addresses within a second after %s", w.statusHeldBy("a"), got, tc.filledAt)
+			}
+			want := []string{"list the node's Pods b", "list the node's Pods c", "list the node's Pods d"}
+			if tc.failOnce {
+				want = append(want, "list the node's Pods b")
+			}
+			if !slices.Equal(reads, want) {
+				t.Fatalf("pod reads %v, want %v (the reporting node's pods are never read)", reads, want)
+			}
+			if !slices.Contains(w.eventReasons(), tc.event) {
+				t.Fatalf("events %v, want %s", w.eventReasons(), tc.event)
+			}
+		})
+	}
+}
+
+// Many silent nodes (a fleet whose agents are not started yet) are read at most maxPodReads at a
+// time; the rest as answers come back, and the pool fills once every one was read.
+func TestMachinePoolSettleBoundsPodReads(t *testing.T) {
+	w := newWorld(t, Options{PoolSettle: time.Minute}, testPool("p", "10.0.0.0/24", time.Minute))
+	const silent = maxPodReads + 5
+	for i := range silent {
+		w.addNode(fmt.Sprintf("s%02d", i), spec("p", 0))
+	}
+	w.addNode("a", spec("p", 0))
+	w.lead("")
+	w.run()
+	q := testPool("q", "10.1.0.0/28", time.Minute)
+	q.Generation, q.UID, q.ResourceVersion = 1, "uid-q", w.version()
+	w.pools["q"] = &q
+	w.m.PoolChanged(&q, w.now)
+	w.setSpec("a", ipwardenv1.NodeIPAllocationSpec{Pools: []ipwardenv1.NodePoolRequest{{Pool: "q", Requested: 4}},
+		ObservedPools: []ipwardenv1.ObservedPool{{Pool: "q", UID: "uid-q", Generation: 1}}})
+	w.hold = func(op Op) bool { return op.Kind == OpListNodePods }
+	w.run()
+	if len(w.held) != 0 {
+		t.Fatalf("%d pod reads before podReadAfter", len(w.held))
+	}
+	w.now = w.now.Add(podReadAfter)
+	w.run()
+	if len(w.held) != maxPodReads {
+		t.Fatalf("%d pod reads in flight, want %d", len(w.held), maxPodReads)
+	}
+	w.hold = nil
+	w.release()
+	w.run()
+	reads := 0
+	for _, op := range w.done {
+		if strings.HasPrefix(op, OpListNodePods.String()) {
+			reads++
+		}
+	}
+	if reads != silent || count(w.statusHeldBy("a")) != 4 {
+		t.Fatalf("%d pod reads, a holds %v; want %d reads and 4 addresses", reads, w.statusHeldBy("a"), silent)
+	}
+}
+
+// While agents are still reporting a new pool, silent nodes' pods are not read: the reads start
+// podReadAfter after the last report.
+func TestMachinePoolSettleReadsOnceReportsStop(t *testing.T) {
+	w := newWorld(t, Options{PoolSettle: time.Minute}, testPool("p", "10.0.0.0/28", time.Minute))
+	for _, n := range []string{"a", "b", "e"} {
+		w.addNode(n, spec("p", 0))
+	}
+	w.lead("")
+	w.run()
+	q := testPool("q", "10.1.0.0/28", time.Minute)
+	q.Generation, q.UID, q.ResourceVersion = 1, "uid-q", w.version()
+	w.pools["q"] = &q
+	start := w.now
+	w.m.PoolChanged(&q, w.now)
+	observe := func(n string, requested int32) {
+		w.setSpec(n, ipwardenv1.NodeIPAllocationSpec{Pools: []ipwardenv1.NodePoolRequest{{Pool: "q", Requested: requested}},
+			ObservedPools: []ipwardenv1.ObservedPool{{Pool: "q", UID: "uid-q", Generation: 1}}})
+	}
+	observe("a", 4)
+	firstRead, reportedAt := time.Duration(-1), time.Duration(-1)
+	for w.now.Sub(start) <= 10*time.Second && count(w.statusHeldBy("a")) == 0 {
+		if reportedAt < 0 && w.now.Sub(start) >= 1500*time.Millisecond {
+			observe("e", 0) // a slow agent's report
+			reportedAt = w.now.Sub(start)
+		}
+		for _, op := range w.run() {
+			if strings.HasPrefix(op, OpListNodePods.String()) && firstRead < 0 {
+				firstRead = w.now.Sub(start)
+			}
+		}
+		w.now = w.now.Add(500 * time.Millisecond)
+	}
+	if want := reportedAt + podReadAfter; reportedAt < 0 || firstRead < want || firstRead > want+time.Second {
+		t.Fatalf("first pod read %s after the pool appeared, want at %s (the last report plus %s)", firstRead, want, podReadAfter)
+	}
+	if count(w.statusHeldBy("a")) != 4 {
+		t.Fatalf("a holds %v", w.statusHeldBy("a"))
 	}
 }
 

@@ -98,7 +98,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		ClaimsGranted:  prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "claims_granted_total", Help: "Claimed addresses (used by a node's pods, missing from its status) granted back to the node."}, pool),
 		ClaimConflicts: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "claim_conflict_addresses", Help: "Addresses a node's pods use while another node holds them (must be 0; see ipwarden check)."}),
 		PoolUnobserved: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Name: "pool_unobserved_nodes",
-			Help: "Nodes that have not yet reported the addresses their running pods use in a new or grown pool (spec.observedPools); the pool's free addresses wait for them, at most --pool-settle."}, []string{"pool"}),
+			Help: "Nodes a new or grown pool's free addresses wait for, at most --pool-settle: nodes it selects that have not reported the addresses their running pods use in it (spec.observedPools), and silent nodes it does not select whose pods use its new addresses or have not been read yet."}, []string{"pool"}),
 		Unacked: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "unacknowledged_nodes",
 			Help: "Nodes whose agent has not yet acknowledged this leader (spec.acknowledgedLeader); no node is filled from the free pool until it is 0 or --claim-settle has passed."}),
 	}

@@ -422,7 +422,7 @@ func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now 
 			plan.Add = 0
 		}
 		if plan.Add > 0 && p.settlingAt(now) {
-			pf.Reason = fmt.Sprintf("pool %s is new or grew: its free addresses wait until every node has reported the addresses its running pods use in it (--pool-settle)", pool)
+			pf.Reason = fmt.Sprintf("pool %s is new or grew: its free addresses wait until every node has reported the addresses its running pods use in it, or had its pods read with none using them (--pool-settle)", pool)
 			plan.Add = 0
 		}
 		if plan.Add > 0 {
