@@ -147,7 +147,11 @@ func Ping(netns, ip string, timeout time.Duration) error {
 			if err != nil {
 				break // no answer within the interval: send the next request
 			}
-			if a, ok := netip.AddrFromSlice(from.(*net.IPAddr).IP); ok && a.Unmap() == dst && IsEchoReply(buf[:n], reply, id) {
+			src, ok := from.(*net.IPAddr)
+			if !ok {
+				continue
+			}
+			if a, ok := netip.AddrFromSlice(src.IP); ok && a.Unmap() == dst && IsEchoReply(buf[:n], reply, id) {
 				return nil
 			}
 		}
