@@ -77,7 +77,10 @@ staticcheck: $(STATICCHECK)
 # dependencies (Kubernetes, etcd, Prometheus) are then compiled already and come from the cache.
 HACK_MODULES := hack/promcheck hack/tools
 vet-hack: $(STATICCHECK)
-	@for m in $(HACK_MODULES); do 	  echo ">> go vet, go test $$m"; 	  (cd $$m && $(GO) vet ./... && $(GO) test -count=1 ./...) || exit 1; 	done
+	@for m in $(HACK_MODULES); do \
+	  echo ">> go vet, go test $$m"; \
+	  (cd $$m && $(GO) vet ./... && $(GO) test -count=1 ./...) || exit 1; \
+	done
 	cd hack/promcheck && $(STATICCHECK) ./...
 
 # -race on every package that can take it; a race-built test builds the controller and agent it
