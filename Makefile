@@ -21,7 +21,7 @@ LDFLAGS    := -X github.com/ipwarden/ipwarden/internal/buildinfo.Version=$(VERSI
 
 export IPWARDEN_BIN_DIR := $(BIN)
 
-.PHONY: all build test unit integration vet staticcheck verify-generated generate tools fuzz clean
+.PHONY: all build test unit integration vet vet-hack staticcheck verify-generated generate tools fuzz clean
 
 all: build
 
@@ -70,6 +70,19 @@ vet:
 staticcheck: $(STATICCHECK)
 	$(STATICCHECK) ./...
 
+# The modules under hack/ with Go code of their own: vetted, tested (none has tests yet) and, for
+# the small promcheck, staticchecked. hack/bench, hack/demo and hack/controlplane are packages of
+# the main module (vet, staticcheck and the tests above cover them); hack/helm and
+# hack/staticcheck hold only a build-tagged pin. It runs after `tools` in make test: their
+# dependencies (Kubernetes, etcd, Prometheus) are then compiled already and come from the cache.
+HACK_MODULES := hack/promcheck hack/tools
+vet-hack: $(STATICCHECK)
+	@for m in $(HACK_MODULES); do \
+	  echo ">> go vet, go test $$m"; \
+	  (cd $$m && $(GO) vet ./... && $(GO) test -count=1 ./...) || exit 1; \
+	done
+	cd hack/promcheck && $(STATICCHECK) ./...
+
 # -race on every package that can take it; a race-built test builds the controller and agent it
 # runs with -race too, and a race they report fails the test (internal/localcluster). These run
 # without: the chaos suite's faults are timed against a 2 s lease and a 3 s claim settle, and the
@@ -88,7 +101,7 @@ integration: tools
 
 # The raced packages and the two others run side by side, one package of each at a time (two
 # at once, as the machine's two cores ran them before).
-test: verify-generated vet staticcheck tools
+test: verify-generated vet staticcheck tools vet-hack
 	@$(GO) test -p 1 -count=1 -timeout 30m $(NORACE_PKGS) & plain=$$!; \
 	  $(GO) test -p 1 -race -count=1 -timeout 30m $(RACE_PKGS); rc=$$?; \
 	  wait $$plain || rc=1; exit $$rc

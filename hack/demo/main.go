@@ -247,6 +247,7 @@ func (d *demo) run(ctx context.Context, keep bool) error {
 		return err
 	}
 	gone.agent.Stop()
+	gone.net.Close() // the node's bridge goes with it (cleanup at the end no longer sees the node)
 	before, _ := d.kube.pool(ctx)
 	if err := d.kube.deleteNode(ctx, gone.name); err != nil {
 		return err

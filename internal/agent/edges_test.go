@@ -320,14 +320,17 @@ func TestServeBusy(t *testing.T) {
 	})
 }
 
-// Idle connections never hold a handling slot: with far more of them open than requests may be
-// handled at once (maxConns 2), a request is answered, not refused as busy or queued behind them.
-// (Before, each accepted connection took a slot while its request was read, so 1,000 idle
-// connections delayed an ADD by 21 s.)
+// Idle connections never hold a handling slot: with 1,000 of them open, far more than requests
+// may be handled at once (maxConns 2), an ADD is answered within 1 s, not refused as busy or
+// queued behind them. (Before, each accepted connection took a slot while its request was read,
+// so 1,000 idle connections delayed an ADD by 21 s.) The idle connections are kept open for the
+// whole test (requestReadTimeout raised), so every ADD is measured while all of them are.
 func TestIdleConnectionsDoNotDelayARequest(t *testing.T) {
-	old := maxConns
-	maxConns = 2
-	t.Cleanup(func() { maxConns = old })
+	const idleConns = 1000
+	const bound = time.Second
+	oldConns, oldRead := maxConns, requestReadTimeout
+	maxConns, requestReadTimeout = 2, time.Minute
+	t.Cleanup(func() { maxConns, requestReadTimeout = oldConns, oldRead })
 	h := newSvc(t, time.Second, testV4)
 	h.hold(map[string]string{"v4": "10.1.1.0/28"})
 	sock := serveTest(t, h.svc)
@@ -337,7 +340,7 @@ func TestIdleConnectionsDoNotDelayARequest(t *testing.T) {
 			c.Close()
 		}
 	}()
-	for range 200 {
+	for range idleConns {
 		c, err := net.Dial("unix", sock)
 		if err != nil {
 			t.Fatal(err)
@@ -349,16 +352,30 @@ func TestIdleConnectionsDoNotDelayARequest(t *testing.T) {
 		t.Fatal(err)
 	}
 	wait(t, "the idle connections to be open", func() error {
-		if n := h.svc.metrics.connsNow(); n != 200 {
+		if n := h.svc.metrics.connsNow(); n != idleConns {
 			return fmt.Errorf("%v open", n)
 		}
 		return nil
 	})
-	req, _ := json.Marshal(cniproto.Request{Version: 1, Op: cniproto.OpStatus})
-	for range 5 {
-		if resp := call(t, sock, req); resp.Error != nil {
-			t.Fatalf("a request behind 200 idle connections: %+v", resp.Error)
+	var slowest time.Duration
+	for i := range 5 {
+		req := addReq(fmt.Sprintf("behind-idle-%d", i))
+		req.Version = cniproto.Version
+		raw, _ := json.Marshal(req)
+		start := time.Now()
+		resp := call(t, sock, raw)
+		took := time.Since(start)
+		if resp.Error != nil || len(resp.IPs) != 1 {
+			t.Fatalf("ADD %d behind %d idle connections: %+v", i, idleConns, resp)
 		}
+		if took > bound {
+			t.Fatalf("ADD %d behind %d idle connections answered after %s, more than %s", i, idleConns, took, bound)
+		}
+		slowest = max(slowest, took)
+	}
+	t.Logf("slowest of 5 ADDs behind %d idle connections: %s", idleConns, slowest)
+	if n := h.svc.metrics.connsNow(); n < idleConns {
+		t.Fatalf("only %v connections open after the ADDs: the idle ones were not all open while they were answered", n)
 	}
 }
 

@@ -6,8 +6,8 @@ import (
 	"sync"
 	"time"
 
-	"github.com/ipwarden/ipwarden/internal/agent/nodelease"
 	"github.com/ipwarden/ipwarden/internal/cniproto"
+	"github.com/ipwarden/ipwarden/internal/nodelease"
 )
 
 // gate says whether the service may hand out addresses (ADD). DEL, CHECK and LIST are served from

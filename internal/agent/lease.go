@@ -18,7 +18,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
-	"github.com/ipwarden/ipwarden/internal/agent/nodelease"
+	"github.com/ipwarden/ipwarden/internal/nodelease"
 )
 
 // Lease timing defaults (docs/design.md, "One agent per node"): a holder renews every

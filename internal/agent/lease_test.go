@@ -16,7 +16,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client/interceptor"
 
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
-	"github.com/ipwarden/ipwarden/internal/agent/nodelease"
+	"github.com/ipwarden/ipwarden/internal/nodelease"
 )
 
 // A renewal at rest is one write and no read: the agent writes over the Lease as its own last

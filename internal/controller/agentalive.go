@@ -3,7 +3,7 @@ package controller
 import (
 	"time"
 
-	"github.com/ipwarden/ipwarden/internal/agent/nodelease"
+	"github.com/ipwarden/ipwarden/internal/nodelease"
 )
 
 // A deleted Node is not a stopped machine (docs/design.md, "A deleted node"). Cloud autoscalers

@@ -4,7 +4,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ipwarden/ipwarden/internal/agent/nodelease"
+	"github.com/ipwarden/ipwarden/internal/nodelease"
 )
 
 func TestDecideAgentAlive(t *testing.T) {

@@ -21,7 +21,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
-	"github.com/ipwarden/ipwarden/internal/agent/nodelease"
+	"github.com/ipwarden/ipwarden/internal/nodelease"
 	"github.com/ipwarden/ipwarden/internal/sticky"
 )
 

@@ -15,7 +15,7 @@ import (
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/addr"
-	"github.com/ipwarden/ipwarden/internal/agent/nodelease"
+	"github.com/ipwarden/ipwarden/internal/nodelease"
 	"github.com/ipwarden/ipwarden/internal/sticky"
 )
 

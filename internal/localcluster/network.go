@@ -6,10 +6,8 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"errors"
-	"fmt"
 	"os"
-	"os/exec"
-	"strings"
+	"time"
 
 	"github.com/containernetworking/cni/libcni"
 	cnitypes "github.com/containernetworking/cni/pkg/types"
@@ -70,7 +68,7 @@ func RandomName(prefix string, bytes int) string {
 func (n *Network) rt(p Pod) *libcni.RuntimeConf {
 	netns := "/proc/self/ns/net" // IPAM-only: the namespace is not touched
 	if n.Bridge != "" {
-		netns = "/var/run/netns/" + n.NSPrefix + p.ContainerID
+		netns = NetnsPath(n.NSPrefix + p.ContainerID)
 	}
 	return &libcni.RuntimeConf{
 		ContainerID: p.ContainerID,
@@ -84,8 +82,8 @@ func (n *Network) rt(p Pod) *libcni.RuntimeConf {
 // Add creates the pod's namespace (bridge mode) and runs CNI ADD; it returns the addresses.
 func (n *Network) Add(ctx context.Context, p Pod) ([]string, error) {
 	if n.Bridge != "" {
-		if out, err := exec.Command("ip", "netns", "add", n.NSPrefix+p.ContainerID).CombinedOutput(); err != nil {
-			return nil, fmt.Errorf("ip netns add: %v: %s", err, out)
+		if err := AddNetns(n.NSPrefix + p.ContainerID); err != nil {
+			return nil, err
 		}
 	}
 	r, err := n.cni.AddNetworkList(ctx, n.list, n.rt(p))
@@ -117,23 +115,20 @@ func (n *Network) ForgetNamespace(p Pod) { n.removeNS(p) }
 
 func (n *Network) removeNS(p Pod) {
 	if n.Bridge != "" {
-		_ = exec.Command("ip", "netns", "del", n.NSPrefix+p.ContainerID).Run()
+		_ = DelNetns(n.NSPrefix + p.ContainerID)
 	}
 }
 
-// Ping sends one echo request from inside the pod's namespace to ip.
+// Ping sends ICMP echo requests from inside the pod's namespace to ip until one is answered,
+// for at most 2 s (bridge mode).
 func (n *Network) Ping(p Pod, ip string) error {
-	out, err := exec.Command("ip", "netns", "exec", n.NSPrefix+p.ContainerID, "ping", "-c", "1", "-W", "2", ip).CombinedOutput()
-	if err != nil {
-		return fmt.Errorf("ping %s: %v: %s", ip, err, strings.TrimSpace(string(out)))
-	}
-	return nil
+	return Ping(NetnsPath(n.NSPrefix+p.ContainerID), ip, 2*time.Second)
 }
 
 // Close removes the bridge.
 func (n *Network) Close() {
 	if n.Bridge != "" {
-		_ = exec.Command("ip", "link", "del", n.Bridge).Run()
+		_ = DeleteLink(n.Bridge)
 	}
 }
 

@@ -1,5 +1,7 @@
 // Package chaos runs many pod lifecycles on several real agents while faults are injected at
-// random: kill -9 of agents and controllers mid-operation, the leading controller paused
+// random: kill -9 of agents and controllers mid-operation, agents stopped with SIGTERM and
+// started again on their state directory (as a DaemonSet rollout ends and replaces them: once
+// per run every node's agent in turn, and at random), the leading controller paused
 // (SIGSTOP) past its lease and resumed, NodeIPAllocations deleted by hand with the controllers up
 // and down, API server and etcd restarts, watch connections cut by a loopback proxy, interleaved
 // ADD and DEL for one container, repeated DEL, pods deleted without DEL, and a node deleted
@@ -21,11 +23,13 @@ import (
 	"math/rand/v2"
 	"net/url"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"sort"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -426,13 +430,20 @@ func (x *chaos) deletePod(name string) {
 	})
 }
 
-// faults injects one fault every 1-3 s until ctx ends; halfway through, a node is deleted.
+// faults injects one fault every 1-3 s until ctx ends; a quarter through, every agent is rolled
+// (SIGTERM, then started again) one node after another; halfway through, a node is deleted.
 func (x *chaos) faults(ctx context.Context) {
-	deletedNode, snapshotted, rewound := false, false, false
+	deletedNode, snapshotted, rewound, rolled := false, false, false, false
 	start := time.Now()
 	half := start.Add(*duration / 2)
 	snapshot := filepath.Join(x.dir, "etcd.snapshot")
 	for {
+		if !rolled && time.Since(start) > *duration/4 {
+			rolled = true
+			began := time.Since(start)
+			x.rollout()
+			x.t.Logf("agents rolled (SIGTERM, started again, one node after another) %s into the run (took %s)", began.Round(time.Second), (time.Since(start) - began).Round(100*time.Millisecond))
+		}
 		// The node is deleted after the etcd restore: a restore to before its deletion would
 		// bring the Node back without its agent, which is an operator's mess, not ipwarden's.
 		if !deletedNode && (rewound || !snapshotted) && time.Now().After(half) {
@@ -457,7 +468,7 @@ func (x *chaos) faults(ctx context.Context) {
 			return
 		case <-time.After(x.between(time.Second, 3*time.Second)):
 		}
-		switch x.intn(9) {
+		switch x.intn(10) {
 		case 0:
 			n := x.pickNode()
 			x.inc("kill -9 agent")
@@ -466,6 +477,8 @@ func (x *chaos) faults(ctx context.Context) {
 			if err := n.agent.Restart(); err != nil {
 				x.problem("restart agent %s: %v", n.name, err)
 			}
+		case 9:
+			x.terminateAgent(x.pickNode())
 		case 1:
 			x.inc("kill -9 controller")
 			x.leader().Kill() // the supervisor restarts it
@@ -512,6 +525,42 @@ func (x *chaos) faults(ctx context.Context) {
 			x.inc("watch connections cut")
 			x.proxy.Cut()
 		}
+	}
+}
+
+// rollout replaces every live node's agent in turn, as a DaemonSet rollout with maxUnavailable 1
+// does: SIGTERM, a new agent on the same state directory, and the next node once it serves.
+func (x *chaos) rollout() {
+	x.inc("agent rollouts (every node in turn)")
+	x.nodesMu.RLock()
+	nodes := append([]*chaosNode(nil), x.nodes...)
+	x.nodesMu.RUnlock()
+	for _, n := range nodes {
+		if !n.deleted.Load() {
+			x.terminateAgent(n)
+		}
+	}
+}
+
+// terminateAgent stops n's agent gracefully (SIGTERM: it finishes the requests in flight and
+// gives the node's Lease up), leaves the node without one a while, as between a DaemonSet's old
+// pod and its replacement, starts it again on the same state directory and waits until it serves.
+func (x *chaos) terminateAgent(n *chaosNode) {
+	x.inc("SIGTERM agent (stop, start again)")
+	n.agent.Stop() // SIGTERM, SIGKILL after 10 s
+	var exit *exec.ExitError
+	if errors.As(n.agent.ExitErr(), &exit) {
+		if ws, ok := exit.Sys().(syscall.WaitStatus); ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL {
+			x.inc("agents SIGKILLed 10 s after SIGTERM")
+		}
+	}
+	time.Sleep(x.between(100*time.Millisecond, time.Second)) // the old pod is gone, the new one not yet started
+	if err := n.agent.Restart(); err != nil {
+		x.problem("restart agent %s after SIGTERM: %v", n.name, err)
+		return
+	}
+	if err := localcluster.WaitFor(context.Background(), 30*time.Second, 50*time.Millisecond, func() error { return x.agentServing(n) }); err != nil {
+		x.problem("agent %s not serving 30 s after its restart following SIGTERM: %v", n.name, err)
 	}
 }
 
@@ -714,7 +763,7 @@ func (x *chaos) quiesce() {
 			x.problem("running pod %s (%v): its attachment is gone: a live address was freed", name, pr.ips)
 		}
 	}
-	faults := []string{"kill -9 agent", "kill -9 controller", "leader paused past its lease", "NodeIPAllocation deleted (controllers up)",
+	faults := []string{"kill -9 agent", "SIGTERM agent (stop, start again)", "kill -9 controller", "leader paused past its lease", "NodeIPAllocation deleted (controllers up)",
 		"NodeIPAllocation deleted (controllers down)", "API server restart", "etcd restart", "etcd restored from a snapshot",
 		"watch connections cut", "node deleted mid-churn"}
 	var total int64
@@ -728,6 +777,8 @@ func (x *chaos) quiesce() {
 	for _, f := range faults {
 		t.Logf("    %-44s %d", f, x.count(f))
 	}
+	t.Logf("  agent rollouts (every node in turn) %d; agents SIGKILLed 10 s after SIGTERM %d",
+		x.count("agent rollouts (every node in turn)"), x.count("agents SIGKILLed 10 s after SIGTERM"))
 	t.Logf("  addresses held twice     %d", r.CountsByKind[check.HeldTwice]+r.CountsByKind[check.AttachedTwice])
 	violations := x.tracker.Violations()
 	t.Logf("  watcher: moments an address was in two statuses or a status dropped an unreleased address: %d", len(violations))
@@ -744,6 +795,9 @@ func (x *chaos) quiesce() {
 	}
 	for _, p := range x.problems {
 		t.Error(p)
+	}
+	if x.count("SIGTERM agent (stop, start again)") == 0 {
+		t.Errorf("no agent was stopped with SIGTERM: the run is too short for its rollout (-chaos.duration)")
 	}
 	if x.count("lifecycles") < 20 {
 		t.Errorf("only %d lifecycles ran: the run proves little", x.count("lifecycles"))

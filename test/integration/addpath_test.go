@@ -7,6 +7,7 @@ import (
 	"time"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
+	"github.com/ipwarden/ipwarden/internal/cniproto"
 	"github.com/ipwarden/ipwarden/internal/podinfo"
 )
 
@@ -73,8 +74,9 @@ func TestAddPathWithoutTheAPIServer(t *testing.T) {
 
 // A paused agent (SIGSTOP: the kernel still accepts connections for it) gives the runtime a CNI
 // error that names it well before the runtimes' timeouts (the plugin's own ADD timeout is 90s):
-// the plugin hears no heartbeat for cniproto.Silence. Resumed, the agent serves again, and the
-// ADD it had read while paused is rolled back (the plugin went away), so it holds nothing.
+// the plugin hears no heartbeat for cniproto.Silence and gives up within that plus 1 s (the
+// plugin's start included). Resumed, the agent serves again, and the ADD it had read while
+// paused is rolled back (the plugin went away), so it holds nothing.
 func TestPausedAgentGivesTheRuntimeAnError(t *testing.T) {
 	const node = "paused-agent"
 	gcSetup(t, node, "10.131.0.0/24")
@@ -90,10 +92,17 @@ func TestPausedAgentGivesTheRuntimeAnError(t *testing.T) {
 			ag.proc.Resume()
 		}
 	}()
+	cniBinary(t) // built (once per test binary) before the clock starts
+	start := time.Now()
 	_, e := cni(t, "ADD", conf, "while-paused", podArgs(p.Namespace, p.Name, string(p.UID)))
+	took := time.Since(start)
 	if e == nil || e.Code != 11 || !strings.Contains(e.Msg, ag.socket) || !strings.Contains(e.Msg, "paused") {
 		t.Fatalf("ADD to a paused agent: %+v; want CNI error 11 naming the agent's socket", e)
 	}
+	if bound := cniproto.Silence + time.Second; took > bound {
+		t.Fatalf("the plugin gave up on the paused agent after %s, more than its silence bound %s plus 1 s", took, cniproto.Silence)
+	}
+	t.Logf("the plugin gave up on the paused agent after %s (silence bound %s)", took, cniproto.Silence)
 	ag.proc.Resume()
 	resumed = true
 	r, e := cni(t, "ADD", conf, "after", podArgs(p.Namespace, p.Name, string(p.UID)))
