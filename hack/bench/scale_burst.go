@@ -82,11 +82,10 @@ func (s *scaleRun) add(ctx context.Context, p podRef) (time.Duration, error) {
 
 // burstResult is the whole fleet's burst.
 type burstResult struct {
-	pods          []podRef
-	lat           []time.Duration // every ADD's latency, sorted
-	bound, took   []time.Duration // each node's, sorted
-	failed        int
-	firstFailures []string
+	pods        []podRef
+	lat         []time.Duration // every ADD's latency, sorted
+	bound, took []time.Duration // each node's, sorted
+	failed      int
 }
 
 // burstAll runs every node's burst, par nodes at once.

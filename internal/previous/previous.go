@@ -246,18 +246,18 @@ func WhereaboutsReserved(pools []WhereaboutsPool) (addr.Set, error) {
 	for _, p := range pools {
 		pfx, err := netip.ParsePrefix(p.Range)
 		if err != nil {
-			return addr.Set{}, fmt.Errorf("Whereabouts IPPool %s: spec.range %q: %v", p.Name, p.Range, err)
+			return addr.Set{}, fmt.Errorf("the Whereabouts IPPool %s: spec.range %q: %v", p.Name, p.Range, err)
 		}
 		base := pfx.Addr().Unmap()
 		n := base.BitLen() / 8
 		for _, off := range p.Offsets {
 			o, err := strconv.ParseUint(off, 10, 64)
 			if err != nil {
-				return addr.Set{}, fmt.Errorf("Whereabouts IPPool %s: allocation offset %q is not a number", p.Name, off)
+				return addr.Set{}, fmt.Errorf("the Whereabouts IPPool %s: allocation offset %q is not a number", p.Name, off)
 			}
 			sum := new(big.Int).Add(new(big.Int).SetBytes(base.AsSlice()), new(big.Int).SetUint64(o))
 			if sum.BitLen() > base.BitLen() {
-				return addr.Set{}, fmt.Errorf("Whereabouts IPPool %s: allocation offset %d lies beyond the address space of %s", p.Name, o, p.Range)
+				return addr.Set{}, fmt.Errorf("the Whereabouts IPPool %s: allocation offset %d lies beyond the address space of %s", p.Name, o, p.Range)
 			}
 			a, _ := netip.AddrFromSlice(sum.FillBytes(make([]byte, n)))
 			as = append(as, a)

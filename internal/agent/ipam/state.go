@@ -543,8 +543,6 @@ func runSizeIn(runs []addr.Range, a netip.Addr) addr.Count {
 	return addr.Count{}
 }
 
-// runSize is the size of the run of the node's holding that contains a.
-func (p *poolState) runSize(a netip.Addr) addr.Count { return runSizeIn(p.held.Ranges(), a) }
 
 // take marks a as in use by k, removing it from fresh or the cooling queue.
 func (p *poolState) take(a netip.Addr, k Key) (fromCooling *Cooling) {
