@@ -543,7 +543,6 @@ func runSizeIn(runs []addr.Range, a netip.Addr) addr.Count {
 	return addr.Count{}
 }
 
-
 // take marks a as in use by k, removing it from fresh or the cooling queue.
 func (p *poolState) take(a netip.Addr, k Key) (fromCooling *Cooling) {
 	p.inUse[a] = k
