@@ -92,3 +92,14 @@ func TestEarlyFigure(t *testing.T) {
 		t.Fatal("a figure for no runs")
 	}
 }
+
+func TestAgentMetricsAddrsDistinct(t *testing.T) {
+	seen := map[string]bool{}
+	for i := range 5000 {
+		a := agentMetricsAddr(i)
+		if seen[a] {
+			t.Fatalf("agent %d: address %s given twice", i, a)
+		}
+		seen[a] = true
+	}
+}

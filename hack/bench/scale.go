@@ -99,12 +99,14 @@ func scaleBench(ctx context.Context, env *benchEnv, o scaleOptions) ([]figure, e
 	defer agents.stopAll()
 	sockets := make([]string, o.nodes)
 	// Each agent serves its metrics on loopback until the burst is measured (its IP wait); the
-	// restarts after it serve none.
+	// restarts after it serve none. Each has a loopback address of its own (agentMetricsAddr): a
+	// free port picked now and bound later could be taken meanwhile by one of the thousands of
+	// connections the agents open (it was, at 1,000 nodes).
 	metricsAddrs := make([]string, o.nodes)
 	t0 = time.Now()
 	for i := range o.nodes {
 		sockets[i] = filepath.Join(dir, strconv.Itoa(i), "a.sock")
-		metricsAddrs[i] = freeAddr()
+		metricsAddrs[i] = agentMetricsAddr(i)
 		cfg := agent.Config{Node: scaleNode(i), RestConfig: ownConnection(env.cp.Config), Scheme: scheme, Socket: sockets[i],
 			StateDir: filepath.Join(dir, strconv.Itoa(i), "state"), AddressWait: 60 * time.Second, MetricsAddr: metricsAddrs[i], ProbeAddr: "0",
 			Resync: time.Minute, RequestCoalesce: 100 * time.Millisecond, LeaseNamespace: controlplane.ControllerNamespace,
@@ -604,4 +606,11 @@ func procRSS(pid int) int64 {
 		}
 	}
 	return 0
+}
+
+// agentMetricsAddr is agent i's metrics address: a loopback address of its own in 127.42.0.0/16
+// (Linux routes all of 127.0.0.0/8 to lo) on a fixed port, which no client connection of the
+// bench (all from 127.0.0.1) can take.
+func agentMetricsAddr(i int) string {
+	return fmt.Sprintf("127.42.%d.%d:10372", i/250, i%250+1)
 }
