@@ -290,17 +290,26 @@ func wantEvent(reason, prefix string) error {
 // fenceProbe is a stale leader's write, dry run: an IPPool status update with another holder's
 // fence (epoch 0, so no running controller would take it for a newer leader's). The API server
 // runs admission on a dry run and stores nothing. nil: the write would land.
+//
+// The controllers write the pool's status meanwhile, so a probe built from a read that is no
+// longer current gets a conflict, which says nothing about the fence: it reads again and retries.
 func fenceProbe() error {
-	var pools ipwardenv1.IPPoolList
-	if err := k8s.List(context.Background(), &pools); err != nil {
+	for try := 0; ; try++ {
+		var pools ipwardenv1.IPPoolList
+		if err := k8s.List(context.Background(), &pools); err != nil {
+			return err
+		}
+		if len(pools.Items) == 0 {
+			return fmt.Errorf("no pool to probe")
+		}
+		p := pools.Items[0]
+		p.Status.Fence = &ipwardenv1.Fence{Holder: "fence-probe-stale-leader", Epoch: 0}
+		err := k8s.Status().Update(context.Background(), &p, client.DryRunAll)
+		if apierrors.IsConflict(err) && try < 20 {
+			continue
+		}
 		return err
 	}
-	if len(pools.Items) == 0 {
-		return fmt.Errorf("no pool to probe")
-	}
-	p := pools.Items[0]
-	p.Status.Fence = &ipwardenv1.Fence{Holder: "fence-probe-stale-leader", Epoch: 0}
-	return k8s.Status().Update(context.Background(), &p, client.DryRunAll)
 }
 
 func deleteFenceObject(t *testing.T, obj client.Object) {
