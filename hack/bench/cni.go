@@ -47,10 +47,6 @@ func startNode(ctx context.Context, env *benchEnv, name, pool string, extra ...s
 	return n, waitSocket(ctx, n)
 }
 
-// earlyMetric counts the ADDs the agent answered before their journal write; the bench reports
-// it only while the agent exports it.
-const earlyMetric = "ipwarden_agent_adds_early_total"
-
 // cniBench compares ADD+DEL through the real plugin binaries: ipwarden-cni (talking to a real
 // agent with a durable journal) against host-local, the containernetworking reference IPAM
 // plugin, driven the same way (libcni, IPAM-only network config) in the same run: runs
@@ -106,9 +102,7 @@ func cniBench(ctx context.Context, env *benchEnv, runs, pairs int, window time.D
 	var figs []figure
 	lat := map[string][]time.Duration{}
 	var results []cniRun
-	metricsURL := "http://" + n.metrics + "/metrics"
 	for r := range runs {
-		m0 := scrape(metricsURL)
 		run := map[string][]time.Duration{}
 		for _, st := range cniSchedule(r, pairs, cniBlock) {
 			p := plugins[st.plugin]
@@ -118,31 +112,19 @@ func cniBench(ctx context.Context, env *benchEnv, runs, pairs int, window time.D
 			}
 			run[p.name] = append(run[p.name], d...)
 		}
-		m1 := scrape(metricsURL)
-		res := cniRun{early: -1, adds: m1.sum("ipwarden_agent_cni_request_duration_seconds_count", `op="ADD"`) - m0.sum("ipwarden_agent_cni_request_duration_seconds_count", `op="ADD"`)}
-		// The count of ADDs answered early, where the agent still exports it.
-		if _, ok := m1[earlyMetric]; ok {
-			res.early = m1.sum(earlyMetric) - m0.sum(earlyMetric)
-		}
+		var res cniRun
 		for q, f := range []float64{0.5, 0.99} {
 			res.ipw[q], res.hl[q] = quantile(run["ipwarden"], f), quantile(run["host-local"], f)
 		}
 		results = append(results, res)
-		early := ""
-		if res.early >= 0 {
-			early = fmt.Sprintf("; ADDs answered early %.0f of %.0f", res.early, res.adds)
-		}
-		fmt.Printf("  run %d of %d: p50 %s vs %s = %.2fx, p99 %s vs %s = %.2fx%s\n", r+1, runs,
+		fmt.Printf("  run %d of %d: p50 %s vs %s = %.2fx, p99 %s vs %s = %.2fx\n", r+1, runs,
 			res.ipw[0].Round(10*time.Microsecond), res.hl[0].Round(10*time.Microsecond), res.ratio(0),
-			res.ipw[1].Round(10*time.Microsecond), res.hl[1].Round(10*time.Microsecond), res.ratio(1), early)
+			res.ipw[1].Round(10*time.Microsecond), res.hl[1].Round(10*time.Microsecond), res.ratio(1))
 		for name, d := range run {
 			lat[name] = append(lat[name], d...)
 		}
 	}
 	figs = append(figs, cniVerdict(results, 0, cniP50Goal, pairs), cniVerdict(results, 1, cniP99Goal, pairs))
-	if f, ok := earlyFigure(results); ok {
-		figs = append(figs, f)
-	}
 	// Where ipwarden's time goes: the agent's own handling (journal included) per ADD and DEL.
 	for _, op := range []string{"ADD", "DEL"} {
 		sum := localcluster.ScrapeSum("http://"+n.metrics+"/metrics", `ipwarden_agent_cni_request_duration_seconds_sum{op="`+op+`"}`)

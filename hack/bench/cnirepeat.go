@@ -51,9 +51,6 @@ func cniSchedule(r, pairs, block int) []cniStep {
 // cniRun is one repetition's quantiles of both plugins.
 type cniRun struct {
 	ipw, hl [2]time.Duration // p50, p99
-	// early is how many of this run's ipwarden ADDs the agent answered before their journal
-	// write, of adds; -1 when the agent does not export the count.
-	early, adds float64
 }
 
 func (r cniRun) ratio(q int) float64 {
@@ -101,20 +98,6 @@ func cniVerdict(runs []cniRun, q int, goal float64, pairs int) figure {
 		goal: fmt.Sprintf("median <= %.1fx", goal),
 		ok:   len(runs) > 0 && s.median <= goal,
 	}
-}
-
-// earlyFigure is the count of ADDs answered early over the runs, or false when the agent does
-// not export it (the early path is gone) in any run.
-func earlyFigure(runs []cniRun) (figure, bool) {
-	var early, adds float64
-	for _, r := range runs {
-		if r.early < 0 {
-			return figure{}, false
-		}
-		early, adds = early+r.early, adds+r.adds
-	}
-	return figure{name: "CNI ADDs answered early (before their journal write), over the runs", value: fmt.Sprintf("%.0f of %.0f", early, adds),
-		goal: "(informational)", ok: true}, len(runs) > 0
 }
 
 func medianDuration(ds []time.Duration) time.Duration {

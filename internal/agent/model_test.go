@@ -18,6 +18,7 @@ import (
 	"path/filepath"
 	"slices"
 	"sort"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -151,18 +152,7 @@ func (m *model) event(format string, args ...any) {
 
 func (m *model) fatalf(format string, args ...any) {
 	m.t.Helper()
-	m.t.Fatalf("step %d: %s\nlast events:\n  %s", m.step, fmt.Sprintf(format, args...), joinLines(m.log))
-}
-
-func joinLines(l []string) string {
-	out := ""
-	for i, s := range l {
-		if i > 0 {
-			out += "\n  "
-		}
-		out += s
-	}
-	return out
+	m.t.Fatalf("step %d: %s\nlast events:\n  %s", m.step, fmt.Sprintf(format, args...), strings.Join(m.log, "\n  "))
 }
 
 // boot starts the agent the way Run does: open (or recover) the journal, restore the state,
