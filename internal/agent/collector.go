@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/go-logr/logr"
@@ -112,6 +113,8 @@ type Collector struct {
 	log        logr.Logger
 	queue      workqueue.TypedRateLimitingInterface[gcItem]
 
+	// mu guards what the collector remembers (below): its workers and the pod informer's delete
+	// handler share it. locked is the only place that takes it.
 	mu        sync.Mutex
 	deletions gc.Deletions
 	// goneSince remembers when the API server first showed the pod of an attachment gone;
@@ -166,9 +169,8 @@ func (c *Collector) OnPodDelete(obj any) {
 		c.log.Error(nil, "pod informer delivered a deletion the collector cannot read; the full check covers it", "object", fmt.Sprintf("%T", obj))
 		return
 	}
-	c.mu.Lock()
-	added := c.deletions.Add(d)
-	c.mu.Unlock()
+	var added bool
+	c.locked(func() { added = c.deletions.Add(d) })
 	if !added {
 		return
 	}
@@ -288,9 +290,7 @@ func (c *Collector) forget(n gc.Name, dels []gc.Deletion) {
 	if len(dels) == 0 {
 		return
 	}
-	c.mu.Lock()
-	c.deletions.Forget(n, dels)
-	c.mu.Unlock()
+	c.locked(func() { c.deletions.Forget(n, dels) })
 }
 
 // syncResult is what one pass over a pod name left to do.
@@ -304,9 +304,8 @@ type syncResult struct {
 // sync does one pass over the attachments of pod name it.name: select, read the API server once,
 // judge, free.
 func (c *Collector) sync(ctx context.Context, it gcItem) syncResult {
-	c.mu.Lock()
-	res := syncResult{dels: c.deletions.Of(it.name)}
-	c.mu.Unlock()
+	var res syncResult
+	c.locked(func() { res.dels = c.deletions.Of(it.name) })
 	cached, err := c.pods.CachedPods(ctx)
 	if err != nil {
 		res.err = fmt.Errorf("list the node's pods from the informer cache: %w", err)
@@ -408,29 +407,31 @@ func lookSandbox(netns string, dirs []string) gc.Sandbox {
 // time: only the API server's answer proves the pod gone, and a wait counted from it is never
 // shorter than one counted from the true deletion.
 func (c *Collector) goneAt(cand gc.Candidate) (time.Time, bool) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	t, ok := c.goneSince[cand.Key]
+	var t time.Time
+	ok := false
+	c.locked(func() { t, ok = c.goneSince[cand.Key] })
 	return t, ok
 }
 
 func (c *Collector) markGone(k ipam.Key, now time.Time) time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if t, ok := c.goneSince[k]; ok {
-		return t
-	}
-	c.goneSince[k] = now
+	c.locked(func() {
+		if t, ok := c.goneSince[k]; ok {
+			now = t
+			return
+		}
+		c.goneSince[k] = now
+	})
 	return now
 }
 
 // forgetKey drops what the collector remembers of attachment k.
 func (c *Collector) forgetKey(k ipam.Key) {
-	c.mu.Lock()
-	delete(c.goneSince, k)
-	delete(c.outlived, k)
-	n := len(c.outlived)
-	c.mu.Unlock()
+	var n int
+	c.locked(func() {
+		delete(c.goneSince, k)
+		delete(c.outlived, k)
+		n = len(c.outlived)
+	})
 	c.metrics.GCSandboxOutlived.Set(float64(n))
 }
 
@@ -440,19 +441,20 @@ func (c *Collector) prune(view []gc.Attachment) {
 	for _, a := range view {
 		live[a.Key] = true
 	}
-	c.mu.Lock()
-	for k := range c.goneSince {
-		if !live[k] {
-			delete(c.goneSince, k)
+	var n int
+	c.locked(func() {
+		for k := range c.goneSince {
+			if !live[k] {
+				delete(c.goneSince, k)
+			}
 		}
-	}
-	for k := range c.outlived {
-		if !live[k] {
-			delete(c.outlived, k)
+		for k := range c.outlived {
+			if !live[k] {
+				delete(c.outlived, k)
+			}
 		}
-	}
-	n := len(c.outlived)
-	c.mu.Unlock()
+		n = len(c.outlived)
+	})
 	c.metrics.GCSandboxOutlived.Set(float64(n))
 }
 
@@ -464,11 +466,13 @@ func (c *Collector) hold(path string, cand gc.Candidate, sb gc.Sandbox, rel gc.R
 	if !rel.Outlived {
 		return
 	}
-	c.mu.Lock()
-	first := !c.outlived[cand.Key]
-	c.outlived[cand.Key] = true
-	n := len(c.outlived)
-	c.mu.Unlock()
+	var first bool
+	var n int
+	c.locked(func() {
+		first = !c.outlived[cand.Key]
+		c.outlived[cand.Key] = true
+		n = len(c.outlived)
+	})
 	c.metrics.GCSandboxOutlived.Set(float64(n))
 	if first {
 		c.svc.reportOutlived(cand, c.timing.SandboxGrace)
@@ -489,13 +493,14 @@ func why(path string, v gc.Verdict, l gc.Lookup, c gc.Candidate) string {
 
 // gcView returns what the collector needs of every attachment, in-flight ones marked.
 func (s *Service) gcView() []gc.Attachment {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	atts := s.st.Attachments()
-	out := make([]gc.Attachment, len(atts))
-	for i, a := range atts {
-		out[i] = gcAttachment(a, s.st.Pending(a.Key))
-	}
+	var out []gc.Attachment
+	s.read(func(m *Machine) {
+		atts := m.st.Attachments()
+		out = make([]gc.Attachment, len(atts))
+		for i, a := range atts {
+			out[i] = gcAttachment(a, m.st.Pending(a.Key))
+		}
+	})
 	return out
 }
 
@@ -509,10 +514,12 @@ func gcAttachment(a ipam.Attachment, pending bool) gc.Attachment {
 // outcome; an error is counted as a failure and left to the caller to retry.
 func (s *Service) collect(path string, c gc.Candidate, why string) (bool, error) {
 	if s.gcDryRunOn {
-		s.mu.Lock()
-		att, ok := s.st.Attachment(c.Key)
-		ok = ok && !s.st.Pending(c.Key) && gcAttachment(att, false).Same(c.Attachment)
-		s.mu.Unlock()
+		var att ipam.Attachment
+		ok := false
+		s.read(func(m *Machine) {
+			att, ok = m.st.Attachment(c.Key)
+			ok = ok && !m.st.Pending(c.Key) && gcAttachment(att, false).Same(c.Attachment)
+		})
 		if ok {
 			s.gcr.wouldFree(path, att, c.Deletion, why)
 		}
@@ -543,28 +550,30 @@ type gcReporter struct {
 	log     logr.Logger
 	metrics *Metrics
 
-	mu     sync.Mutex
-	events record.EventRecorder // nil: no events
-	node   func() *corev1.ObjectReference
+	sink atomic.Pointer[eventSink] // nil: no events
+}
+
+// eventSink is where the reporter records events: on a deleted pod, or on the node's
+// NodeIPAllocation (node returns its reference).
+type eventSink struct {
+	rec  record.EventRecorder
+	node func() *corev1.ObjectReference
 }
 
 func newGCReporter(log logr.Logger, m *Metrics) *gcReporter { return &gcReporter{log: log, metrics: m} }
 
 func (r *gcReporter) setEvents(rec record.EventRecorder, node func() *corev1.ObjectReference) {
-	r.mu.Lock()
-	r.events, r.node = rec, node
-	r.mu.Unlock()
+	r.sink.Store(&eventSink{rec: rec, node: node})
 }
 
 // event records an event on the deleted pod when the agent saw its deletion, else on the node's
 // NodeIPAllocation.
 func (r *gcReporter) event(d *gc.Deletion, typ, reason, msg string) {
-	r.mu.Lock()
-	rec, node := r.events, r.node
-	r.mu.Unlock()
-	if rec == nil {
+	sink := r.sink.Load()
+	if sink == nil || sink.rec == nil {
 		return
 	}
+	rec, node := sink.rec, sink.node
 	var on *corev1.ObjectReference
 	switch {
 	case d != nil:
@@ -624,4 +633,11 @@ func (r *gcReporter) failed(path string, c gc.Candidate, msg string) {
 	r.log.Error(nil, "could not free the addresses of a pod that may be gone", "path", path, "pod", c.Pod.String(), "podUID", c.Pod.UID,
 		"attachment", c.Key.String(), "error", msg)
 	r.event(c.Deletion, corev1.EventTypeWarning, ReasonCollectionFail, fmt.Sprintf("could not free the addresses of %s: %s", describe(att), msg))
+}
+
+// locked runs f with what the collector remembers.
+func (c *Collector) locked(f func()) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	f()
 }

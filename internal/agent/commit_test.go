@@ -30,15 +30,16 @@ type stateDump struct {
 }
 
 func (s *Service) dump() stateDump {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	d := stateDump{Attachments: s.st.Attachments(), Stats: s.st.Stats(s.now()), Spec: s.st.Spec(), Served: s.st.Served(),
-		Mark: s.st.Mark(), Observed: s.st.Observed(), Configs: map[string]ipam.Pool{}, Holdings: map[string]string{}}
-	for _, st := range d.Stats {
-		d.Configs[st.Pool], _ = s.st.PoolConfig(st.Pool)
-		held, known := s.st.Holding(st.Pool)
-		d.Holdings[st.Pool] = fmt.Sprint(held, known)
-	}
+	var d stateDump
+	s.locked(func(st *ipam.State) {
+		d = stateDump{Attachments: st.Attachments(), Stats: st.Stats(s.now()), Spec: st.Spec(), Served: st.Served(),
+			Mark: st.Mark(), Observed: st.Observed(), Configs: map[string]ipam.Pool{}, Holdings: map[string]string{}}
+		for _, ps := range d.Stats {
+			d.Configs[ps.Pool], _ = st.PoolConfig(ps.Pool)
+			held, known := st.Holding(ps.Pool)
+			d.Holdings[ps.Pool] = fmt.Sprint(held, known)
+		}
+	})
 	return d
 }
 

@@ -395,11 +395,9 @@ func value(t interface{ Fatal(...any) }, m prometheus.Metric) float64 {
 	return d.Gauge.GetValue()
 }
 
-// locked runs f with the service's state under its lock (Serve's goroutines write it).
+// locked runs f with the service's state, as the machine's owner (Serve's goroutines change it).
 func (s *Service) locked(f func(st *ipam.State)) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	f(s.st)
+	s.read(func(m *Machine) { f(m.st) })
 }
 
 // numAttachments and hold read the state under the service's lock.
@@ -457,7 +455,7 @@ func TestServiceHoldDeadlineWarns(t *testing.T) {
 		t.Fatal("no hold")
 	}
 	h.advance(time.Minute)
-	h.svc.evaluateHold()
+	h.svc.step(func(m *Machine, now time.Time) { m.EvaluateHold(now) })
 	if h.svc.hold() {
 		t.Fatal("the hold outlived its deadline")
 	}

@@ -1,9 +1,7 @@
 package agent
 
 import (
-	"context"
 	"fmt"
-	"sync"
 	"time"
 
 	"github.com/ipwarden/ipwarden/internal/cniproto"
@@ -23,40 +21,33 @@ import (
 // another holder. Past its permit (its last successful renewal's start plus the Lease duration:
 // the agent was paused, or its renewals fail), an ADD first re-checks the Lease: another agent
 // may have taken it meanwhile.
+// The machine owns it (Machine.gate).
 type gate struct {
 	node, leaseNS string
 	enforce       bool // off: ADD is always allowed (tests of the request paths)
 
-	mu         sync.Mutex
 	offline    bool // the journal holds addresses to serve before the API server answers
 	leaseKnown bool // the agent has read the Lease at least once
 	leaseHeld  bool
 	holder     string // the other holder, when !leaseHeld
 	permit     time.Time
-	recheck    func(context.Context)
-	now        func() time.Time
 	synced     bool   // reconciled with the API server once
 	apiErr     string // the last error talking to the API server before it synced
 	stage      string // what the agent waits for once the API server answers, before it synced
 }
 
 // setStage says what the agent waits for before it has reconciled, for the ADD error.
-func (g *gate) setStage(s string) { g.mu.Lock(); g.stage = s; g.mu.Unlock() }
+func (g *gate) setStage(s string) { g.stage = s }
 
-func (g *gate) setOffline(ok bool) { g.mu.Lock(); g.offline = ok; g.mu.Unlock() }
+func (g *gate) setOffline(ok bool) { g.offline = ok }
 
 // setLease records what the agent's last Lease round found; until is its permit when held.
 func (g *gate) setLease(held bool, holder string, until time.Time) {
-	g.mu.Lock()
 	g.leaseKnown, g.leaseHeld, g.holder = true, held, holder
 	if held {
 		g.permit = until
 	}
-	g.mu.Unlock()
 }
-
-// setRecheck sets how an ADD past the permit re-checks the Lease (NodeLease.recheck).
-func (g *gate) setRecheck(f func(context.Context)) { g.mu.Lock(); g.recheck = f; g.mu.Unlock() }
 
 // PermitExpired decides whether an ADD must re-check the node's Lease first: the agent holds it
 // as far as it knows, but its permit ran out (it was paused past its Lease, or cannot renew).
@@ -64,46 +55,30 @@ func PermitExpired(leaseHeld bool, permit, now time.Time) bool {
 	return leaseHeld && !permit.IsZero() && now.After(permit)
 }
 
-// refuseAddNow is refuseAdd after re-checking the Lease when the permit ran out (PermitExpired).
-func (g *gate) refuseAddNow(ctx context.Context) *cniproto.Response {
-	g.mu.Lock()
-	now := time.Now
-	if g.now != nil {
-		now = g.now
-	}
-	expired := g.enforce && PermitExpired(g.leaseHeld, g.permit, now())
-	recheck := g.recheck
-	g.mu.Unlock()
-	if expired && recheck != nil {
-		rctx, cancel := context.WithTimeout(ctx, recheckEvery)
-		recheck(rctx)
-		cancel()
-	}
-	return g.refuseAdd()
+// mustRecheck says whether an ADD must re-check the Lease before the gate is asked
+// (PermitExpired).
+func (g *gate) mustRecheck(now time.Time) bool {
+	return g.enforce && PermitExpired(g.leaseHeld, g.permit, now)
 }
 
-func (g *gate) setSynced() { g.mu.Lock(); g.synced, g.apiErr = true, ""; g.mu.Unlock() }
+func (g *gate) setSynced() { g.synced, g.apiErr = true, "" }
 
 func (g *gate) setAPIError(err error) {
-	g.mu.Lock()
 	if err != nil && !g.synced {
 		g.apiErr = err.Error()
 		if len(g.apiErr) > 300 {
 			g.apiErr = g.apiErr[:300] + "..."
 		}
 	}
-	g.mu.Unlock()
 }
 
-func (g *gate) leaseIsHeld() bool { g.mu.Lock(); defer g.mu.Unlock(); return g.leaseHeld }
+func (g *gate) leaseIsHeld() bool { return g.leaseHeld }
 
 // refuseList returns the error LIST gets now: only while the agent waits for the API server with
 // nothing to serve from (then it has nothing to list either, and tools that wait for LIST to
 // answer keep waiting until the agent serves ADD), never because another agent holds the Lease.
 func (g *gate) refuseList() *cniproto.Response {
 	r := g.refuseAdd()
-	g.mu.Lock()
-	defer g.mu.Unlock()
 	if r != nil && g.leaseKnown && !g.leaseHeld {
 		return nil
 	}
@@ -115,8 +90,6 @@ func (g *gate) refuseAdd() *cniproto.Response {
 	if !g.enforce {
 		return nil
 	}
-	g.mu.Lock()
-	defer g.mu.Unlock()
 	why := g.stage
 	if why == "" {
 		why = waitingForAPI(g.apiErr)

@@ -1,6 +1,9 @@
 package agent
 
 import (
+	"github.com/go-logr/logr"
+	"github.com/ipwarden/ipwarden/internal/agent/ipam"
+
 	"context"
 	"strings"
 	"testing"
@@ -78,19 +81,20 @@ func TestPermitExpired(t *testing.T) {
 // when another agent took it meanwhile; within its permit it asks nothing.
 func TestAddPastThePermitRechecksTheLease(t *testing.T) {
 	now := time.Date(2026, 11, 25, 8, 0, 0, 0, time.UTC)
-	g := &gate{node: "n1", leaseNS: "ns", enforce: true, now: func() time.Time { return now }}
-	g.setLease(true, "", now.Add(time.Minute))
-	g.setSynced()
+	svc := NewService(ipam.New("n1"), &memJournal{}, ServiceOptions{Node: "n1", LeaseNamespace: "ns", Gated: true,
+		Now: func() time.Time { return now }, Log: logr.Discard()})
+	svc.setLease(true, "", now.Add(time.Minute))
+	svc.setSynced()
 	rechecks := 0
-	g.setRecheck(func(context.Context) {
+	svc.setLeaseRecheck(func(context.Context) {
 		rechecks++
-		g.setLease(false, "twin-agent", time.Time{}) // what the Lease shows now
+		svc.setLease(false, "twin-agent", time.Time{}) // what the Lease shows now
 	})
-	if r := g.refuseAddNow(context.Background()); r != nil || rechecks != 0 {
+	if r := svc.refuseAddNow(context.Background()); r != nil || rechecks != 0 {
 		t.Fatalf("within the permit: refusal %+v after %d re-checks", r, rechecks)
 	}
 	now = now.Add(2 * time.Minute) // paused past its Lease
-	r := g.refuseAddNow(context.Background())
+	r := svc.refuseAddNow(context.Background())
 	if rechecks != 1 || r == nil || !strings.Contains(r.Error.Msg, "twin-agent") {
 		t.Fatalf("past the permit: refusal %+v after %d re-checks; want one re-check and a refusal naming twin-agent", r, rechecks)
 	}

@@ -101,17 +101,20 @@ func (s *Service) handback(ctx context.Context, req cniproto.Request) *cniproto.
 	}
 	// A DEL is answered before its journal write lands (del): wait for those answered so far,
 	// as LIST does, so the attachments read are the ones that still exist.
-	if err := s.rel.wait(ctx); err != nil {
+	if err := s.WaitReleases(ctx); err != nil {
 		return errResp(cniproto.CodeTryAgainLater, "ipwarden: HANDBACK waited for DELs being journaled: "+err.Error(), "")
 	}
-	// The fact lock keeps two handbacks (or a handback and its undo) from interleaving.
-	s.factMu.Lock()
-	defer s.factMu.Unlock()
-	s.mu.Lock()
-	cur := s.st.HandedBack()
-	_, holdUntil := s.st.Hold()
-	_, err = checkHandback(s.st.Attachments(), h.Network, target, holdUntil, s.st.LostAhead())
-	s.mu.Unlock()
+	// One handback (or undo) at a time: two must not interleave.
+	if !s.handingBack.CompareAndSwap(false, true) {
+		return errResp(cniproto.CodeTryAgainLater, "ipwarden: another handback or undo is running on this node", "try again once it has finished")
+	}
+	defer s.handingBack.Store(false)
+	var cur *ipam.HandbackMark
+	s.read(func(m *Machine) {
+		cur = m.st.HandedBack()
+		_, holdUntil := m.st.Hold()
+		_, err = checkHandback(m.st.Attachments(), h.Network, target, holdUntil, m.st.LostAhead())
+	})
 	if cur != nil && cur.Network != h.Network {
 		return errResp(cniproto.CodeInvalidConfig, fmt.Sprintf("ipwarden: the node was handed back for network %s at %s, not %s",
 			cur.Network, cur.At.UTC().Format(time.RFC3339), h.Network), "undo it first (ipwarden agent handback --undo)")
@@ -124,11 +127,8 @@ func (s *Service) handback(ctx context.Context, req cniproto.Request) *cniproto.
 	}
 	set := cur == nil
 	if set {
-		m := ipam.HandbackMark{At: s.now().UTC(), To: "host-local", Network: h.Network, Dir: h.Dir}
-		s.mu.Lock()
-		plan := s.st.PlanHandback(&m)
-		s.mu.Unlock()
-		if err := s.commit(plan, "handback"); err != nil {
+		mark := ipam.HandbackMark{At: s.now().UTC(), To: "host-local", Network: h.Network, Dir: h.Dir}
+		if err := s.fact("handback", func(m *Machine) ipam.Plan { return m.st.PlanHandback(&mark) }, nil).Err; err != nil {
 			return errResp(cniproto.CodeTryAgainLater, "ipwarden: cannot record the handback in the journal: "+cniproto.Truncate(err.Error(), 300),
 				"nothing was changed; check the agent's --state-dir disk")
 		}
@@ -137,21 +137,27 @@ func (s *Service) handback(ctx context.Context, req cniproto.Request) *cniproto.
 	wctx, cancel := context.WithTimeout(ctx, handbackWait)
 	defer cancel()
 	for {
-		if err := s.rel.wait(wctx); err != nil {
+		if err := s.WaitReleases(wctx); err != nil {
 			if set {
 				s.clearMark()
 			}
 			return errResp(cniproto.CodeTryAgainLater, "ipwarden: HANDBACK waited for DELs being journaled: "+err.Error(), "the handback is not marked; try again")
 		}
-		s.mu.Lock()
-		n, changed := s.st.NumPending(), s.changed
-		var atts []ipam.Attachment
-		_, holdUntil := s.st.Hold()
-		lost := s.st.LostAhead()
-		if n == 0 {
-			atts = s.st.Attachments()
-		}
-		s.mu.Unlock()
+		var (
+			n         int
+			changed   <-chan struct{}
+			atts      []ipam.Attachment
+			holdUntil time.Time
+			lost      int
+		)
+		s.read(func(m *Machine) {
+			n, changed = m.st.NumPending(), s.changedC
+			_, holdUntil = m.st.Hold()
+			lost = m.st.LostAhead()
+			if n == 0 {
+				atts = m.st.Attachments()
+			}
+		})
 		if n == 0 {
 			if _, err := checkHandback(atts, h.Network, target, holdUntil, lost); err != nil {
 				if set {
@@ -186,10 +192,7 @@ func (s *Service) handback(ctx context.Context, req cniproto.Request) *cniproto.
 
 // clearMark clears the handback mark, logging a failure (the operator can undo it).
 func (s *Service) clearMark() {
-	s.mu.Lock()
-	plan := s.st.PlanHandback(nil)
-	s.mu.Unlock()
-	if err := s.commit(plan, "handback"); err != nil {
+	if err := s.fact("handback", func(m *Machine) ipam.Plan { return m.st.PlanHandback(nil) }, nil).Err; err != nil {
 		s.log.Error(err, "cannot clear the handback mark after a refused handback; ADD stays refused until `ipwarden agent handback --undo`")
 	}
 }
@@ -199,16 +202,16 @@ func (s *Service) clearMark() {
 // handback stay: they name live attachments (host-local frees each at its pod's DEL if the
 // node goes back later), and host-local may own some by now.
 func (s *Service) undoHandback() *cniproto.Response {
-	s.factMu.Lock()
-	defer s.factMu.Unlock()
-	s.mu.Lock()
-	cur := s.st.HandedBack()
-	plan := s.st.PlanHandback(nil)
-	s.mu.Unlock()
+	if !s.handingBack.CompareAndSwap(false, true) {
+		return errResp(cniproto.CodeTryAgainLater, "ipwarden: another handback or undo is running on this node", "try again once it has finished")
+	}
+	defer s.handingBack.Store(false)
+	var cur *ipam.HandbackMark
+	s.read(func(m *Machine) { cur = m.st.HandedBack() })
 	if cur == nil {
 		return &cniproto.Response{Handback: &cniproto.HandbackStatus{}}
 	}
-	if err := s.commit(plan, "handback"); err != nil {
+	if err := s.fact("handback", func(m *Machine) ipam.Plan { return m.st.PlanHandback(nil) }, nil).Err; err != nil {
 		return errResp(cniproto.CodeTryAgainLater, "ipwarden: cannot record the undo in the journal: "+cniproto.Truncate(err.Error(), 300), "ADD stays refused; try again")
 	}
 	s.metrics.HandedBack.Set(0)
@@ -222,14 +225,15 @@ func (s *Service) undoHandback() *cniproto.Response {
 
 // handbackStatus reports the mark and, with the network, its attachments.
 func (s *Service) handbackStatus(network string, withMark bool) *cniproto.Response {
-	s.mu.Lock()
-	defer s.mu.Unlock()
+	var mark *ipam.HandbackMark
+	var atts []ipam.Attachment
+	s.read(func(m *Machine) { mark, atts = m.st.HandedBack(), m.st.Attachments() })
 	st := &cniproto.HandbackStatus{}
-	if m := s.st.HandedBack(); m != nil && withMark {
+	if m := mark; m != nil && withMark {
 		st = &cniproto.HandbackStatus{Marked: true, At: m.At, To: m.To, Network: m.Network, Dir: m.Dir}
 	}
 	if network != "" {
-		mine, _ := handbackAttachments(s.st.Attachments(), network)
+		mine, _ := handbackAttachments(atts, network)
 		for _, a := range mine {
 			ha := cniproto.HandbackAttachment{ContainerID: a.ContainerID, IfName: a.IfName, Rebuilt: a.Rebuilt}
 			if ns, name, ok := strings.Cut(a.Pod, "/"); ok {
@@ -246,9 +250,8 @@ func (s *Service) handbackStatus(network string, withMark bool) *cniproto.Respon
 
 // handedBackError answers an ADD on a handed-back node, or is nil.
 func (s *Service) handedBackError() *cniproto.Response {
-	s.mu.Lock()
-	err := s.st.HandedBackRefusal()
-	s.mu.Unlock()
+	var err error
+	s.read(func(m *Machine) { err = m.st.HandedBackRefusal() })
 	if err == nil {
 		return nil
 	}
@@ -262,9 +265,8 @@ func (s *Service) handedBackError() *cniproto.Response {
 // or host-local handed the address to another container, whose file stays. The agent sees the
 // directory only where its container mounts it (deploy/ mounts /var/lib/cni/networks).
 func (s *Service) releaseHandedBack(att ipam.Attachment) {
-	s.mu.Lock()
-	m := s.st.HandedBack()
-	s.mu.Unlock()
+	var m *ipam.HandbackMark
+	s.read(func(mc *Machine) { m = mc.st.HandedBack() })
 	if m == nil || m.Dir == "" {
 		return
 	}

@@ -71,7 +71,7 @@ func TestLeaseRenewalWritesWithoutReading(t *testing.T) {
 	if gets.Load() != reads+1 {
 		t.Fatalf("the conflicting renewal read the Lease %d times, want 1", gets.Load()-reads)
 	}
-	if r := svc.gate.refuseAdd(); r == nil {
+	if r := svc.refuseAddNow(ctx); r == nil {
 		t.Fatal("ADD is served while another agent holds the Lease")
 	}
 

@@ -548,7 +548,7 @@ func (m *model) olderAgent() {
 	}
 	m.event("an older agent answered %s from its reservations ahead %v and was killed", as[0], as)
 	m.boot(false)
-	if got := m.svc.st.LostAhead(); got != 2 {
+	if got := m.svc.lostAhead(); got != 2 {
 		m.fatalf("after the older agent's crash LostAhead = %d, want 2", got)
 	}
 }
@@ -609,4 +609,9 @@ func FuzzModel(f *testing.F) {
 	f.Fuzz(func(t *testing.T, seed uint64, steps uint16) {
 		runModel(t, seed, int(steps%400))
 	})
+}
+
+func (s *Service) lostAhead() (n int) {
+	s.locked(func(st *ipam.State) { n = st.LostAhead() })
+	return n
 }

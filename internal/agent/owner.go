@@ -5,9 +5,10 @@ import (
 	"time"
 
 	"github.com/ipwarden/ipwarden/internal/agent/gc"
+	"github.com/ipwarden/ipwarden/internal/cniproto"
 )
 
-// The Service is the one owner of the node's state: its fields (the ipam.State and its lock, the
+// The Service is the one owner of the node's state: its fields (the Machine with the ipam.State and the
 // gate, the reporter of the leak collector's outcomes) are touched only by its own methods. The
 // other parts of the agent see it through the narrow interfaces below, each the methods that part
 // needs, so what they may do to the node's state is written down here.
@@ -62,27 +63,49 @@ func (s *Service) Clock() time.Time { return s.now() }
 // Metrics returns the agent's metrics, which the service and the parts around it update.
 func (s *Service) Metrics() *Metrics { return s.metrics }
 
-func (s *Service) publishesSpec() bool { return !s.gate.enforce || s.gate.leaseIsHeld() }
+func (s *Service) publishesSpec() (ok bool) {
+	s.read(func(m *Machine) { ok = !m.gate.enforce || m.gate.leaseIsHeld() })
+	return ok
+}
 
-func (s *Service) setLeaseRecheck(f func(context.Context)) { s.gate.setRecheck(f) }
+func (s *Service) setLeaseRecheck(f func(context.Context)) {
+	s.setHook(func(h *hooks) { h.recheck = f })
+}
 
 func (s *Service) setLease(held bool, holder string, until time.Time) {
-	s.gate.setLease(held, holder, until)
+	s.read(func(m *Machine) {
+		m.gate.setLease(held, holder, until)
+		m.changed()
+	})
 }
 
 // The start-up (agent.go) says how far it has come: ADD is served only as the gate allows.
 
 // setServeOffline says whether ADD may be served from the journal before the API server answers.
-func (s *Service) setServeOffline(ok bool) { s.gate.setOffline(ok) }
+func (s *Service) setServeOffline(ok bool) { s.read(func(m *Machine) { m.gate.setOffline(ok) }) }
 
 // setStage says what the start-up waits for (ADD's error says it until the first reconciliation).
-func (s *Service) setStage(stage string) { s.gate.setStage(stage) }
+func (s *Service) setStage(stage string) { s.read(func(m *Machine) { m.gate.setStage(stage) }) }
 
 // setAPIError says why the API server cannot be reached yet.
-func (s *Service) setAPIError(err error) { s.gate.setAPIError(err) }
+func (s *Service) setAPIError(err error) { s.read(func(m *Machine) { m.gate.setAPIError(err) }) }
 
 // setSynced says the first reconciliation with the API server is done.
-func (s *Service) setSynced() { s.gate.setSynced() }
+func (s *Service) setSynced() { s.read(func(m *Machine) { m.gate.setSynced() }) }
+
+// refuseAddNow is the gate's refusal of an ADD now, after re-checking the node's Lease when the
+// permit ran out (PermitExpired).
+func (s *Service) refuseAddNow(ctx context.Context) (r *cniproto.Response) {
+	expired := false
+	s.step(func(m *Machine, now time.Time) { expired = m.gate.mustRecheck(now) })
+	if recheck := s.getHooks().recheck; expired && recheck != nil {
+		rctx, cancel := context.WithTimeout(ctx, recheckEvery)
+		recheck(rctx)
+		cancel()
+	}
+	s.read(func(m *Machine) { r = m.gate.refuseAdd() })
+	return r
+}
 
 // nodeEvent records an event on the node's NodeIPAllocation (when events are set up).
 func (s *Service) nodeEvent(typ, reason, msg string) { s.gcr.event(nil, typ, reason, msg) }

@@ -91,9 +91,7 @@ func (s *Service) readPrevious(ctx context.Context, req cniproto.Request) *cnipr
 			"without it a new pod could get the address of a pod that started through the previous IPAM; the runtime retries")
 	}
 	s.metrics.PreviousReads.WithLabelValues(src.Type, "ok").Inc()
-	s.mu.Lock()
-	s.st.SetPrevious(req.Network, reserved, src.NodeLocal())
-	s.mu.Unlock()
+	s.read(func(m *Machine) { m.st.SetPrevious(req.Network, reserved, src.NodeLocal()) })
 	if pr.last == nil {
 		pr.last = map[string]addr.Set{}
 	}
@@ -112,9 +110,10 @@ func (s *Service) forgetPrevious(network string) {
 	if _, ok := pr.last[network]; !ok {
 		return
 	}
-	s.mu.Lock()
-	s.st.ClearPrevious(network)
-	s.mu.Unlock()
+	s.read(func(m *Machine) {
+		m.st.ClearPrevious(network)
+		m.changed()
+	})
 	delete(pr.last, network)
 	pr.any.Store(len(pr.last) > 0)
 }

@@ -1,6 +1,8 @@
 package agent
 
 import (
+	"github.com/ipwarden/ipwarden/internal/agent/ipam"
+
 	"context"
 	"encoding/json"
 	"errors"
@@ -58,7 +60,7 @@ func TestServiceAddSkipsHostLocalReservations(t *testing.T) {
 			t.Fatalf("ADD %s got %s, which host-local reserved", cid, got)
 		}
 	}
-	if p := h.svc.poolStatus()[0]; p.PreviousReserved != 2 || p.Free != 0 {
+	if p := h.svc.status().Pools[0]; p.PreviousReserved != 2 || p.Free != 0 {
 		t.Fatalf("pool status %+v: want 2 previous-reserved, none free", p)
 	}
 	if resp := add("c4"); resp.Error == nil {
@@ -135,9 +137,8 @@ func TestServiceAddSkipsWhereaboutsReservations(t *testing.T) {
 		t.Fatalf("ADD got %s, want 10.1.0.12: 10.1.0.10 and .11 are Whereabouts'", got)
 	}
 	// Whereabouts' reservations are the cluster's, not the node's: nothing is claimed.
-	h.svc.mu.Lock()
-	spec := h.svc.st.Spec()
-	h.svc.mu.Unlock()
+	var spec []ipam.PoolRequest
+	h.svc.locked(func(st *ipam.State) { spec = st.Spec() })
 	if len(spec) != 1 || !spec[0].Claimed.IsEmpty() {
 		t.Fatalf("spec %+v: Whereabouts' reservations are not claimed", spec)
 	}

@@ -634,9 +634,8 @@ func TestServiceAdoptsPodsOfThePreviousIPAMAsTheyAppear(t *testing.T) {
 			t.Fatalf("journaled %+v", a)
 		}
 	}
-	h.svc.mu.Lock()
-	st := h.svc.st.Stats(time.Now())
-	h.svc.mu.Unlock()
+	var st []ipam.PoolStats
+	h.svc.locked(func(s *ipam.State) { st = s.Stats(time.Now()) })
 	if len(st) != 1 || st[0].Adopted != 2 || st[0].InUse != 2 {
 		t.Fatalf("stats %+v, want 2 adopted in use", st)
 	}
@@ -697,9 +696,8 @@ func TestServiceDoesNotAdoptAddressesItsDelFreed(t *testing.T) {
 	if snap := h.j.snapshot(); len(snap.Attachments) != 0 {
 		t.Fatalf("journal after the pod event: %+v, want no attachment (the DEL freed both addresses)", snap.Attachments)
 	}
-	h.svc.mu.Lock()
-	st := h.svc.st.Stats(time.Now())
-	h.svc.mu.Unlock()
+	var st []ipam.PoolStats
+	h.svc.locked(func(s *ipam.State) { st = s.Stats(time.Now()) })
 	if len(st) != 1 || st[0].Adopted != 0 || st[0].InUse != 0 {
 		t.Fatalf("stats %+v, want nothing adopted or in use", st)
 	}
