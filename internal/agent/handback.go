@@ -128,7 +128,7 @@ func (s *Service) handback(ctx context.Context, req cniproto.Request) *cniproto.
 	set := cur == nil
 	if set {
 		mark := ipam.HandbackMark{At: s.now().UTC(), To: "host-local", Network: h.Network, Dir: h.Dir}
-		if err := s.fact("handback", func(m *Machine) ipam.Plan { return m.st.PlanHandback(&mark) }, nil).Err; err != nil {
+		if err := s.fact(func(m *Machine, now time.Time) uint64 { return m.SetHandback(&mark, now) }).Err; err != nil {
 			return errResp(cniproto.CodeTryAgainLater, "ipwarden: cannot record the handback in the journal: "+cniproto.Truncate(err.Error(), 300),
 				"nothing was changed; check the agent's --state-dir disk")
 		}
@@ -192,7 +192,7 @@ func (s *Service) handback(ctx context.Context, req cniproto.Request) *cniproto.
 
 // clearMark clears the handback mark, logging a failure (the operator can undo it).
 func (s *Service) clearMark() {
-	if err := s.fact("handback", func(m *Machine) ipam.Plan { return m.st.PlanHandback(nil) }, nil).Err; err != nil {
+	if err := s.fact(func(m *Machine, now time.Time) uint64 { return m.SetHandback(nil, now) }).Err; err != nil {
 		s.log.Error(err, "cannot clear the handback mark after a refused handback; ADD stays refused until `ipwarden agent handback --undo`")
 	}
 }
@@ -211,7 +211,7 @@ func (s *Service) undoHandback() *cniproto.Response {
 	if cur == nil {
 		return &cniproto.Response{Handback: &cniproto.HandbackStatus{}}
 	}
-	if err := s.fact("handback", func(m *Machine) ipam.Plan { return m.st.PlanHandback(nil) }, nil).Err; err != nil {
+	if err := s.fact(func(m *Machine, now time.Time) uint64 { return m.SetHandback(nil, now) }).Err; err != nil {
 		return errResp(cniproto.CodeTryAgainLater, "ipwarden: cannot record the undo in the journal: "+cniproto.Truncate(err.Error(), 300), "ADD stays refused; try again")
 	}
 	s.metrics.HandedBack.Set(0)

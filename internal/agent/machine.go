@@ -10,7 +10,6 @@ import (
 	"github.com/go-logr/logr"
 	corev1 "k8s.io/api/core/v1"
 
-	"github.com/ipwarden/ipwarden/internal/addr"
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
 	"github.com/ipwarden/ipwarden/internal/cniproto"
 )
@@ -133,7 +132,7 @@ type Answer struct {
 	// Err is the journal's refusal of a fact or a conditional free.
 	Err error
 	// Round is a release round's result.
-	Round *roundResult
+	Round *Round
 	// N is a rebuild's count of attachments recorded.
 	N int
 }
@@ -383,7 +382,8 @@ func (m *Machine) PodRead(id uint64, meta ipam.PodMeta, err error, now time.Time
 	m.tryAdd(r)
 }
 
-// Cancel says request id's caller went away: an ADD waiting for addresses fails now.
+// Cancel says request id's caller went away: an ADD waiting for addresses fails now. Other
+// requests are not canceled (a DEL or a free finishes).
 func (m *Machine) Cancel(id uint64, now time.Time) {
 	m.now = now
 	r := m.reqs[id]
@@ -391,7 +391,7 @@ func (m *Machine) Cancel(id uint64, now time.Time) {
 		return
 	}
 	r.canceled = true
-	if r.stage == stageWaiting {
+	if r.kind == reqAdd && r.stage == stageWaiting {
 		m.tryAdd(r)
 	}
 }
@@ -769,109 +769,6 @@ func (m *Machine) checkAnswer(r *mreq) *cniproto.Response {
 		return errResp(cniproto.CodeUnknownContainer, "ipwarden: "+err.Error(), "the runtime should recreate the sandbox")
 	}
 	return checkPrev(r.key, att, r.check)
-}
-
-// --- facts' plans and their effects ------------------------------------------------------------
-
-// SetRecordMissing says whether the node's NodeIPAllocation is missing; while it is, no address
-// is handed out of the free set.
-func (m *Machine) SetRecordMissing(missing bool) {
-	was := m.st.RecordMissing()
-	m.st.SetRecordMissing(missing)
-	if missing && !was {
-		m.log.Info("the node's NodeIPAllocation is missing: no new address is handed out until it is back", "nodeIPAllocation", m.cfg.Node)
-	}
-	m.changed()
-}
-
-// EvaluateHold evaluates the unattributed hold now (after pods reported).
-func (m *Machine) EvaluateHold(now time.Time) {
-	m.now = now
-	if m.evaluateHold() {
-		m.changed()
-	}
-}
-
-// planHoldings plans the holdings read from record rec, with the record mark moving to it.
-func (m *Machine) planHoldings(holdings map[string]addr.Set, rec RecordOf) ipam.Plan {
-	plan := m.st.PlanHoldings(holdings, rec.Rewound, m.now)
-	batch := ipam.Batch{plan}
-	if mk, moves := ipam.NextMarkOnRead(m.st.Mark(), rec.UID, rec.Generation, rec.Rewound); moves {
-		batch = append(batch, m.st.PlanMark(mk))
-	}
-	return batch
-}
-
-// holdingsApplied reports a rewound record, notes the record present, and reports conflicts.
-func (m *Machine) holdingsApplied(rec RecordOf, p ipam.Plan) {
-	if rec.Rewound {
-		var distrusted map[string]addr.Set
-		if b, ok := p.(ipam.Batch); ok && len(b) > 0 {
-			if hp, ok := b[0].(ipam.HoldingsPlan); ok {
-				distrusted = hp.Distrusted
-			}
-		}
-		m.metrics.RecordRewinds.Inc()
-		m.log.Info("the node's NodeIPAllocation is older than this node's last write (etcd restored, or the object re-created): "+
-			"addresses it shows that the node had given back are released again, and addresses its pods use are claimed",
-			"uid", rec.UID, "generation", rec.Generation, "released", fmtSets(distrusted))
-	}
-	m.st.SetRecordMissing(false)
-	m.reportConflicts()
-	m.rd.Kick = true
-}
-
-// reportConflicts logs attachments whose addresses the node no longer holds, once each. A
-// running pod keeps its address; the conflict shows in the metrics until it is freed.
-func (m *Machine) reportConflicts() {
-	now := map[ipam.Address]ipam.Key{}
-	for _, st := range m.st.Stats(m.now) {
-		for a, k := range m.st.Conflicts(st.Pool) {
-			ad := ipam.Address{Pool: st.Pool, Addr: a}
-			now[ad] = k
-			if _, seen := m.conflicts[ad]; !seen {
-				att, _ := m.st.Attachment(k)
-				if k.IsRebuilt() {
-					// Recorded from the pod's status (a pod of the previous IPAM, or a lost
-					// journal): the node claims it; only a claim the controller cannot grant
-					// is a conflict (it reports those).
-					m.log.Info("claiming an address a running pod reports that the node does not hold",
-						"pool", st.Pool, "address", a.String(), "pod", att.Pod.String(), "podUID", att.Pod.UID)
-					continue
-				}
-				m.log.Error(nil, "conflict: an attachment uses an address the node no longer holds; it keeps serving the pod",
-					"pool", st.Pool, "address", a.String(), "attachment", k.String(), "pod", att.Pod.String(), "podUID", att.Pod.UID)
-				m.metrics.Conflicts.Inc()
-			}
-		}
-	}
-	m.conflicts = now
-}
-
-// planRebuild plans the attachments of running pods whose addresses no attachment accounts for
-// (ipam.State.PlanRebuild), logging its problems at verbosity v.
-func (m *Machine) planRebuild(pods []ipam.Pod, v int) ipam.Plan {
-	plan := m.st.PlanRebuild(pods, m.now, m.cfg.Sandbox)
-	for _, p := range plan.Problems {
-		m.log.V(v).Info("rebuild: " + p)
-	}
-	return plan
-}
-
-// rebuildApplied logs the attachments a rebuild recorded and counts them.
-func rebuildApplied(m *Machine, p ipam.Plan, a *Answer) {
-	plan, ok := p.(ipam.RebuildPlan)
-	if !ok {
-		return
-	}
-	for _, at := range plan.Change.PutAttachments {
-		if !at.Key.IsRebuilt() {
-			continue // an attachment of another pod that lost an address the pod's report won
-		}
-		m.log.Info("recorded an attachment from the pod's status.podIPs (a pod the journal did not know: taken over from the previous IPAM, or a lost journal)",
-			"pod", at.Pod.String(), "podUID", at.Pod.UID, "addresses", fmtAddresses(at.Addresses))
-	}
-	a.N = len(plan.Change.PutAttachments)
 }
 
 func isEmpty(p ipam.Plan) bool { ch := p.Changes(); return ch.IsEmpty() }

@@ -141,19 +141,19 @@ func (m *Monitor) Round(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	for pool, set := range r.marked {
+	for pool, set := range r.Marked {
 		m.log.Info("releasing addresses beyond the target", "pool", pool, "addresses", set.String())
 	}
-	spec := r.spec
-	m.nextCooled = r.nextCooled
-	m.nextRelease = r.nextRelease
-	m.metrics.setPools(r.stats, r.attachments)
+	spec := r.Spec
+	m.nextCooled = r.NextCooled
+	m.nextRelease = r.NextRelease
+	m.metrics.setPools(r.Stats, r.Attachments)
 	if !m.svc.publishesSpec() {
 		return nil // another agent holds the node's Lease: it publishes the node's request
 	}
 	if m.signal != nil {
 		// A failed Node write is retried at the next round; it never holds up the request.
-		if err := m.signal.Update(ctx, r.stats, r.handback); err != nil {
+		if err := m.signal.Update(ctx, r.Stats, r.Handback); err != nil {
 			m.log.Error(err, "cannot show the scheduler signal on the Node; retrying at the next round")
 		}
 	}

@@ -17,7 +17,7 @@ import (
 type monitorState interface {
 	// releaseRound gives back what is beyond the targets (journaled first) and returns the
 	// request to publish.
-	releaseRound() (roundResult, error)
+	releaseRound() (Round, error)
 	// publishesSpec reports whether this agent publishes the node's request (it holds the
 	// node's Lease, or the gate is off).
 	publishesSpec() bool

@@ -361,55 +361,22 @@ func (s *Service) writeMarker(until time.Time) {
 // read runs f on the machine (a query, or an input that needs no answer).
 func (s *Service) read(f func(m *Machine)) { s.step(func(m *Machine, _ time.Time) { f(m) }) }
 
-// fact runs a fact through the machine (Machine.Fact) and waits for its outcome.
-func (s *Service) fact(what string, plan func(m *Machine) ipam.Plan, applied func(m *Machine, p ipam.Plan, a *Answer)) Answer {
-	a, _ := s.call(context.Background(), false, func(m *Machine, now time.Time) uint64 { return m.Fact(what, plan, applied, now) })
+// fact feeds the machine a fact (Machine.Fact) and waits for its outcome.
+func (s *Service) fact(input func(m *Machine, now time.Time) uint64) Answer {
+	a, _ := s.call(context.Background(), false, input)
 	return a
 }
 
 // --- facts and queries -------------------------------------------------------------------------
 
-// roundResult is what one pool monitor round needs from the state.
-type roundResult struct {
-	marked      map[string]addr.Set // addresses newly marked releasing, per pool
-	spec        []ipam.PoolRequest
-	nextCooled  time.Time
-	nextRelease time.Time // when a pool's release delay ends (zero: none runs)
-	stats       []ipam.PoolStats
-	attachments int
-	handback    *ipam.HandbackMark // the handback mark, nil when none
-}
-
-// releaseRound marks what is beyond each pool's target as releasing (a fact: plan, journal, then
-// apply or abort) and returns the request to publish.
-func (s *Service) releaseRound() (roundResult, error) {
-	a := s.fact("release", releaseFact, roundApplied)
+// releaseRound marks what is beyond each pool's target as releasing (Machine.ReleaseRound) and
+// returns what the pool monitor publishes.
+func (s *Service) releaseRound() (Round, error) {
+	a := s.fact(func(m *Machine, now time.Time) uint64 { return m.ReleaseRound(now, true) })
 	if a.Err != nil {
-		return roundResult{}, fmt.Errorf("journal the addresses to release: %w", a.Err)
+		return Round{}, fmt.Errorf("journal the addresses to release: %w", a.Err)
 	}
 	return *a.Round, nil
-}
-
-// releaseFact plans a release round: what is beyond each pool's target is marked releasing. The
-// target counted addresses cooling at the state's clock, which is at least now: every one of
-// them leaves its cooldown no earlier than nextCooled.
-func releaseFact(m *Machine) ipam.Plan { return m.st.Release(m.now) }
-
-// roundApplied is what a pool monitor round reads once its release is applied.
-func roundApplied(m *Machine, p ipam.Plan, a *Answer) {
-	var marked map[string]addr.Set
-	if p, ok := p.(ipam.ReleasePlan); ok {
-		marked = p.Marked
-	}
-	a.Round = &roundResult{
-		marked:      marked,
-		spec:        m.st.Spec(),
-		nextCooled:  m.st.NextCooled(m.now),
-		nextRelease: m.st.NextRelease(),
-		stats:       m.st.Stats(m.now),
-		attachments: m.st.NumAttachments(),
-		handback:    m.st.HandedBack(),
-	}
 }
 
 // recordUse is what re-creating the node's NodeIPAllocation needs: the record mark (set once the
@@ -455,8 +422,7 @@ func (s *Service) Spec() (spec []ipam.PoolRequest) {
 // SetPools hands the service the pools' settings and the pools that select the node. When the
 // journal refuses them the state keeps the settings it had, and the error is returned.
 func (s *Service) SetPools(pools []ipam.Pool, served []string) error {
-	a := s.fact("pools", func(m *Machine) ipam.Plan { return m.st.PlanPools(pools, served) },
-		func(m *Machine, _ ipam.Plan, _ *Answer) { m.rd.Kick = true })
+	a := s.fact(func(m *Machine, now time.Time) uint64 { return m.SetPools(pools, served, now) })
 	if a.Err != nil {
 		return fmt.Errorf("journal the pools' settings: %w", a.Err)
 	}
@@ -489,13 +455,7 @@ func (s *Service) SetRecordMissing(missing bool) {
 // the mark stays where it was (logged and counted); the next reading of the record
 // (SetHoldings) or spec write moves it.
 func (s *Service) NoteSpecWritten(uid string, generation int64) {
-	s.fact("mark", func(m *Machine) ipam.Plan {
-		mk, moves := ipam.NextMarkOnWrite(m.st.Mark(), uid, generation)
-		if !moves {
-			return nil
-		}
-		return m.st.PlanMark(mk)
-	}, nil)
+	s.fact(func(m *Machine, now time.Time) uint64 { return m.NoteSpecWritten(uid, generation, now) })
 }
 
 // SetHoldings hands the service what the controller reports the node holds, per pool; pools
@@ -504,7 +464,7 @@ func (s *Service) NoteSpecWritten(uid string, generation int64) {
 // record mark moves to it. Holdings and mark are journaled together, then applied; when the
 // journal refuses them the state is as it was and the error is returned.
 func (s *Service) SetHoldings(holdings map[string]addr.Set, rec RecordOf) error {
-	a := s.fact("holdings", func(m *Machine) ipam.Plan { return m.planHoldings(holdings, rec) }, func(m *Machine, p ipam.Plan, _ *Answer) { m.holdingsApplied(rec, p) })
+	a := s.fact(func(m *Machine, now time.Time) uint64 { return m.SetHoldings(holdings, rec, now) })
 	if a.Err != nil {
 		return fmt.Errorf("journal the node's holdings: %w", a.Err)
 	}
@@ -519,8 +479,8 @@ func (s *Service) SetHoldings(holdings map[string]addr.Set, rec RecordOf) error 
 // another IPAM"). During the unattributed hold the hold is evaluated after.
 func (s *Service) SetPods(pods []ipam.Pod) {
 	on := false
-	s.read(func(m *Machine) {
-		m.st.SetPods(pods)
+	s.step(func(m *Machine, now time.Time) {
+		m.SetPods(pods, now)
 		on, _ = m.st.Hold()
 	})
 	if _, err := s.rebuild(pods, 1); err != nil {
@@ -537,24 +497,18 @@ func (s *Service) SetPods(pods []ipam.Pod) {
 
 // SetNamespaces hands the service the namespaces, for the pool choice of the node's pods.
 func (s *Service) SetNamespaces(ns map[string]ipam.Namespace) {
-	s.read(func(m *Machine) { m.st.SetNamespaces(ns) })
+	s.read(func(m *Machine) { m.SetNamespaces(ns) })
 }
 
 // SetRefused hands the service the wanted addresses the controller refused, per pool.
 func (s *Service) SetRefused(refused map[string]map[netip.Addr]string) {
-	s.read(func(m *Machine) {
-		m.st.SetRefused(refused)
-		m.changed() // a waiting ADD for a refused address fails now
-	})
+	s.step(func(m *Machine, now time.Time) { m.SetRefused(refused, now) })
 }
 
 // SetWantedElsewhere hands the service the held addresses other nodes' pods ask for by name;
 // the pool monitor gives back those no attachment uses.
 func (s *Service) SetWantedElsewhere(w map[string]addr.Set) {
-	s.read(func(m *Machine) {
-		m.st.SetWantedElsewhere(w)
-		m.rd.Kick = true
-	})
+	s.read(func(m *Machine) { m.SetWantedElsewhere(w) })
 }
 
 // SetPodMeta sets how an ADD reads its pod's annotations and namespace (Kube.PodMeta).
@@ -611,7 +565,7 @@ func (s *Service) Rebuild(pods []ipam.Pod) (int, error) {
 // event, so it logs them only at debug level): a fact, planned (reserving what it touches),
 // journaled, then applied; when the journal refuses it nothing was recorded.
 func (s *Service) rebuild(pods []ipam.Pod, v int) (int, error) {
-	a := s.fact("rebuild", func(m *Machine) ipam.Plan { return m.planRebuild(pods, v) }, rebuildApplied)
+	a := s.fact(func(m *Machine, now time.Time) uint64 { return m.Rebuild(pods, v, now) })
 	if a.Err != nil {
 		return 0, fmt.Errorf("journal rebuilt attachments: %w", a.Err)
 	}

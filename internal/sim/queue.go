@@ -9,7 +9,6 @@ const (
 	evPodBind      eventKind = iota // a pod is bound to its node (the agent counts it as demand)
 	evPodAdd                        // the pod's CNI ADD reaches the agent
 	evPodStop                       // the pod stops: DEL
-	evAddDeadline                   // the pod's ADD has waited --address-wait
 	evArrival                       // the next synthetic pod of a node is bound
 	evAgentWritten                  // an agent's spec write returns
 	evSpecArrive                    // an agent's spec write reaches the controller's informer
@@ -18,7 +17,7 @@ const (
 	evPoolFlag                      // a pool status write with a new exhausted flag reaches the agents
 	evMachineWake                   // the controller's machine asked to be woken
 	evAgentResync                   // a node agent's periodic recomputation
-	evCooled                        // a cooling address of a node with waiting ADDs becomes usable
+	evCooled                        // a node agent's machine asked to be woken (an ADD's deadline, a cooling address)
 	evAgentWake                     // a node's release delay ends or a counted cooling address cools: the monitor's round
 	evTraceNext                     // the next trace event is due
 	evSample                        // take a time-series sample

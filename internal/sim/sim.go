@@ -1,7 +1,6 @@
 package sim
 
 import (
-	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -17,7 +16,9 @@ import (
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/addr"
+	"github.com/ipwarden/ipwarden/internal/agent"
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
+	"github.com/ipwarden/ipwarden/internal/cniproto"
 	"github.com/ipwarden/ipwarden/internal/controller"
 	"github.com/ipwarden/ipwarden/internal/ippool"
 )
@@ -58,6 +59,7 @@ type pod struct {
 	counted bool // a start inside the measured window (not an initial pod of a warm start)
 	failed  bool // waited beyond --address-wait
 	addAt   time.Duration
+	addID   uint64 // its ADD in its node's machine
 }
 
 // pubSpec is a spec an agent wrote that the controller's informer has not delivered yet.
@@ -68,12 +70,14 @@ type pubSpec struct {
 	cooled addr.Set
 }
 
-// node is one node: its agent's ipam State and what the controller knows about it.
+// node is one node: its agent's machine (the real agent.Machine, driven here with journal writes
+// that land at once) and what the controller knows about it.
 type node struct {
 	name    string
-	st      *ipam.State
-	pending []ipam.Pod // bound pods with no address yet: the agent's demand before ADD
-	waiters []int32    // pods whose ADD waits, oldest first
+	m       *agent.Machine
+	adds    map[uint64]int32 // ADDs the machine has not answered, by request id
+	pending []ipam.Pod       // bound pods with no address yet: the agent's demand before ADD
+	waiters []int32          // pods whose ADD waits, oldest first
 	running int
 	held    int // addresses held, as the agent knows from the last status it saw
 
@@ -92,7 +96,7 @@ type node struct {
 	statusQ []addr.Set // written holdings the agent has not seen yet
 
 	raiseAt  time.Duration // when the agent asked for more than it holds; -1 when satisfied
-	coolWake time.Duration // a scheduled evCooled; -1 when none
+	coolWake time.Duration // a scheduled evCooled (the machine's Wake); -1 when none
 	wakeAt   time.Duration // a scheduled evAgentWake; -1 when none
 }
 
@@ -118,6 +122,8 @@ type simulator struct {
 	poolObj    *ipwardenv1.IPPool       // the IPPool as the API server stores it
 	poolStatus ipwardenv1.IPPoolStatus  // its status, last written
 	agentPool  ipam.Pool
+	// agentMetrics are the agents' machines' metrics (one registry-less set for every node).
+	agentMetrics *agent.Metrics
 
 	// Workload.
 	arrivalMean float64 // seconds between pod starts on one node
@@ -161,6 +167,7 @@ func Run(cfg Config) (*Result, error) {
 		firstStarved: -1,
 		firstFailed:  -1,
 		flagSince:    -1,
+		agentMetrics: agent.NewMetrics(nil),
 	}
 	if err := s.setup(); err != nil {
 		return nil, err
@@ -208,11 +215,13 @@ func (s *simulator) setup() error {
 	names := cfg.nodeNames()
 	s.nodes = make([]*node, len(names))
 	for i, name := range names {
-		n := &node{name: name, st: ipam.New(name), raiseAt: -1, coolWake: -1, wakeAt: -1}
+		n := &node{name: name, m: agent.NewMachine(ipam.New(name), agent.MachineConfig{Node: name, AddressWait: cfg.AddressWait,
+			Log: logr.Discard(), Metrics: s.agentMetrics}), adds: map[uint64]int32{}, raiseAt: -1, coolWake: -1, wakeAt: -1}
 		n.alloc = &ipwardenv1.NodeIPAllocation{ObjectMeta: metav1.ObjectMeta{Name: name, UID: types.UID("alloc-" + name),
 			OwnerReferences: []metav1.OwnerReference{{APIVersion: "v1", Kind: "Node", Name: name, UID: nodeUID(name)}}}}
-		n.st.SetPools([]ipam.Pool{s.agentPool}, []string{poolName})
 		s.nodes[i] = n
+		n.m.SetPools([]ipam.Pool{s.agentPool}, []string{poolName}, t(0))
+		s.settle(int32(i))
 		s.index[name] = int32(i)
 	}
 	if cfg.Trace == nil && cfg.Churn > 0 {
@@ -304,13 +313,12 @@ func (s *simulator) warmStart(warm bool) {
 			continue
 		}
 		held := heldOf(f)
-		n.st.SetHolding(poolName, held)
+		n.m.SetHoldings(map[string]addr.Set{poolName: held}, agent.RecordOf{}, now)
 		n.held = count(held)
 		for _, pid := range initial {
-			s.pods[pid].state = podWaiting
-			n.waiters = append(n.waiters, pid)
+			s.podAdd(pid)
 		}
-		s.retryWaiters(id)
+		s.settle(id)
 		s.initialRunning += n.running
 		n.raiseAt = -1
 		for _, pid := range initial {
@@ -325,8 +333,6 @@ func (s *simulator) warmStart(warm bool) {
 			p := &s.pods[pid]
 			p.counted = true
 			s.started++
-			n.st.AddWaiter(p.key, p.key.ContainerID, nil)
-			s.q.push(s.cfg.AddressWait, evAddDeadline, pid, 0)
 			if life := s.lifetime(); life >= 0 {
 				s.q.push(life, evPodStop, pid, 0)
 			}
@@ -457,31 +463,21 @@ func (s *simulator) handle(ev event) {
 		s.podAdd(ev.a)
 	case evPodStop:
 		s.podStop(ev.a)
-	case evAddDeadline:
-		p := &s.pods[ev.a]
-		if p.state == podWaiting && !p.failed {
-			p.failed = true
-			s.failed++
-			if s.firstFailed < 0 {
-				s.firstFailed = s.now
-			}
-		}
 	case evCooled:
 		n := s.nodes[ev.a]
 		if n.coolWake == s.now {
 			n.coolWake = -1
 		}
-		s.retryWaiters(ev.a)
+		n.m.Tick(t(s.now))
+		s.settle(ev.a)
 	case evAgentWake:
 		n := s.nodes[ev.a]
 		if n.wakeAt == s.now {
 			n.wakeAt = -1
 		}
 		s.recompute(ev.a)
-		s.retryWaiters(ev.a)
 	case evAgentResync:
 		s.recompute(ev.a)
-		s.retryWaiters(ev.a)
 		s.q.push(s.now+s.cfg.AgentResync, evAgentResync, ev.a, 0)
 	case evAgentWritten:
 		n := s.nodes[ev.a]
@@ -500,7 +496,8 @@ func (s *simulator) handle(ev event) {
 	case evPoolFlag:
 		s.agentPool.Exhausted = ev.b == 1
 		for i, n := range s.nodes {
-			n.st.SetPools([]ipam.Pool{s.agentPool}, []string{poolName})
+			n.m.SetPools([]ipam.Pool{s.agentPool}, []string{poolName}, t(s.now))
+			s.settle(int32(i))
 			s.recompute(int32(i))
 		}
 	case evMachineWake:
@@ -533,6 +530,11 @@ func (s *simulator) traceEvent(k int) {
 }
 
 // --- agent -----------------------------------------------------------------------------------
+//
+// Each node's agent is the real agent.Machine: the simulator is its driver, as agent.Service is
+// on a node. Its journal writes land at once (a millisecond is nothing on this clock); its
+// answers start or fail the pods' ADDs. The order of ADDs, their waits and deadlines, and what a
+// DEL frees are the machine's.
 
 // bind makes a pod bound to its node: the agent's pod watch sees it and counts it as demand.
 func (s *simulator) bind(pid int32) {
@@ -540,7 +542,7 @@ func (s *simulator) bind(pid int32) {
 	n := s.nodes[p.node]
 	p.state = podBound
 	n.pending = append(n.pending, ipam.Pod{Ref: ipam.PodRef{UID: p.key.ContainerID}})
-	n.st.SetPods(n.pending)
+	n.m.SetPods(n.pending, t(s.now))
 }
 
 // unbind drops a pod from the agent's list of pods waiting for an address.
@@ -550,11 +552,17 @@ func (s *simulator) unbind(pid int32) {
 	uid := p.key.ContainerID
 	if i := slices.IndexFunc(n.pending, func(x ipam.Pod) bool { return x.Ref.UID == uid }); i >= 0 {
 		n.pending = slices.Delete(n.pending, i, i+1)
-		n.st.SetPods(n.pending)
+		n.m.SetPods(n.pending, t(s.now))
 	}
 }
 
-// podAdd is a pod's CNI ADD: it queues behind any ADD already waiting on the node.
+// request is the CNI request of pod p.
+func request(op cniproto.Op, p *pod) cniproto.Request {
+	return cniproto.Request{Op: op, ContainerID: p.key.ContainerID, IfName: p.key.IfName, Network: network,
+		Pod: cniproto.Pod{UID: p.key.ContainerID}}
+}
+
+// podAdd is a pod's CNI ADD, handed to its node's machine: answered at once, or waiting there.
 func (s *simulator) podAdd(pid int32) {
 	p := &s.pods[pid]
 	if p.state != podBound {
@@ -564,68 +572,118 @@ func (s *simulator) podAdd(pid int32) {
 	p.addAt = s.now
 	p.state = podWaiting
 	n.waiters = append(n.waiters, pid)
-	s.retryWaiters(p.node)
-	if p.state == podWaiting {
-		n.st.AddWaiter(p.key, p.key.ContainerID, nil)
-		s.q.push(s.now+s.cfg.AddressWait, evAddDeadline, pid, 0)
+	s.sendAdd(pid)
+	if s.counting {
+		s.recompute(p.node) // the agent's round after an ADD
 	}
-	s.recompute(p.node) // the agent's round after an ADD
 }
 
-// retryWaiters hands addresses to the node's waiting ADDs, oldest first, as long as the agent
-// has one; then it wakes the node when its next cooling address becomes usable.
-func (s *simulator) retryWaiters(i int32) {
+// sendAdd hands pod pid's ADD to its node's machine and carries out what follows.
+func (s *simulator) sendAdd(pid int32) {
+	p := &s.pods[pid]
+	n := s.nodes[p.node]
+	id := n.m.Request(request(cniproto.OpAdd, p), t(s.now))
+	n.adds[id] = pid
+	p.addID = id
+	s.settle(p.node)
+}
+
+// settle carries out node i's machine's Ready until it wants nothing more: writes land at once,
+// answers start pods or fail their ADDs (the runtime sends the ADD again at once), and its wake
+// is scheduled.
+func (s *simulator) settle(i int32) {
 	n := s.nodes[i]
-	now := t(s.now)
-	for len(n.waiters) > 0 {
-		pid := n.waiters[0]
-		p := &s.pods[pid]
-		_, _, err := n.st.Add(ipam.AddRequest{Key: p.key, Network: network, Pod: ipam.PodRef{UID: p.key.ContainerID}}, now)
-		if err != nil {
-			if _, short := errors.AsType[*ipam.ShortError](err); !short {
-				s.fail(fmt.Errorf("ADD of %s on %s: %w", p.key, n.name, err))
-			}
-			break
+	for {
+		rd := n.m.Ready()
+		n.m.Advance()
+		if len(rd.Writes) == 0 && len(rd.Answers) == 0 {
+			s.wakeNode(i, rd.Wake)
+			return
 		}
-		n.st.ConfirmAdd(p.key)
-		n.waiters = n.waiters[1:]
-		p.state = podRunning
-		n.running++
-		s.unbind(pid)
-		if p.counted {
-			if w := s.now - p.addAt; w > 0 {
-				s.waits = append(s.waits, w)
-			} else {
-				s.gotAddress++
-			}
+		for _, w := range rd.Writes {
+			n.m.Written(w.ID, nil, t(s.now))
 		}
-	}
-	if len(n.waiters) > 0 {
-		if next := n.st.NextCooled(now); !next.IsZero() {
-			d := next.Sub(epoch)
-			if n.coolWake < 0 || d < n.coolWake {
-				n.coolWake = d
-				s.q.push(d, evCooled, i, 0)
+		for _, a := range rd.Answers {
+			pid, ok := n.adds[a.ID]
+			if !ok {
+				continue // a DEL's or a fact's answer
 			}
+			delete(n.adds, a.ID)
+			if a.Resp == nil || a.Resp.Error != nil {
+				s.addFailed(pid, a)
+				continue
+			}
+			s.started1(pid)
 		}
 	}
 }
 
-// podStop is a pod's end: DEL if it has an address, else it stops waiting.
+// wakeNode schedules node i's machine's Tick at wake.
+func (s *simulator) wakeNode(i int32, wake time.Time) {
+	if wake.IsZero() {
+		return
+	}
+	n := s.nodes[i]
+	if d := max(wake.Sub(epoch), s.now); n.coolWake < 0 || d < n.coolWake {
+		n.coolWake = d
+		s.q.push(d, evCooled, i, 0)
+	}
+}
+
+// started1 is pod pid's ADD answered with an address.
+func (s *simulator) started1(pid int32) {
+	p := &s.pods[pid]
+	n := s.nodes[p.node]
+	if i := slices.Index(n.waiters, pid); i >= 0 {
+		n.waiters = slices.Delete(n.waiters, i, i+1)
+	}
+	p.state = podRunning
+	n.running++
+	s.unbind(pid)
+	if p.counted {
+		if w := s.now - p.addAt; w > 0 {
+			s.waits = append(s.waits, w)
+		} else {
+			s.gotAddress++
+		}
+	}
+}
+
+// addFailed is pod pid's ADD answered with an error: past --address-wait the runtime reports the
+// pod's start failed once and sends the ADD again; a pod that stopped meanwhile is done.
+func (s *simulator) addFailed(pid int32, a agent.Answer) {
+	p := &s.pods[pid]
+	if p.state != podWaiting {
+		return
+	}
+	if a.Resp == nil || a.Resp.Error == nil || a.Resp.Error.Code != cniproto.CodeTryAgainLater {
+		s.fail(fmt.Errorf("ADD of %s on %s: %+v", p.key, s.nodes[p.node].name, a.Resp))
+		return
+	}
+	if !p.failed {
+		p.failed = true
+		s.failed++
+		if s.firstFailed < 0 {
+			s.firstFailed = s.now
+		}
+	}
+	n := s.nodes[p.node]
+	id := n.m.Request(request(cniproto.OpAdd, p), t(s.now))
+	n.adds[id] = pid
+	p.addID = id
+}
+
+// podStop is a pod's end: DEL if it has an address, else its ADD is canceled.
 func (s *simulator) podStop(pid int32) {
 	p := &s.pods[pid]
 	n := s.nodes[p.node]
 	switch p.state {
 	case podRunning:
-		plan, err := n.st.PlanDel(p.key, t(s.now))
-		if err != nil {
-			s.fail(fmt.Errorf("DEL of %s on %s: %w", p.key, n.name, err))
-			return
-		}
-		n.st.ApplyDel(plan)
+		n.m.Request(request(cniproto.OpDel, p), t(s.now))
 		n.running--
 	case podWaiting:
-		n.st.RemoveWaiter(p.key)
+		p.state = podStopped
+		n.m.Cancel(p.addID, t(s.now))
 		if i := slices.Index(n.waiters, pid); i >= 0 {
 			n.waiters = slices.Delete(n.waiters, i, i+1)
 		}
@@ -640,12 +698,12 @@ func (s *simulator) podStop(pid int32) {
 		return
 	}
 	p.state = podStopped
+	s.settle(p.node)
 	s.recompute(p.node)
-	s.retryWaiters(p.node)
 }
 
-// recompute is the agent's pool monitor: mark free addresses beyond the target releasing, then
-// publish the request if it changed (one spec write).
+// recompute is the agent's pool monitor: a release round of the machine (mark free addresses
+// beyond the target releasing), then publish the request if it changed (one spec write).
 func (s *simulator) recompute(i int32) {
 	n := s.nodes[i]
 	if n.writing {
@@ -654,17 +712,35 @@ func (s *simulator) recompute(i int32) {
 		return
 	}
 	now := t(s.now)
-	n.st.Release(now)
+	id := n.m.ReleaseRound(now, false)
+	var round *agent.Round
+	for round == nil {
+		rd := n.m.Ready()
+		n.m.Advance()
+		for _, w := range rd.Writes {
+			n.m.Written(w.ID, nil, now)
+		}
+		for _, a := range rd.Answers {
+			if a.ID == id {
+				round = a.Round
+			}
+		}
+		if len(rd.Writes) == 0 && round == nil {
+			s.fail(fmt.Errorf("the release round of %s was not answered", n.name))
+			return
+		}
+	}
+	s.settle(i)
 	// The monitor's timer: a round when a release delay ends or a counted cooling address
 	// cools (the target may drop then with no other event).
-	if wake := earliest(n.st.NextRelease(), n.st.NextCooled(now)); !wake.IsZero() {
+	if wake := earliest(round.NextRelease, round.NextCooled); !wake.IsZero() {
 		if d := wake.Sub(epoch); n.wakeAt < 0 || d < n.wakeAt {
 			n.wakeAt = d
 			s.q.push(d, evAgentWake, i, 0)
 		}
 	}
 	req, rel, cooled := 0, addr.Set{}, addr.Set{}
-	desired := n.st.Spec()
+	desired := round.Spec
 	for _, r := range desired {
 		if r.Pool == poolName {
 			req, rel, cooled = r.Requested, r.Releasing, r.ReleasingCooled
@@ -691,7 +767,7 @@ func (s *simulator) recompute(i int32) {
 	n.specQ = append(n.specQ, pubSpec{gen: n.pubGen, req: req, rel: rel, cooled: cooled})
 	n.writing = true
 	s.q.push(s.now+s.cfg.AgentLatency, evAgentWritten, i, 0)
-	held, _ := n.st.Holding(poolName)
+	held, _ := n.m.Holding(poolName)
 	if avail := count(held.Subtract(rel)); req > avail {
 		if n.raiseAt < 0 {
 			n.raiseAt = s.now
@@ -706,10 +782,10 @@ func (s *simulator) statusArrive(i int32) {
 	n := s.nodes[i]
 	held := n.statusQ[0]
 	n.statusQ = n.statusQ[1:]
-	n.st.SetHolding(poolName, held)
+	n.m.SetHoldings(map[string]addr.Set{poolName: held}, agent.RecordOf{}, t(s.now))
 	n.held = count(held)
+	s.settle(i)
 	s.recompute(i)
-	s.retryWaiters(i)
 	if n.raiseAt >= 0 && count(held.Subtract(n.pubRel)) >= n.pubReq {
 		if s.counting {
 			s.fillLatency = append(s.fillLatency, s.now-n.raiseAt)
@@ -916,12 +992,13 @@ func (s *simulator) sample() {
 		s.heldHist.add(n.held)
 		s.usedHist.add(n.running)
 		s.idleHist.add(n.held - n.running)
-		spare := n.held - n.st.NumReleasing(poolName) - n.st.Demand(poolName)
+		releasing, demand, resting := n.m.PoolUse(poolName)
+		spare := n.held - releasing - demand
 		s.spareHist.add(spare)
-		if n.st.NextRelease().IsZero() {
+		if resting {
 			s.spareRestHist.add(spare)
 		}
-		h, _ := n.st.Holding(poolName)
+		h, _ := n.m.Holding(poolName)
 		s.rangesHist.add(h.NumRanges())
 	}
 	s.series = append(s.series, smp)
