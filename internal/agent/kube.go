@@ -69,6 +69,40 @@ type Kube struct {
 	started bool
 }
 
+// publishStep is what PublishSpec does with the cached record (decidePublish).
+type publishStep int
+
+const (
+	// publishAcknowledge: a new controller leader has not been acknowledged: acknowledge it
+	// first, from a fresh read (acknowledge), whatever the request.
+	publishAcknowledge publishStep = iota
+	// publishCacheLags: the cache shows the object our last write was based on, and we would
+	// write the same again: wait for the cache.
+	publishCacheLags
+	// publishNothing: the record already carries the request and the observed pools.
+	publishNothing
+	// publishWrite: patch the spec.
+	publishWrite
+)
+
+// decidePublish decides what PublishSpec does with the record cur (from the cache, or re-read
+// after a conflict), given the controller's leader ("" when none is known), the pools the node
+// observed, the request and the agent's last write. The order is the rule: a leader not yet
+// acknowledged first; then a cache that has not shown our last write; then whether the record
+// differs enough to be worth a write (ipam.SpecWorthWriting: a new observed pool always is).
+func decidePublish(cur *ipwardenv1.NodeIPAllocation, leader string, observed []ipwardenv1.ObservedPool, reqs []ipam.PoolRequest, last writtenSpec) publishStep {
+	if leader != "" && cur.Spec.AcknowledgedLeader != leader {
+		return publishAcknowledge
+	}
+	if last.baseRV != "" && cur.ResourceVersion == last.baseRV && poolsEqual(last.pools, specPools(reqs)) && observedEqual(last.observed, observed) {
+		return publishCacheLags
+	}
+	if observedEqual(cur.Spec.ObservedPools, observed) && !ipam.SpecWorthWriting(requestsOf(cur.Spec.Pools), reqs) {
+		return publishNothing
+	}
+	return publishWrite
+}
+
 // writtenSpec is the last spec the agent wrote, with the resource versions before and after,
 // so a lagging cache does not make it write the same spec again.
 type writtenSpec struct {
@@ -476,9 +510,7 @@ func (k *Kube) PublishSpec(ctx context.Context, reqs []ipam.PoolRequest) (bool, 
 	if err := k.cache.Get(ctx, client.ObjectKey{Name: k.node}, &nipa); err != nil {
 		return false, fmt.Errorf("read NodeIPAllocation %s: %w", k.node, err)
 	}
-	if leader := k.Leader(ctx); leader != "" && nipa.Spec.AcknowledgedLeader != leader {
-		return k.acknowledge(ctx, leader)
-	}
+	leader := k.Leader(ctx)
 	// The pools whose running pods' addresses the node has recorded, read before the request: a
 	// pool it lists for the first time is written with claims computed after it (ObservedPools).
 	observed := observedPools(k.svc.ObservedPools())
@@ -489,11 +521,14 @@ func (k *Kube) PublishSpec(ctx context.Context, reqs []ipam.PoolRequest) (bool, 
 	k.mu.Lock()
 	lw := k.lastWritten
 	k.mu.Unlock()
-	if nipa.ResourceVersion == lw.baseRV && poolsEqual(lw.pools, desired) && observedEqual(lw.observed, observed) {
-		return false, nil // the cache has not seen our last write yet
+	switch decidePublish(&nipa, leader, observed, reqs, lw) {
+	case publishAcknowledge:
+		return k.acknowledge(ctx, leader)
+	case publishCacheLags, publishNothing:
+		return false, nil
 	}
 	for attempt := 0; ; attempt++ {
-		if observedEqual(nipa.Spec.ObservedPools, observed) && !ipam.SpecWorthWriting(requestsOf(nipa.Spec.Pools), reqs) {
+		if attempt > 0 && decidePublish(&nipa, "", observed, reqs, writtenSpec{}) == publishNothing {
 			return false, nil
 		}
 		base := nipa.DeepCopy()
