@@ -38,8 +38,9 @@ import (
 //   - an ADD of a pod the node does not know first reads the pod's annotations (Read); a failed
 //     read fails it, unless the node served the pod's earlier sandbox;
 //   - an ADD short of addresses waits, oldest first, and is tried again after every change, until
-//     --address-wait passes or its caller goes; one that meets a rebuild's write in flight waits
-//     for it without a deadline;
+//     --address-wait passes or its caller goes; each time it is still short the pool monitor is
+//     asked for a round at once (KickNow); one that meets a rebuild's write in flight waits for it
+//     without a deadline;
 //   - facts read from the API server and rebuilds (pools, holdings, the record mark, rebuilt
 //     attachments, the release round, the handback mark) are planned one at a time, each against
 //     the state the one before left: the next is planned once the previous one's write landed.
@@ -164,8 +165,8 @@ type mreq struct {
 	add      ipam.AddRequest
 	check    []string // CHECK: prevResult addresses
 	accept   func(ipam.Attachment) bool
-	start    time.Time
-	deadline time.Time // ADD: when it stops waiting for addresses
+	start    time.Time // ADD: when it first looked for addresses (its turn came, its pod read)
+	deadline time.Time // ADD: when it stops waiting for addresses (start + --address-wait)
 	waiter   bool      // registered as waiting with the state (demand)
 	inFlight bool      // waiting for a rebuild's write, not for addresses
 	canceled bool
@@ -282,11 +283,10 @@ func (m *Machine) Tick(now time.Time) {
 // its id; the answer comes out of Ready.
 func (m *Machine) Request(req cniproto.Request, now time.Time) uint64 {
 	m.now = now
-	r := &mreq{id: m.id(), key: ipam.Key{ContainerID: req.ContainerID, IfName: req.IfName}, start: now}
+	r := &mreq{id: m.id(), key: ipam.Key{ContainerID: req.ContainerID, IfName: req.IfName}}
 	switch req.Op {
 	case cniproto.OpAdd:
 		r.kind = reqAdd
-		r.deadline = now.Add(m.cfg.AddressWait)
 		r.add = ipam.AddRequest{Key: r.key, Network: req.Network, Netns: req.Netns, Pools: req.Pools, PoolNetwork: req.PoolNetwork,
 			Pod: ipam.PodRef{Namespace: req.Pod.Namespace, Name: req.Pod.Name, UID: req.Pod.UID}}
 	case cniproto.OpDel:
@@ -303,7 +303,7 @@ func (m *Machine) Request(req cniproto.Request, now time.Time) uint64 {
 // confirmed (not in flight) and accept approves it, decided when its turn comes.
 func (m *Machine) FreeIf(key ipam.Key, accept func(ipam.Attachment) bool, now time.Time) uint64 {
 	m.now = now
-	r := &mreq{id: m.id(), kind: reqFreeIf, key: key, accept: accept, start: now}
+	r := &mreq{id: m.id(), kind: reqFreeIf, key: key, accept: accept}
 	m.enqueue(r)
 	return r.id
 }
@@ -399,6 +399,11 @@ func (m *Machine) Cancel(id uint64, now time.Time) {
 // tryAdd plans ADD r: answer it (repeated, refused), write it, or let it wait.
 func (m *Machine) tryAdd(r *mreq) {
 	now := m.now
+	if r.start.IsZero() {
+		// The wait for addresses (and ipwarden_agent_ip_wait_seconds) starts once the ADD's
+		// turn came and its pod was read.
+		r.start, r.deadline = now, now.Add(m.cfg.AddressWait)
+	}
 	att, ch, err := m.st.Add(r.add, now)
 	var short *ipam.ShortError
 	if errors.As(err, &short) {
@@ -411,11 +416,13 @@ func (m *Machine) tryAdd(r *mreq) {
 			return
 		}
 		m.wait(r, false)
+		// Still short after any change: the pool monitor's round runs at once (it coalesces),
+		// so a node that got part of its request asks for the rest without a quiet time.
+		m.rd.KickNow = true
 		if !r.waiter {
 			pools, _ := m.st.ResolvePools(r.add)
 			m.st.AddWaiter(r.key, r.add.Pod.UID, pools, short.Wanted...)
 			r.waiter = true
-			m.rd.KickNow = true
 			if on, _ := m.st.Hold(); on && m.evaluateHold() {
 				// A pod with an ADD here settles the hold, which ended: try again at once.
 				m.changed()
@@ -633,7 +640,9 @@ func (m *Machine) factOf(id uint64) *mfact {
 	return nil
 }
 
-// nextFact plans the facts whose turn came: one with an empty change applies at once.
+// nextFact plans the facts whose turn came: one with an empty change applies at once and
+// changes no address (waiting ADDs are not tried again for it: a pod event or a monitor round
+// that changes nothing costs no retries).
 func (m *Machine) nextFact() {
 	for !m.factBusy && len(m.facts) > 0 {
 		f := m.facts[0]
@@ -649,7 +658,6 @@ func (m *Machine) nextFact() {
 				f.applied(m, f.plan0, &a)
 			}
 			m.answer(a)
-			m.changed()
 			continue
 		}
 		m.factBusy = true

@@ -167,7 +167,10 @@ func (m *Machine) holdingsApplied(rec RecordOf, p ipam.Plan) {
 			"addresses it shows that the node had given back are released again, and addresses its pods use are claimed",
 			"uid", rec.UID, "generation", rec.Generation, "released", fmtSets(distrusted))
 	}
-	m.st.SetRecordMissing(false)
+	if m.st.RecordMissing() {
+		m.st.SetRecordMissing(false)
+		m.changed() // the free set is handed out again
+	}
 	m.reportConflicts()
 	m.rd.Kick = true
 }

@@ -1013,3 +1013,36 @@ func TestMachineAddWaitsForARebuildInFlight(t *testing.T) {
 		})
 	}
 }
+
+// A waiting ADD asks the pool monitor for a round at once each time a change leaves it short (a
+// node that got part of its request asks for the rest without a quiet time), and a fact that
+// changes nothing (an empty rebuild on a pod event, a round that marks nothing) tries no waiting
+// ADD again: it neither asks for a round nor reports a change.
+func TestMachineWaitingAddKicksOnEveryChangeOnly(t *testing.T) {
+	h := newMachine(t, MachineConfig{AddressWait: time.Minute}, testV4)
+	h.hold(map[string]string{"v4": "10.1.0.8/32"})
+	h.add(addReq("c1"))
+	id := h.m.Request(addReq("c2"), h.now)
+	if rd := h.settle(); !rd.KickNow || len(rd.Answers) != 0 {
+		t.Fatalf("short ADD: KickNow %v answers %+v, want it waiting and a round at once", rd.KickNow, rd.Answers)
+	}
+
+	// Nothing to journal: no retry, no kick, no change.
+	h.m.Rebuild(nil, 1, h.now)
+	h.m.ReleaseRound(h.now, false)
+	if rd := h.settle(); rd.KickNow || rd.Changed || len(rd.Writes) != 0 {
+		t.Fatalf("facts that change nothing: KickNow %v Changed %v writes %d, want none", rd.KickNow, rd.Changed, len(rd.Writes))
+	}
+
+	// A holding that changes, still without a free address for c2: it asks again at once.
+	h.holdings(map[string]string{"v4": "10.1.0.8/32, 10.1.0.0/32"}, RecordOf{})
+	rd := h.settle()
+	if !rd.Changed || !rd.KickNow {
+		t.Fatalf("a change that leaves the ADD short: Changed %v KickNow %v, want both", rd.Changed, rd.KickNow)
+	}
+	for _, a := range rd.Answers {
+		if a.ID == id {
+			t.Fatalf("c2 answered %+v with no usable address", a.Resp)
+		}
+	}
+}

@@ -73,10 +73,7 @@ func (s *Service) setLeaseRecheck(f func(context.Context)) {
 }
 
 func (s *Service) setLease(held bool, holder string, until time.Time) {
-	s.read(func(m *Machine) {
-		m.gate.setLease(held, holder, until)
-		m.changed()
-	})
+	s.read(func(m *Machine) { m.gate.setLease(held, holder, until) })
 }
 
 // The start-up (agent.go) says how far it has come: ADD is served only as the gate allows.
