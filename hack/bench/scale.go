@@ -164,6 +164,9 @@ func scaleBench(ctx context.Context, env *benchEnv, o scaleOptions) ([]figure, e
 	sc.burst = br.pods
 	log("%d nodes burst, %d at a time: %d pods bound and ADDed in %s, %d ADDs failed; controller CPU %.1f s", o.nodes, o.burstNodes, len(br.pods),
 		burstTime.Round(time.Second), br.failed, cpuBurst)
+	for _, e := range br.errs {
+		log("  a failed ADD: %s", e)
+	}
 	if err := settle(ctx, env.cp.Config, 5*time.Second, 3*time.Minute); err != nil {
 		return nil, err
 	}

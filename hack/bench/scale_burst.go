@@ -9,7 +9,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/ipwarden/ipwarden/internal/cniproto"
@@ -25,6 +24,7 @@ type nodeBurst struct {
 	pods   []podRef
 	lat    []time.Duration // each ADD's latency, in pods' order
 	failed int
+	errs   []string      // the failed ADDs' errors
 	bound  time.Duration // from the first create to the last pod bound
 	took   time.Duration // from the first create to the last ADD answered
 }
@@ -50,17 +50,18 @@ func (s *scaleRun) burstNode(ctx context.Context, node int, tag string) (nodeBur
 		return b, fmt.Errorf("bind the pods of %s: %w", scaleNode(node), err)
 	}
 	b.bound = time.Since(t0)
-	var failed atomic.Int64
+	addErrs := make([]error, n)
 	for k := range n {
-		wg.Go(func() {
-			var err error
-			if b.lat[k], err = s.add(ctx, b.pods[k]); err != nil {
-				failed.Add(1)
-			}
-		})
+		wg.Go(func() { b.lat[k], addErrs[k] = s.add(ctx, b.pods[k]) })
 	}
 	wg.Wait()
-	b.took, b.failed = time.Since(t0), int(failed.Load())
+	b.took = time.Since(t0)
+	for k, err := range addErrs {
+		if err != nil {
+			b.failed++
+			b.errs = append(b.errs, fmt.Sprintf("%s: %v", b.pods[k].name, err))
+		}
+	}
 	return b, nil
 }
 
@@ -86,6 +87,7 @@ type burstResult struct {
 	lat         []time.Duration // every ADD's latency, sorted
 	bound, took []time.Duration // each node's, sorted
 	failed      int
+	errs        []string // the failed ADDs' errors, the first few
 }
 
 // burstAll runs every node's burst, par nodes at once.
@@ -103,6 +105,9 @@ func (s *scaleRun) burstAll(ctx context.Context, par int, tag string) (burstResu
 		r.lat = append(r.lat, b.lat...)
 		r.bound, r.took = append(r.bound, b.bound), append(r.took, b.took)
 		r.failed += b.failed
+		if room := 5 - len(r.errs); room > 0 {
+			r.errs = append(r.errs, b.errs[:min(room, len(b.errs))]...)
+		}
 	}
 	for _, ds := range [][]time.Duration{r.lat, r.bound, r.took} {
 		sort.Slice(ds, func(i, j int) bool { return ds[i] < ds[j] })
