@@ -91,9 +91,6 @@ type Ready struct {
 	Reads []PodRead
 	// Events are Kubernetes events to record on the node's NodeIPAllocation.
 	Events []NodeEvent
-	// Released are attachments freed while the node is handed back: the driver removes
-	// host-local's reservations of them.
-	Released []ipam.Attachment
 	// Marker, when set, is the hold's marker to write (Until set) or remove (zero Until).
 	Marker *time.Time
 	// Kick asks the pool monitor for a round soon; KickNow, at once (an ADD waits).
@@ -105,12 +102,15 @@ type Ready struct {
 }
 
 // Write is one journal write. Lazy: a DEL already answered, which may wait briefly to share the
-// next write's transaction. Add: the write of an ADD (the failpoint holds those).
+// next write's transaction. Add: the write of an ADD (the failpoint holds those). Release: a
+// DEL's (or a free's) attachment while the node is handed back: once the write landed, and
+// before its outcome is fed back, the driver removes host-local's reservations of it.
 type Write struct {
-	ID     uint64
-	Change ipam.Change
-	Lazy   bool
-	Add    bool
+	ID      uint64
+	Change  ipam.Change
+	Lazy    bool
+	Add     bool
+	Release *ipam.Attachment
 }
 
 // PodRead asks the driver for a pod's annotations and namespace (for pool choice).
@@ -248,7 +248,7 @@ func (m *Machine) wait(r *mreq, inFlight bool) {
 // waiting ADDs could use, the hold's end.
 func (m *Machine) wake() time.Time {
 	var w time.Time
-	min := func(t time.Time) {
+	earliest := func(t time.Time) {
 		if !t.IsZero() && (w.IsZero() || t.Before(w)) {
 			w = t
 		}
@@ -256,15 +256,15 @@ func (m *Machine) wake() time.Time {
 	short := false
 	for _, id := range m.waiting {
 		if r := m.reqs[id]; r != nil && !r.inFlight {
-			min(r.deadline)
+			earliest(r.deadline)
 			short = true
 		}
 	}
 	if short {
-		min(m.st.NextCooled(m.now))
+		earliest(m.st.NextCooled(m.now))
 	}
 	if on, until := m.st.Hold(); on {
-		min(until)
+		earliest(until)
 	}
 	return w
 }
@@ -514,6 +514,9 @@ func (m *Machine) tryDel(r *mreq) {
 		m.metrics.ReleasesInFlight.Inc()
 	}
 	m.write(r.id, plan.Changes(), r.kind == reqDel, false)
+	if m.st.HandedBack() != nil {
+		m.rd.Writes[len(m.rd.Writes)-1].Release = &att
+	}
 }
 
 // Written is the outcome of journal write id.
@@ -583,9 +586,6 @@ func (m *Machine) delWritten(r *mreq, err error) {
 	}
 	if err == nil {
 		m.log.V(1).Info("DEL", "attachment", r.key.String(), "pod", att.Pod.String(), "addresses", fmtAddresses(att.Addresses))
-		if hb := m.st.HandedBack(); hb != nil && hb.Dir != "" {
-			m.rd.Released = append(m.rd.Released, att)
-		}
 		m.rd.Kick = true
 	}
 	m.finish(r)

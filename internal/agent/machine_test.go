@@ -1046,3 +1046,31 @@ func TestMachineWaitingAddKicksOnEveryChangeOnly(t *testing.T) {
 		}
 	}
 }
+
+// A DEL's write names its attachment for host-local's files only while the node is handed back
+// (the driver removes them once the write landed, before the machine hears of it).
+func TestMachineDelWriteCarriesTheHandbackRelease(t *testing.T) {
+	for _, handedBack := range []bool{false, true} {
+		h := newMachine(t, MachineConfig{}, testV4)
+		h.hold(map[string]string{"v4": "10.1.0.8/29"})
+		h.add(addReq("c1"))
+		if handedBack {
+			mark := &ipam.HandbackMark{At: h.now, To: "host-local", Network: "net", Dir: "/var/lib/cni/networks/net"}
+			id := h.m.SetHandback(mark, h.now)
+			if a := mustAnswer(t, h.settle(), id); a.Err != nil {
+				t.Fatal(a.Err)
+			}
+		}
+		h.m.Request(cniproto.Request{Op: cniproto.OpDel, ContainerID: "c1", IfName: "eth0"}, h.now)
+		rd := h.ready()
+		if len(rd.Writes) != 1 {
+			t.Fatalf("handed back %v: writes %+v, want the DEL's", handedBack, rd.Writes)
+		}
+		switch rel := rd.Writes[0].Release; {
+		case handedBack && (rel == nil || rel.Key.ContainerID != "c1"):
+			t.Fatalf("handed back: the DEL's write releases %+v, want c1's attachment", rel)
+		case !handedBack && rel != nil:
+			t.Fatalf("not handed back: the DEL's write releases %+v, want nothing", rel)
+		}
+	}
+}

@@ -247,7 +247,7 @@ func (s *Service) call(ctx context.Context, cancelable bool, input func(m *Machi
 
 // flushLocked carries out the machine's Ready (s.mu is held): answers go to their callers,
 // writes and reads start in their own goroutines, the hold marker is written, the timer set. It
-// returns what runs once s.mu is released: the pool monitor's kicks, events, host-local's files.
+// returns what runs once s.mu is released: the pool monitor's kicks and events.
 func (s *Service) flushLocked() (after func()) {
 	rd := s.m.Ready()
 	s.m.Advance()
@@ -275,15 +275,12 @@ func (s *Service) flushLocked() (after func()) {
 		s.changedC = make(chan struct{})
 	}
 	s.setTimerLocked(rd.Wake)
-	if !rd.Kick && !rd.KickNow && len(rd.Events) == 0 && len(rd.Released) == 0 {
+	if !rd.Kick && !rd.KickNow && len(rd.Events) == 0 {
 		return func() {}
 	}
 	return func() {
 		for _, e := range rd.Events {
 			s.gcr.event(nil, e.Type, e.Reason, e.Message)
-		}
-		for _, att := range rd.Released {
-			s.releaseHandedBack(att)
 		}
 		if rd.KickNow {
 			s.kickNow()
@@ -294,7 +291,8 @@ func (s *Service) flushLocked() (after func()) {
 	}
 }
 
-// perform writes w to the journal and feeds the outcome back.
+// perform writes w to the journal, removes host-local's files of a DEL's attachment freed while
+// the node is handed back, and feeds the outcome back.
 func (s *Service) perform(w Write) {
 	write := s.journal.Commit
 	if lc, ok := s.journal.(lazyCommitter); ok && w.Lazy {
@@ -304,6 +302,11 @@ func (s *Service) perform(w Write) {
 		h()
 	}
 	err := write(w.Change)
+	if err == nil && w.Release != nil {
+		// Before Written: the attachment stays busy, and a barrier (LIST, HANDBACK, the stop)
+		// unanswered, until host-local's file of it is gone too.
+		s.releaseHandedBack(*w.Release)
+	}
 	s.step(func(m *Machine, now time.Time) { m.Written(w.ID, err, now) })
 }
 
@@ -963,8 +966,7 @@ func poolStatus(m *Machine) []cniproto.PoolStatus {
 func (s *Service) list() *cniproto.Response {
 	var resp *cniproto.Response
 	var atts []ipam.Attachment
-	s.step(func(m *Machine, now time.Time) {
-		m.now = now
+	s.read(func(m *Machine) {
 		resp = &cniproto.Response{Node: s.node, Pools: poolStatus(m)}
 		atts = m.st.Attachments()
 		for _, a := range atts {
