@@ -613,7 +613,7 @@ func (s *simulator) settle(i int32) {
 				s.addFailed(pid, a)
 				continue
 			}
-			s.started1(pid)
+			s.addAnswered(pid)
 		}
 	}
 }
@@ -630,8 +630,8 @@ func (s *simulator) wakeNode(i int32, wake time.Time) {
 	}
 }
 
-// started1 is pod pid's ADD answered with an address.
-func (s *simulator) started1(pid int32) {
+// addAnswered is pod pid's ADD answered with an address.
+func (s *simulator) addAnswered(pid int32) {
 	p := &s.pods[pid]
 	n := s.nodes[p.node]
 	if i := slices.Index(n.waiters, pid); i >= 0 {
