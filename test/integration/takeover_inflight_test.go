@@ -11,7 +11,6 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -73,17 +72,7 @@ func TestTakeoverWhileAHostLocalADDIsInFlight(t *testing.T) {
 // IPAM: the agent reads Whereabouts' IPPool allocations at every ADD.
 func TestTakeoverWhileAWhereaboutsADDIsInFlight(t *testing.T) {
 	ctx := context.Background()
-	root, err := controlplane.RepoRoot()
-	if err != nil {
-		t.Fatal(err)
-	}
-	wb, err := localcluster.EnsureWhereabouts(filepath.Join(controlplane.BinDir(root), "test"), os.Stderr)
-	if err != nil {
-		t.Fatalf("build Whereabouts %s: %v", localcluster.WhereaboutsVersion, err)
-	}
-	if err := controlplane.InstallCRDs(ctx, restConfig, wb.CRDDir()); err != nil {
-		t.Fatal(err)
-	}
+	wb := setUpWhereabouts(ctx, t)
 	scratch := t.TempDir()
 	flat := filepath.Join(scratch, "whereabouts.conf")
 	if err := os.WriteFile(flat, localcluster.WhereaboutsFlatConfig(kubeconfigPath, filepath.Join(scratch, "whereabouts.log"), "debug"), 0o600); err != nil {
@@ -195,19 +184,11 @@ exit $rc
 	// switch), which reserves the next address of its range; the answer is held.
 	inflight := createBoundPod(t, name+"-inflight", node)
 	cid := name + "-inflight"
-	gate := filepath.Join(marks, "gate-"+cid)
-	if err := syscall.Mkfifo(gate, 0o600); err != nil {
+	gate, err := localcluster.NewGate(filepath.Join(marks, "gate-"+cid))
+	if err != nil {
 		t.Fatal(err)
 	}
-	openGate := func() error {
-		// Opening the FIFO for writing lets the wrapper's read of it end; non-blocking: with no
-		// reader (the wrapper not there yet, or gone) it fails at once (ENXIO).
-		f, err := os.OpenFile(gate, os.O_WRONLY|syscall.O_NONBLOCK, 0)
-		if err == nil {
-			f.Close()
-		}
-		return err
-	}
+	openGate := gate.Open
 	type answer struct {
 		out []byte
 		err error

@@ -30,17 +30,7 @@ import (
 // gone; the addresses come back to ipwarden's pool.
 func TestTakeoverFromWhereabouts(t *testing.T) {
 	ctx := context.Background()
-	root, err := controlplane.RepoRoot()
-	if err != nil {
-		t.Fatal(err)
-	}
-	wb, err := localcluster.EnsureWhereabouts(filepath.Join(controlplane.BinDir(root), "test"), os.Stderr)
-	if err != nil {
-		t.Fatalf("build Whereabouts %s: %v", localcluster.WhereaboutsVersion, err)
-	}
-	if err := controlplane.InstallCRDs(ctx, restConfig, wb.CRDDir()); err != nil {
-		t.Fatal(err)
-	}
+	wb := setUpWhereabouts(ctx, t)
 	// CNI_PATH holds both plugins under their CNI types, as /opt/cni/bin would.
 	cniPath := t.TempDir()
 	for name, bin := range map[string]string{"whereabouts": wb.Plugin, "ipwarden": cniBinary(t)} {
@@ -191,4 +181,22 @@ func whereaboutsPools(t *testing.T) []map[string]any {
 		out = append(out, p.Object)
 	}
 	return out
+}
+
+// setUpWhereabouts builds Whereabouts (localcluster.WhereaboutsVersion) once into _bin/test and
+// installs its CRDs on the test API server.
+func setUpWhereabouts(ctx context.Context, t *testing.T) localcluster.Whereabouts {
+	t.Helper()
+	root, err := controlplane.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	wb, err := localcluster.EnsureWhereabouts(filepath.Join(controlplane.BinDir(root), "test"), os.Stderr)
+	if err != nil {
+		t.Fatalf("build Whereabouts %s: %v", localcluster.WhereaboutsVersion, err)
+	}
+	if err := controlplane.InstallCRDs(ctx, restConfig, wb.CRDDir()); err != nil {
+		t.Fatal(err)
+	}
+	return wb
 }

@@ -15,7 +15,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/cniproto"
 	"github.com/ipwarden/ipwarden/internal/localcluster"
 )
@@ -66,14 +65,7 @@ func TestRealNodeHandback(t *testing.T) {
     - {op: add, path: /spec/template/spec/containers/0/volumeMounts/-, value: {name: test-host-local, mountPath: %s}}
     - {op: add, path: /spec/template/spec/volumes/-, value: {name: test-host-local, hostPath: {path: %s, type: DirectoryOrCreate}}}
 `, dataDir, dataDir)
-	n.pool = ipwardenv1.IPPoolSpec{
-		CIDRs: []ipwardenv1.CIDR{poolCIDR},
-		Exclude: []ipwardenv1.IPOrCIDR{"10.244.0.0/29", "10.244.0.8/31", "10.244.0.16/28",
-			"10.244.0.32/27", "10.244.0.64/26", "10.244.0.128/25"},
-		Gateway:       "10.244.0.1",
-		Scaling:       ipwardenv1.Scaling{BatchSize: 2, BufferPercent: 0, MaxPerNode: 8},
-		ReuseCooldown: metav1.Duration{Duration: 0},
-	}
+	n.pool = sixAddressPool()
 	n.deployIpwarden(ctx)
 	n.waitRuntimeIPAM(ctx, "ipwarden")
 	old := n.startOldPods(ctx, handbackOld)

@@ -8,7 +8,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -18,7 +17,6 @@ import (
 	"k8s.io/client-go/dynamic"
 	"k8s.io/utils/ptr"
 
-	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/cniproto"
 	"github.com/ipwarden/ipwarden/internal/localcluster"
 )
@@ -130,17 +128,12 @@ func testTakeoverInFlight(t *testing.T, prev inflightIPAM) {
 
 	// <type>-slow: the plugin, whose ADD answer waits, after it has reserved, until the test opens
 	// the gate (a FIFO); it hands the plugin its own type (Whereabouts checks it).
-	gate, reserved := filepath.Join(n.dir, "inflight-gate"), filepath.Join(n.dir, "inflight-reserved")
-	if err := syscall.Mkfifo(gate, 0o600); err != nil {
+	reserved := filepath.Join(n.dir, "inflight-reserved")
+	gate, err := localcluster.NewGate(filepath.Join(n.dir, "inflight-gate"))
+	if err != nil {
 		t.Fatal(err)
 	}
-	openGate := func() error {
-		f, err := os.OpenFile(gate, os.O_WRONLY|syscall.O_NONBLOCK, 0)
-		if err == nil {
-			f.Close()
-		}
-		return err
-	}
+	openGate := gate.Open
 	t.Cleanup(func() { _ = openGate() })
 	wrapper := fmt.Sprintf(`#!/bin/sh
 out=$(/bin/sed 's/"%[3]s-slow"/"%[3]s"/' | /opt/cni/bin/%[3]s)
@@ -180,14 +173,7 @@ exit $rc
 	if prev.agentPatch != nil {
 		n.overlayPatches += prev.agentPatch(n)
 	}
-	n.pool = ipwardenv1.IPPoolSpec{
-		CIDRs: []ipwardenv1.CIDR{poolCIDR},
-		Exclude: []ipwardenv1.IPOrCIDR{"10.244.0.0/29", "10.244.0.8/31", "10.244.0.16/28",
-			"10.244.0.32/27", "10.244.0.64/26", "10.244.0.128/25"},
-		Gateway:       "10.244.0.1",
-		Scaling:       ipwardenv1.Scaling{BatchSize: 2, BufferPercent: 0, MaxPerNode: 8},
-		ReuseCooldown: metav1.Duration{Duration: 0},
-	}
+	n.pool = sixAddressPool()
 	n.deployIpwarden(ctx)
 	n.checkOldPods(ctx, old)
 	n.waitAdopted(ctx, old)

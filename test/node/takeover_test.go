@@ -160,14 +160,7 @@ func testTakeover(t *testing.T, prev previousIPAM) {
 	if prev.agentPatch != nil {
 		n.overlayPatches += prev.agentPatch(n)
 	}
-	n.pool = ipwardenv1.IPPoolSpec{
-		CIDRs: []ipwardenv1.CIDR{poolCIDR},
-		Exclude: []ipwardenv1.IPOrCIDR{"10.244.0.0/29", "10.244.0.8/31", "10.244.0.16/28",
-			"10.244.0.32/27", "10.244.0.64/26", "10.244.0.128/25"},
-		Gateway:       "10.244.0.1",
-		Scaling:       ipwardenv1.Scaling{BatchSize: 2, BufferPercent: 0, MaxPerNode: 8},
-		ReuseCooldown: metav1.Duration{Duration: 0},
-	}
+	n.pool = sixAddressPool()
 	poolAddrs := map[netip.Addr]bool{}
 	for a := netip.MustParseAddr("10.244.0.10"); a.Compare(netip.MustParseAddr("10.244.0.15")) <= 0; a = a.Next() {
 		poolAddrs[a] = true
@@ -584,4 +577,17 @@ func (n *realNode) startOldPods(ctx context.Context, count int32) []pod {
 		p.sandbox = sb
 	}
 	return old
+}
+
+// sixAddressPool is the pool of the takeover and handback tests: the node's /24 with everything
+// but 10.244.0.10-15 excluded (so pods get the old prefix and gateway), batch 2, no cooldown.
+func sixAddressPool() ipwardenv1.IPPoolSpec {
+	return ipwardenv1.IPPoolSpec{
+		CIDRs: []ipwardenv1.CIDR{poolCIDR},
+		Exclude: []ipwardenv1.IPOrCIDR{"10.244.0.0/29", "10.244.0.8/31", "10.244.0.16/28",
+			"10.244.0.32/27", "10.244.0.64/26", "10.244.0.128/25"},
+		Gateway:       "10.244.0.1",
+		Scaling:       ipwardenv1.Scaling{BatchSize: 2, BufferPercent: 0, MaxPerNode: 8},
+		ReuseCooldown: metav1.Duration{Duration: 0},
+	}
 }
