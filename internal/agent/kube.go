@@ -758,6 +758,7 @@ func PodFromAPI(p *corev1.Pod) ipam.Pod {
 		IPAddresses: v.IPAddresses,
 		Identity:    identityOf(v),
 		Sticky:      v.Sticky,
+		Networks:    v.Networks,
 	}
 }
 

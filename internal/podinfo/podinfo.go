@@ -4,6 +4,7 @@
 package podinfo
 
 import (
+	"encoding/json"
 	"net/netip"
 	"strconv"
 	"strings"
@@ -23,7 +24,71 @@ const (
 	AnnotationSticky = "ipwarden.io/sticky"
 	// LabelPodIndex is the ordinal label the StatefulSet controller sets (Kubernetes 1.28+).
 	LabelPodIndex = "apps.kubernetes.io/pod-index"
+	// AnnotationNetworkStatus is what Multus writes after a pod's ADDs: every interface's network
+	// and addresses (the NPWG network-status annotation). status.podIPs shows only the default
+	// network's.
+	AnnotationNetworkStatus = "k8s.v1.cni.cncf.io/network-status"
 )
+
+// NetworkStatus is one entry of the network-status annotation.
+type NetworkStatus struct {
+	// Name is the network's name as Multus writes it: "<namespace>/<attachment>" for a secondary
+	// network, the cluster network's name for the default one.
+	Name      string
+	Interface string
+	IPs       []netip.Addr
+	// Default marks the pod's default network (the one status.podIPs shows).
+	Default bool
+}
+
+// Names reports whether the entry is network (an IPPool's spec.network, a CNI network name): its
+// name with or without the namespace Multus puts in front. The default network's entry names no
+// secondary network.
+func (n NetworkStatus) Names(network string) bool {
+	if network == "" || n.Default {
+		return false
+	}
+	if n.Name == network {
+		return true
+	}
+	_, short, ok := strings.Cut(n.Name, "/")
+	return ok && short == network
+}
+
+// maxNetworkStatus bounds the annotation the agent parses (the API server bounds all of a pod's
+// annotations at 256 KiB; a pod has a handful of interfaces).
+const maxNetworkStatus = 64 << 10
+
+// ParseNetworkStatus reads the network-status annotation; a malformed or oversized one reads as
+// none (it is a report that can only add protection, never a proof).
+func ParseNetworkStatus(v string) []NetworkStatus {
+	if v == "" || len(v) > maxNetworkStatus {
+		return nil
+	}
+	var raw []struct {
+		Name      string   `json:"name"`
+		Interface string   `json:"interface"`
+		IPs       []string `json:"ips"`
+		Default   bool     `json:"default"`
+	}
+	if json.Unmarshal([]byte(v), &raw) != nil {
+		return nil
+	}
+	out := make([]NetworkStatus, 0, len(raw))
+	for _, r := range raw {
+		n := NetworkStatus{Name: r.Name, Interface: r.Interface, Default: r.Default}
+		for _, ip := range r.IPs {
+			// Multus writes bare addresses; accept CIDR form too.
+			if a, err := netip.ParseAddr(ip); err == nil {
+				n.IPs = append(n.IPs, a)
+			} else if p, err := netip.ParsePrefix(ip); err == nil {
+				n.IPs = append(n.IPs, p.Addr())
+			}
+		}
+		out = append(out, n)
+	}
+	return out
+}
 
 // Pod is what ipwarden reads of a Pod object.
 type Pod struct {
@@ -47,6 +112,8 @@ type Pod struct {
 	StatefulSet string
 	Ordinal     int
 	Sticky      bool
+	// Networks is the Multus network-status annotation (nil when absent or malformed).
+	Networks []NetworkStatus
 }
 
 // Of converts a Pod object.
@@ -64,6 +131,7 @@ func Of(p *corev1.Pod) Pod {
 	}
 	out.StatefulSet, out.Ordinal = statefulSetIdentity(p)
 	out.Sticky = p.Annotations[AnnotationSticky] == "true"
+	out.Networks = ParseNetworkStatus(p.Annotations[AnnotationNetworkStatus])
 	for _, ip := range p.Status.PodIPs {
 		if a, err := netip.ParseAddr(ip.IP); err == nil {
 			out.IPs = append(out.IPs, a)

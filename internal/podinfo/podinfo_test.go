@@ -3,6 +3,7 @@ package podinfo
 import (
 	"net/netip"
 	"slices"
+	"strings"
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
@@ -63,6 +64,40 @@ func TestOf(t *testing.T) {
 			got := Of(&obj)
 			if got.MayRun() != tc.mayRun || !tc.check(got) {
 				t.Fatalf("Of = %+v, MayRun %v (want %v)", got, got.MayRun(), tc.mayRun)
+			}
+		})
+	}
+}
+
+func TestParseNetworkStatus(t *testing.T) {
+	ip := netip.MustParseAddr
+	multus := `[{"name":"kindnet","interface":"eth0","ips":["10.244.1.5"],"default":true},` +
+		`{"name":"default/storage","interface":"net1","ips":["10.99.0.5","fd99::5/64"]}]`
+	for _, tc := range []struct {
+		name    string
+		value   string
+		network string
+		want    []netip.Addr // the addresses of the entries naming network
+	}{
+		{"secondary by short name", multus, "storage", []netip.Addr{ip("10.99.0.5"), ip("fd99::5")}},
+		{"secondary by namespaced name", multus, "default/storage", []netip.Addr{ip("10.99.0.5"), ip("fd99::5")}},
+		{"the default entry names no secondary network", multus, "kindnet", nil},
+		{"the pod network is never read from it", multus, "", nil},
+		{"another network", multus, "backup", nil},
+		{"absent", "", "storage", nil},
+		{"malformed reads as none", `{"name":`, "storage", nil},
+		{"oversized reads as none", `[` + strings.Repeat(" ", maxNetworkStatus) + `]`, "storage", nil},
+		{"garbage address skipped", `[{"name":"storage","ips":["nope","10.99.0.7"]}]`, "storage", []netip.Addr{ip("10.99.0.7")}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var got []netip.Addr
+			for _, n := range ParseNetworkStatus(tc.value) {
+				if n.Names(tc.network) {
+					got = append(got, n.IPs...)
+				}
+			}
+			if !slices.Equal(got, tc.want) {
+				t.Fatalf("addresses on %q = %v, want %v", tc.network, got, tc.want)
 			}
 		})
 	}

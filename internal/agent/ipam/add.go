@@ -455,18 +455,34 @@ type RebuildPlan struct {
 	fromCooling      []Cooling
 	fromUnattributed []Address
 	observed         []ObservedPool
+	// stale are the rebuilt addresses the plan drops: in use by their key until Apply frees them
+	// (at at) through the cooldown.
+	stale []staleAddress
+	at    time.Time
 }
 
 // Changes implements Plan.
 func (p RebuildPlan) Changes() Change { return p.Change }
 
-// PlanRebuild plans recording, for pods bound to the node whose status.podIPs hold addresses of
-// the node's pools that no attachment accounts for, an attachment under RebuiltKey(uid), so those
-// addresses are never handed out twice. It is meant for start-up, after Restore and the first
-// holdings: with a lost journal it rebuilds everything; with an intact one it finds nothing; the
-// agent also runs it on every change of the node's pods (adopting pods of a previous IPAM).
-// Releasing addresses are skipped and reported. sandbox(netns) says what the caller can tell of
-// the network namespace an attachment recorded at ADD (nil: nothing).
+// PlanRebuild plans recording, for pods bound to the node that use addresses of the node's
+// pools no attachment accounts for, an attachment under RebuiltKey(uid), so those addresses are
+// never handed out twice. It is meant for start-up, after Restore and the first holdings: with a
+// lost journal it rebuilds everything; with an intact one it finds nothing; the agent also runs it
+// on every change of the node's pods (adopting pods of a previous IPAM). Releasing addresses are
+// skipped and reported. sandbox(netns) says what the caller can tell of the network namespace an
+// attachment recorded at ADD (nil: nothing).
+//
+// What a pod uses is read network by network (reportedOn): on the pod network, the runtime's
+// ready sandboxes of the pod when the last reading (SetSandboxes) shows it, else status.podIPs;
+// on a secondary network, Multus' network-status entry naming it. An address is recorded only in
+// a pool of the network it was reported on, one address per pool.
+//
+// The journal beats a pod's reports: a pod the journal attaches on a network (an ADD of this
+// agent) gets no rebuilt address on that network, whatever its status still shows (a sandbox
+// re-created since, whose status the kubelet has not updated yet). A rebuilt address a pod's
+// reports no longer name, on a network where it reports another, and that no sandbox the runtime
+// shows uses, is dropped through the reuse cooldown, like a DEL's (the status was stale when it
+// was recorded, or the pod moved on): the pod's new address replaces it in the same plan.
 //
 // The journal may also have rewound (the node's disk restored from an older snapshot): then it
 // records addresses for pods that ended since, and running pods report addresses it shows as
@@ -485,10 +501,11 @@ func (p RebuildPlan) Changes() Change { return p.Change }
 // Like an ADD, the plan reserves what it touches in memory: every attachment it records, changes
 // or drops is pending until Apply (journaled) or Abort (refused: everything is put back as it
 // was), so no ADD hands out or adopts its addresses, no DEL or collector frees them meanwhile,
-// and the pools it observed are published only once it is applied.
+// and the pools it observed are published only once it is applied. A dropped stale address stays
+// in use (by its attachment's key) until Apply moves it to the cooldown.
 func (s *State) PlanRebuild(pods []Pod, now time.Time, sandbox func(netns string) Sandbox) RebuildPlan {
 	s.observe(now)
-	plan := RebuildPlan{prior: map[Key]*Attachment{}}
+	plan := RebuildPlan{prior: map[Key]*Attachment{}, at: now}
 	touch := func(k Key) {
 		if _, seen := plan.prior[k]; seen {
 			return
@@ -501,73 +518,107 @@ func (s *State) PlanRebuild(pods []Pod, now time.Time, sandbox func(netns string
 		}
 	}
 	ch := &plan.Change
+	ev := s.sandboxes
+	evUses := ev.Uses()
 	bound := make(map[string]Pod, len(pods))
 	for _, pod := range pods {
 		if pod.Ref.UID != "" {
 			bound[pod.Ref.UID] = pod
 		}
 	}
+	networks := s.poolNetworks()
 	changed := map[Key]bool{} // stale attachments that lost an address
 	for _, pod := range pods {
-		if !pod.MayRun() || pod.Ref.UID == "" || len(pod.IPs) == 0 {
+		if !pod.MayRun() || pod.Ref.UID == "" {
 			continue
 		}
 		if _, freed := s.delFreed[pod.Ref.UID]; freed {
 			continue // its addresses came from this agent, and a DEL freed them: the status is stale
 		}
 		k := RebuiltKey(pod.Ref.UID)
-		if _, exists := s.atts[k]; exists {
+		if _, inFlight := s.pending[k]; inFlight {
 			continue
 		}
-		var picks []Address
-		for _, ip := range pod.IPs {
-			name := s.poolOf(ip)
-			if name == "" {
-				continue
-			}
-			if slices.ContainsFunc(picks, func(a Address) bool { return a.Pool == name }) {
-				continue
-			}
-			p := s.pools[name]
-			if owner, used := p.inUse[ip]; used {
-				a := s.atts[owner]
-				if a == nil || a.Pod.UID == pod.Ref.UID || a.Pod.UID == "" {
+		journaled := s.journaledNetworks(pod.Ref.UID)
+		existing := s.atts[k]
+		var keep []Address  // the rebuilt attachment's addresses that stay
+		var stale []Address // those dropped through the cooldown
+		if existing != nil {
+			for _, ad := range existing.Addresses {
+				net := s.networkOf(ad.Pool)
+				rep := reportedOn(pod, net, ev)
+				if len(rep) > 0 && !slices.Contains(rep, ad.Addr) && !evUses.Contains(ad.Addr) {
+					stale = append(stale, ad)
 					continue
 				}
-				if _, inFlight := s.pending[owner]; inFlight {
-					continue // an ADD or DEL in flight: the next rebuild looks again
-				}
-				ownerPod, ownerBound := bound[a.Pod.UID]
-				sb := SandboxUnknown
-				if sandbox != nil && a.Netns != "" {
-					sb = sandbox(a.Netns)
-				}
-				if !ReportWins(ip, ownerPod, ownerBound, sb) {
-					plan.Problems = append(plan.Problems, fmt.Sprintf("pod %s shows address %s, which the journal records for %s of pod %s",
-						pod.Ref, ip, owner, a.Pod))
-					continue
-				}
-				// The journal's owner ended or moved on: the journal is older than the pods.
-				plan.Problems = append(plan.Problems, fmt.Sprintf("pod %s shows address %s, which the journal records for %s of pod %s, "+
-					"which is gone or no longer shows it: the journal is older than the pods (a restored disk?); the address moves to %s",
-					pod.Ref, ip, owner, a.Pod, pod.Ref))
-				touch(owner)
-				a.Addresses = slices.DeleteFunc(a.Addresses, func(ad Address) bool { return ad.Addr == ip })
-				delete(p.inUse, ip)
-				changed[owner] = true
-			} else if _, rel := p.releasing[ip]; rel {
-				plan.Problems = append(plan.Problems, fmt.Sprintf("pod %s shows address %s of pool %s, which the node is releasing; not recorded",
-					pod.Ref, ip, name))
-				continue
-			} else if _, cool := p.cooling[ip]; cool && len(s.byPod[pod.Ref.UID]) > 0 {
-				continue // its sandbox was deleted and it has its new attachment; the status is stale
+				keep = append(keep, ad)
 			}
-			picks = append(picks, Address{Pool: name, Addr: ip})
 		}
-		if len(picks) == 0 {
+		var picks []Address
+		for _, net := range networks {
+			if journaled[net] {
+				continue // the journal attaches the pod on this network: its reports there may be stale
+			}
+			for _, ip := range reportedOn(pod, net, ev) {
+				name := s.poolOfNetwork(ip, net)
+				if name == "" {
+					continue
+				}
+				has := func(a Address) bool { return a.Pool == name }
+				if slices.ContainsFunc(keep, has) || slices.ContainsFunc(picks, has) {
+					continue
+				}
+				p := s.pools[name]
+				if owner, used := p.inUse[ip]; used {
+					a := s.atts[owner]
+					if a == nil || a.Pod.UID == pod.Ref.UID || a.Pod.UID == "" {
+						continue
+					}
+					if _, inFlight := s.pending[owner]; inFlight {
+						continue // an ADD or DEL in flight: the next rebuild looks again
+					}
+					ownerPod, ownerBound := bound[a.Pod.UID]
+					sb := SandboxUnknown
+					if sandbox != nil && a.Netns != "" {
+						sb = sandbox(a.Netns)
+					}
+					if !ReportWins(ip, ownerPod, ownerBound, sb) {
+						plan.Problems = append(plan.Problems, fmt.Sprintf("pod %s shows address %s, which the journal records for %s of pod %s",
+							pod.Ref, ip, owner, a.Pod))
+						continue
+					}
+					// The journal's owner ended or moved on: the journal is older than the pods.
+					plan.Problems = append(plan.Problems, fmt.Sprintf("pod %s shows address %s, which the journal records for %s of pod %s, "+
+						"which is gone or no longer shows it: the journal is older than the pods (a restored disk?); the address moves to %s",
+						pod.Ref, ip, owner, a.Pod, pod.Ref))
+					touch(owner)
+					a.Addresses = slices.DeleteFunc(a.Addresses, func(ad Address) bool { return ad.Addr == ip })
+					delete(p.inUse, ip)
+					changed[owner] = true
+				} else if _, rel := p.releasing[ip]; rel {
+					plan.Problems = append(plan.Problems, fmt.Sprintf("pod %s shows address %s of pool %s, which the node is releasing; not recorded",
+						pod.Ref, ip, name))
+					continue
+				} else if _, cool := p.cooling[ip]; cool && len(s.byPod[pod.Ref.UID]) > 0 {
+					continue // its sandbox was deleted and it has its new attachment; the status is stale
+				}
+				picks = append(picks, Address{Pool: name, Addr: ip})
+			}
+		}
+		if len(picks) == 0 && len(stale) == 0 {
 			continue
 		}
 		touch(k)
+		for _, ad := range stale {
+			plan.stale = append(plan.stale, staleAddress{key: k, Address: ad})
+			plan.Problems = append(plan.Problems, fmt.Sprintf("pod %s no longer reports address %s recorded from its earlier reports, and no sandbox the runtime shows uses it: "+
+				"it is freed through the reuse cooldown", pod.Ref, ad.Addr))
+			if p := s.pools[ad.Pool]; p != nil {
+				if _, rel := p.releasing[ad.Addr]; !rel && (!p.heldKnown || p.held.Contains(ad.Addr)) {
+					ch.PutCooling = append(ch.PutCooling, Cooling{Pool: ad.Pool, Addr: ad.Addr, FreedAt: now})
+				}
+			}
+		}
 		for _, ad := range picks {
 			p := s.pools[ad.Pool]
 			if p.unattributed.Contains(ad.Addr) {
@@ -578,7 +629,18 @@ func (s *State) PlanRebuild(pods []Pod, now time.Time, sandbox func(netns string
 				ch.DeleteCooling = append(ch.DeleteCooling, ad)
 			}
 		}
-		att := &Attachment{Key: k, Pod: pod.Ref, Addresses: picks, Created: now, Rebuilt: true}
+		addrs := append(slices.Clone(keep), picks...)
+		if len(addrs) == 0 {
+			// Every address went stale: the attachment goes (its addresses stay in use by its key
+			// until Apply frees them).
+			s.dropAttachment(k)
+			ch.DeleteAttachments = append(ch.DeleteAttachments, k)
+			continue
+		}
+		att := &Attachment{Key: k, Pod: pod.Ref, Addresses: addrs, Created: now, Rebuilt: true}
+		if existing != nil {
+			att.Created = existing.Created
+		}
 		s.putAttachment(att)
 		ch.PutAttachments = append(ch.PutAttachments, *att.clone())
 	}
@@ -601,6 +663,40 @@ func (s *State) PlanRebuild(pods []Pod, now time.Time, sandbox func(netns string
 	return plan
 }
 
+// staleAddress is a rebuilt address a plan drops through the cooldown once it is applied.
+type staleAddress struct {
+	key Key
+	Address
+}
+
+// poolNetworks lists the networks of the node's pools, the pod network ("") first.
+func (s *State) poolNetworks() []string {
+	nets := []string{""}
+	for _, name := range s.poolNames() {
+		if n := s.pools[name].cfg.Network; !slices.Contains(nets, n) {
+			nets = append(nets, n)
+		}
+	}
+	return nets
+}
+
+// journaledNetworks returns the networks on which the pod with uid has an attachment of its own
+// (an ADD of this agent, not one rebuilt from reports).
+func (s *State) journaledNetworks(uid string) map[string]bool {
+	out := map[string]bool{}
+	for k := range s.byPod[uid] {
+		if k.IsRebuilt() {
+			continue
+		}
+		if a := s.atts[k]; a != nil {
+			for _, ad := range a.Addresses {
+				out[s.networkOf(ad.Pool)] = true
+			}
+		}
+	}
+	return out
+}
+
 func isUsed(p *poolState, a netip.Addr) bool { _, used := p.inUse[a]; return used }
 
 // applyRebuild confirms a journaled rebuild: its attachments are no longer pending, and the
@@ -608,6 +704,12 @@ func isUsed(p *poolState, a netip.Addr) bool { _, used := p.inUse[a]; return use
 func (s *State) applyRebuild(plan RebuildPlan) {
 	for _, k := range plan.keys {
 		delete(s.pending, k)
+	}
+	for _, st := range plan.stale {
+		if p := s.pools[st.Pool]; p != nil && p.inUse[st.Addr] == st.key {
+			p.free(st.Addr, plan.at)
+			p.recompute()
+		}
 	}
 	s.observed = plan.observed
 }
@@ -690,23 +792,17 @@ func sortedKeys(m map[Key]bool) []Key {
 	return keys
 }
 
-// poolOf returns the pool whose holding (else whose CIDRs) contain ip, or "".
-func (s *State) poolOf(ip netip.Addr) string {
-	names := make([]string, 0, len(s.pools))
-	for n := range s.pools {
-		names = append(names, n)
-	}
-	slices.Sort(names)
+// poolOfNetwork returns the pool of network whose holding (else whose CIDRs) contain ip, or "".
+func (s *State) poolOfNetwork(ip netip.Addr, network string) string {
+	names := s.poolNames()
 	for _, n := range names {
-		if s.pools[n].held.Contains(ip) {
+		if p := s.pools[n]; p.cfg.Network == network && p.held.Contains(ip) {
 			return n
 		}
 	}
 	for _, n := range names {
-		for _, c := range s.pools[n].cfg.CIDRs {
-			if c.Contains(ip) {
-				return n
-			}
+		if p := s.pools[n]; p.cfg.Network == network && slices.ContainsFunc(p.cfg.CIDRs, func(c netip.Prefix) bool { return c.Contains(ip) }) {
+			return n
 		}
 	}
 	return ""

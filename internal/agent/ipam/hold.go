@@ -8,51 +8,151 @@ import (
 )
 
 // The unattributed hold. After the journal is lost or damaged, the node's attachments are
-// rebuilt from the pods' status.podIPs. A pod whose ADD was answered before the loss but whose
-// status.podIPs the kubelet has not written yet uses an address no record shows. So after such a
-// rebuild every address the node holds that no attachment accounts for (and that is not
-// releasing) is "unattributed" and is not handed out, released or counted as free, until every
-// pod bound to the node that may run has reported its addresses, has an ADD of its own on this
-// agent, or is gone; or until the hold's deadline. Addresses the controller grants after the
-// hold began were never handed out by this node and are free at once; unattributed addresses
-// count as demand, so waiting pods are served from new grants meanwhile.
+// rebuilt from what the node can tell: the container runtime's sandboxes (sandboxes.go) and the
+// pods' own reports (status.podIPs, Multus' network-status). A pod whose ADD was answered before
+// the loss may use an address none of them shows yet: its status not written, its sandbox still
+// being set up, or an address on a secondary network that status.podIPs never shows. So after
+// such a rebuild every address the node holds that no attachment accounts for (and that is not
+// releasing or cooling) is "unattributed": not handed out, released or counted as free.
+//
+// The hold is decided pool by pool, because a pool serves one network and a pod's evidence is
+// per network (DecideHold). Addresses the controller grants after the hold began were never
+// handed out by this node and are free at once; unattributed addresses count as demand, so
+// waiting pods are served from new grants meanwhile.
 
 // Hold reasons (HoldDecision.Reason).
 const (
-	HoldReasonAllReported = "every pod on the node has reported its addresses or is gone"
+	HoldReasonAllReported = "every pod on the node is accounted for on every network, or gone"
 	HoldReasonDeadline    = "the maximum hold (--rebuild-hold) ran out"
 	HoldReasonNothingHeld = "no held address is unattributed"
 )
 
+// HoldPool is one pool's part of the hold.
+type HoldPool struct {
+	Name string
+	// Network is the pool's spec.network ("" for the pod network).
+	Network      string
+	Unattributed addr.Set
+}
+
 // HoldDecision is what DecideHold decided.
 type HoldDecision struct {
-	// Release ends the hold: the unattributed addresses become free.
+	// Release ends the hold: nothing is left unattributed.
 	Release bool
 	Reason  string
-	// Waiting lists the pods the hold still waits for (Release false), sorted.
+	// Free are the addresses that leave the hold now, per pool.
+	Free map[string]addr.Set
+	// Waiting lists the pods the hold still waits for on some pool, sorted (with Release at
+	// the deadline: those it waited for).
 	Waiting []PodRef
 }
 
-// DecideHold decides whether the unattributed hold ends at now. pods are the pods bound to the
-// node; hasADD reports whether a pod UID has an attachment or a waiting ADD on this agent (its
-// runtime asked for an address after the agent restarted, so the kubelet has stopped any earlier
-// sandbox of the pod). A pod settles the hold when it cannot run (host network, Succeeded or
-// Failed), has reported status.podIPs, or has an ADD here; a pod no longer listed is gone.
-func DecideHold(pods []Pod, hasADD func(uid string) bool, now, until time.Time) HoldDecision {
-	var waiting []PodRef
-	for _, p := range pods {
-		if !p.MayRun() || len(p.IPs) > 0 || (p.Ref.UID != "" && hasADD(p.Ref.UID)) {
+// Freed counts the addresses the decision frees.
+func (d HoldDecision) Freed() int {
+	n := 0
+	for _, s := range d.Free {
+		n += count(s)
+	}
+	return n
+}
+
+// DecideHold decides which unattributed addresses leave the hold at now. pods are the pods bound
+// to the node; ev is the last reading of the runtime's sandboxes; hasADD reports whether a pod
+// UID has an attachment or a waiting ADD on this agent on network (its runtime asked for an
+// address after the agent restarted, so the kubelet has stopped any earlier sandbox of the pod).
+//
+// A pod that may run settles a pool of network N when it has an ADD here on N, or:
+//   - N is the pod network: the runtime shows a sandbox of the pod (its addresses are then
+//     known), or, when the runtime could not be asked, the pod reports status.podIPs;
+//   - N is a secondary network: the pod's network-status names N with an address. Nothing else
+//     tells a secondary network's address: status.podIPs and the runtime show eth0 only.
+//
+// A pod bound to the node that the runtime does not show keeps the pod network's hold: the
+// evidence may be incomplete (a sandbox still being set up), and that must not cost the pod its
+// address. Once no pod is waiting on a pool, its unattributed addresses leave the hold except
+// those something may still use: an address a sandbox the runtime shows has, or one a pod that
+// may run reports on the pool's network (reports add protection; they never release it). Those
+// leave once nothing names them any more. At until everything leaves.
+func DecideHold(pools []HoldPool, pods []Pod, ev NodeSandboxes, hasADD func(uid, network string) bool, now, until time.Time) HoldDecision {
+	d := HoldDecision{Free: map[string]addr.Set{}}
+	if !now.Before(until) {
+		waiting := map[PodRef]bool{}
+		for _, hp := range pools {
+			if !hp.Unattributed.IsEmpty() {
+				d.Free[hp.Name] = hp.Unattributed
+				for _, p := range pods {
+					if !settles(p, hp.Network, ev, hasADD) {
+						waiting[p.Ref] = true
+					}
+				}
+			}
+		}
+		d.Release, d.Reason, d.Waiting = true, HoldReasonDeadline, sortedRefs(keysOf(waiting))
+		return d
+	}
+	waiting := map[PodRef]bool{}
+	left := false
+	for _, hp := range pools {
+		if hp.Unattributed.IsEmpty() {
 			continue
 		}
-		waiting = append(waiting, p.Ref)
+		settled := true
+		protected := ev.Uses()
+		for _, p := range pods {
+			if !p.MayRun() {
+				continue
+			}
+			if !settles(p, hp.Network, ev, hasADD) {
+				waiting[p.Ref] = true
+				settled = false
+			}
+			protected = protected.Union(addr.SetOfAddrs(p.Reported(hp.Network)...))
+		}
+		if !settled {
+			left = true
+			continue
+		}
+		free := hp.Unattributed.Subtract(protected)
+		if !free.IsEmpty() {
+			d.Free[hp.Name] = free
+		}
+		if !hp.Unattributed.Subtract(free).IsEmpty() {
+			left = true
+		}
 	}
-	switch {
-	case len(waiting) == 0:
-		return HoldDecision{Release: true, Reason: HoldReasonAllReported}
-	case !now.Before(until):
-		return HoldDecision{Release: true, Reason: HoldReasonDeadline, Waiting: sortedRefs(waiting)}
+	d.Waiting = sortedRefs(keysOf(waiting))
+	if !left {
+		d.Release, d.Reason = true, HoldReasonAllReported
 	}
-	return HoldDecision{Waiting: sortedRefs(waiting)}
+	return d
+}
+
+// settles reports whether pod p settles a pool of network (see DecideHold).
+func settles(p Pod, network string, ev NodeSandboxes, hasADD func(uid, network string) bool) bool {
+	if !p.MayRun() {
+		return true
+	}
+	if p.Ref.UID != "" && hasADD(p.Ref.UID, network) {
+		return true
+	}
+	if network == "" {
+		if ev.Known {
+			return ev.Shows(p.Ref.UID)
+		}
+		return len(p.IPs) > 0
+	}
+	return len(p.Reported(network)) > 0
+}
+
+func keysOf(m map[PodRef]bool) []PodRef {
+	if len(m) == 0 {
+		return nil
+	}
+	out := make([]PodRef, 0, len(m))
+	for r := range m {
+		out = append(out, r)
+	}
+	return out
 }
 
 func sortedRefs(refs []PodRef) []PodRef {
@@ -111,34 +211,72 @@ func (s *State) Unattributed(pool string) addr.Set {
 	return addr.Set{}
 }
 
-// EvaluateHold decides, with the pods last set by SetPods, whether the hold ends at now, and
-// ends it if so. Without a hold it returns a zero decision.
+// holdPools is the hold as DecideHold takes it.
+func (s *State) holdPools() []HoldPool {
+	var out []HoldPool
+	for _, name := range s.poolNames() {
+		p := s.pools[name]
+		if !p.unattributed.IsEmpty() {
+			out = append(out, HoldPool{Name: name, Network: p.cfg.Network, Unattributed: p.unattributed})
+		}
+	}
+	return out
+}
+
+// EvaluateHold decides, with the pods last set by SetPods and the runtime's sandboxes last set
+// by SetSandboxes, which held addresses leave the hold at now, frees them, and ends the hold
+// when none is left. Without a hold it returns a zero decision.
 func (s *State) EvaluateHold(now time.Time) HoldDecision {
 	if s.holdUntil.IsZero() {
 		return HoldDecision{}
 	}
 	s.observe(now)
-	d := DecideHold(s.pods, s.hasADD, now, s.holdUntil)
+	d := DecideHold(s.holdPools(), s.pods, s.sandboxes, s.hasADD, now, s.holdUntil)
+	for name, free := range d.Free {
+		if p := s.pools[name]; p != nil {
+			p.unattributed = p.unattributed.Subtract(free)
+			p.recompute()
+		}
+	}
 	if d.Release {
 		s.endHold()
 	}
 	return d
 }
 
-// hasADD reports whether the pod with uid has an attachment (not a rebuilt one) or a waiting
-// ADD on this agent.
-func (s *State) hasADD(uid string) bool {
+// hasADD reports whether the pod with uid has an attachment (not a rebuilt one) with an address
+// of a pool of network, or a waiting ADD for such a pool, on this agent.
+func (s *State) hasADD(uid, network string) bool {
 	for k := range s.byPod[uid] {
-		if !k.IsRebuilt() {
+		if k.IsRebuilt() {
+			continue
+		}
+		if a := s.atts[k]; a != nil && slices.ContainsFunc(a.Addresses, func(ad Address) bool { return s.networkOf(ad.Pool) == network }) {
 			return true
 		}
 	}
 	for _, w := range s.waiters {
-		if w.uid == uid {
+		if w.uid != uid {
+			continue
+		}
+		pools := w.pools
+		if len(pools) == 0 {
+			pools = s.served
+		}
+		if slices.ContainsFunc(pools, func(p string) bool { return s.networkOf(p) == network }) {
 			return true
 		}
 	}
 	return false
+}
+
+// networkOf is the network of pool ("" for the pod network, and for a pool the node does not
+// know).
+func (s *State) networkOf(pool string) string {
+	if p := s.pools[pool]; p != nil {
+		return p.cfg.Network
+	}
+	return ""
 }
 
 func (s *State) endHold() {
@@ -156,5 +294,5 @@ func (s *State) HoldWaiting() []PodRef {
 	if s.holdUntil.IsZero() {
 		return nil
 	}
-	return DecideHold(s.pods, s.hasADD, s.clock, s.holdUntil).Waiting
+	return DecideHold(s.holdPools(), s.pods, s.sandboxes, s.hasADD, s.clock, s.holdUntil).Waiting
 }

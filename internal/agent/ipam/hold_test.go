@@ -7,45 +7,114 @@ import (
 	"reflect"
 	"testing"
 	"time"
+
+	"github.com/ipwarden/ipwarden/internal/addr"
+	"github.com/ipwarden/ipwarden/internal/podinfo"
 )
 
+// One rule: an unattributed address leaves the hold only once every pod that may run is
+// accounted for on its pool's network, and then only if nothing may still use it; at the
+// deadline everything leaves. Pools on two networks (the pod network and "storage").
 func TestDecideHold(t *testing.T) {
 	until := t0.Add(5 * time.Minute)
 	web := PodRef{"ns", "web", "u-web"}
 	db := PodRef{"ns", "db", "u-db"}
-	reported := Pod{Ref: web, IPs: []netip.Addr{ip("10.0.0.13")}}
-	unreported := Pod{Ref: db}
-	withADD := map[string]bool{"u-db": true}
+	pools := []HoldPool{
+		{Name: "v4", Unattributed: addr.SetOfAddrs(ip("10.0.0.8"), ip("10.0.0.9"))},
+		{Name: "s4", Network: "storage", Unattributed: addr.SetOfAddrs(ip("10.99.0.8"), ip("10.99.0.9"))},
+	}
+	eth0 := Pod{Ref: web, IPs: []netip.Addr{ip("10.0.0.8")}}
+	both := eth0
+	both.Networks = []podinfo.NetworkStatus{
+		{Name: "cbr0", Interface: "eth0", IPs: []netip.Addr{ip("10.0.0.8")}, Default: true},
+		{Name: "default/storage", Interface: "net1", IPs: []netip.Addr{ip("10.99.0.8")}},
+	}
+	noIPsOnStorage := eth0
+	noIPsOnStorage.Networks = []podinfo.NetworkStatus{{Name: "default/storage", Interface: "net1"}}
+	sandboxOf := func(r PodRef, ready bool, ips ...string) RuntimeSandbox {
+		sb := RuntimeSandbox{ID: "sb-" + r.Name, Pod: r, Ready: ready}
+		for _, s := range ips {
+			sb.IPs = append(sb.IPs, ip(s))
+		}
+		return sb
+	}
+	v4 := func(as ...string) map[string]addr.Set { return map[string]addr.Set{"v4": setOfStrings(as...)} }
+	v4s4 := func(a4, s4 []string) map[string]addr.Set {
+		return map[string]addr.Set{"v4": setOfStrings(a4...), "s4": setOfStrings(s4...)}
+	}
 	tests := []struct {
 		name    string
 		pods    []Pod
-		adds    map[string]bool
+		ev      NodeSandboxes
+		adds    map[string]string // pod UID -> network of its ADD here
 		now     time.Time
 		release bool
 		reason  string
+		free    map[string]addr.Set
 		waiting []PodRef
 	}{
-		{"no pods", nil, nil, t0, true, HoldReasonAllReported, nil},
-		{"every pod reported", []Pod{reported}, nil, t0, true, HoldReasonAllReported, nil},
-		{"a pod has not reported", []Pod{reported, unreported}, nil, t0, false, "", []PodRef{db}},
-		{"the unreported pod has an ADD here", []Pod{reported, unreported}, withADD, t0, true, HoldReasonAllReported, nil},
-		{"host network pod", []Pod{{Ref: db, HostNetwork: true}}, nil, t0, true, HoldReasonAllReported, nil},
-		{"finished pod", []Pod{{Ref: db, Finished: true}}, nil, t0, true, HoldReasonAllReported, nil},
-		{"deleting but may still run", []Pod{{Ref: db, Deleting: true}}, nil, t0, false, "", []PodRef{db}},
-		{"pod without UID cannot have an ADD", []Pod{{Ref: PodRef{"ns", "x", ""}}}, map[string]bool{"": true}, t0, false, "",
-			[]PodRef{{"ns", "x", ""}}},
-		{"deadline", []Pod{unreported}, nil, until, true, HoldReasonDeadline, []PodRef{db}},
-		{"just before the deadline", []Pod{unreported}, nil, until.Add(-time.Nanosecond), false, "", []PodRef{db}},
-		{"waiting sorted", []Pod{{Ref: db}, {Ref: PodRef{"a", "z", "u1"}}}, nil, t0, false, "", []PodRef{{"a", "z", "u1"}, db}},
+		{"no pods: everything leaves", nil, NodeSandboxes{}, nil, t0, true, HoldReasonAllReported,
+			v4s4([]string{"10.0.0.8", "10.0.0.9"}, []string{"10.99.0.8", "10.99.0.9"}), nil},
+		{"status.podIPs settles the pod network only: the secondary pool stays held", []Pod{eth0}, NodeSandboxes{}, nil, t0, false, "",
+			v4("10.0.0.9"), []PodRef{web}},
+		{"network-status naming the network settles it; reported addresses stay held", []Pod{both}, NodeSandboxes{}, nil, t0, false, "",
+			v4s4([]string{"10.0.0.9"}, []string{"10.99.0.9"}), nil},
+		{"an entry without addresses settles nothing", []Pod{noIPsOnStorage}, NodeSandboxes{}, nil, t0, false, "",
+			v4("10.0.0.9"), []PodRef{web}},
+		{"an ADD here on the secondary network settles it", []Pod{eth0}, NodeSandboxes{}, map[string]string{"u-web": "storage"}, t0, false, "",
+			v4s4([]string{"10.0.0.9"}, []string{"10.99.0.8", "10.99.0.9"}), nil},
+		{"an ADD here on the pod network does not settle the secondary one", []Pod{{Ref: web}}, NodeSandboxes{}, map[string]string{"u-web": ""}, t0, false, "",
+			v4("10.0.0.8", "10.0.0.9"), []PodRef{web}},
+		{"the runtime shows the pod's sandbox: the pod network settles without a status", []Pod{{Ref: web}},
+			NodeSandboxes{Known: true, Sandboxes: []RuntimeSandbox{sandboxOf(web, true, "10.0.0.8")}}, nil, t0, false, "",
+			v4("10.0.0.9"), []PodRef{web}},
+		{"a pod the runtime does not show keeps the pod network held, whatever its status says", []Pod{eth0},
+			NodeSandboxes{Known: true}, nil, t0, false, "", map[string]addr.Set{}, []PodRef{web}},
+		{"an address a sandbox uses stays held, ready or not, bound pod or not", []Pod{both},
+			NodeSandboxes{Known: true, Sandboxes: []RuntimeSandbox{sandboxOf(web, true, "10.0.0.8"), sandboxOf(db, false, "10.0.0.9")}}, nil, t0, false, "",
+			v4s4(nil, []string{"10.99.0.9"}), nil},
+		{"host network and finished pods settle everything", []Pod{{Ref: db, HostNetwork: true}, {Ref: web, Finished: true}}, NodeSandboxes{}, nil, t0, true,
+			HoldReasonAllReported, v4s4([]string{"10.0.0.8", "10.0.0.9"}, []string{"10.99.0.8", "10.99.0.9"}), nil},
+		{"a deleting pod may still run", []Pod{{Ref: db, Deleting: true}}, NodeSandboxes{}, nil, t0, false, "", map[string]addr.Set{}, []PodRef{db}},
+		{"a pod without UID cannot have an ADD", []Pod{{Ref: PodRef{"ns", "x", ""}}}, NodeSandboxes{}, map[string]string{"": ""}, t0, false, "",
+			map[string]addr.Set{}, []PodRef{{"ns", "x", ""}}},
+		{"deadline: everything leaves, naming those it waited for", []Pod{eth0, {Ref: db}}, NodeSandboxes{}, nil, until, true, HoldReasonDeadline,
+			v4s4([]string{"10.0.0.8", "10.0.0.9"}, []string{"10.99.0.8", "10.99.0.9"}), []PodRef{db, web}},
+		{"just before the deadline", []Pod{{Ref: db}}, NodeSandboxes{}, nil, until.Add(-time.Nanosecond), false, "", map[string]addr.Set{}, []PodRef{db}},
+		{"waiting sorted", []Pod{{Ref: db}, {Ref: PodRef{"a", "z", "u1"}}}, NodeSandboxes{}, nil, t0, false, "", map[string]addr.Set{},
+			[]PodRef{{"a", "z", "u1"}, db}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			d := DecideHold(tc.pods, func(uid string) bool { return tc.adds[uid] }, tc.now, until)
-			if d.Release != tc.release || d.Reason != tc.reason || !reflect.DeepEqual(d.Waiting, tc.waiting) {
-				t.Fatalf("DecideHold = %+v, want release %v reason %q waiting %v", d, tc.release, tc.reason, tc.waiting)
+			hasADD := func(uid, network string) bool { n, ok := tc.adds[uid]; return ok && n == network }
+			d := DecideHold(pools, tc.pods, tc.ev, hasADD, tc.now, until)
+			if d.Release != tc.release || d.Reason != tc.reason || !reflect.DeepEqual(d.Waiting, tc.waiting) || !equalFree(d.Free, tc.free) {
+				t.Fatalf("DecideHold = %+v, want release %v reason %q free %v waiting %v", d, tc.release, tc.reason, tc.free, tc.waiting)
 			}
 		})
 	}
+}
+
+func setOfStrings(as ...string) addr.Set {
+	var out []netip.Addr
+	for _, a := range as {
+		out = append(out, netip.MustParseAddr(a))
+	}
+	return addr.SetOfAddrs(out...)
+}
+
+func equalFree(a, b map[string]addr.Set) bool {
+	for k, v := range a {
+		if !v.IsEmpty() && !v.Equal(b[k]) {
+			return false
+		}
+	}
+	for k, v := range b {
+		if !v.IsEmpty() && !v.Equal(a[k]) {
+			return false
+		}
+	}
+	return true
 }
 
 // The lost-journal case: pod web's ADD was answered (10.0.0.8), the journal is lost before its

@@ -46,6 +46,8 @@ type State struct {
 	clock time.Time
 	// holdUntil is the deadline of the unattributed hold (see hold.go); zero: no hold.
 	holdUntil time.Time
+	// sandboxes is the last reading of the container runtime's pod sandboxes (sandboxes.go).
+	sandboxes NodeSandboxes
 	// mark is the NodeIPAllocation the node last wrote (record.go).
 	mark RecordMark
 	// recordMissing: the NodeIPAllocation is gone; nothing is handed out of the free set.

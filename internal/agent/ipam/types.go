@@ -8,6 +8,7 @@ import (
 
 	"github.com/ipwarden/ipwarden/internal/addr"
 	"github.com/ipwarden/ipwarden/internal/ippool"
+	"github.com/ipwarden/ipwarden/internal/podinfo"
 	"github.com/ipwarden/ipwarden/internal/scaling"
 	"github.com/ipwarden/ipwarden/internal/sticky"
 )
@@ -294,6 +295,24 @@ type Pod struct {
 	// ipwarden.io/sticky opt-in.
 	Identity sticky.Identity
 	Sticky   bool
+	// Networks is what Multus reports of the pod's interfaces (its network-status annotation):
+	// the only report of a secondary network's addresses. A report, never a proof.
+	Networks []podinfo.NetworkStatus
+}
+
+// Reported returns the addresses the pod's own reports name on network ("" is the pod network:
+// status.podIPs; another, an IPPool's spec.network: the network-status entries naming it).
+func (p Pod) Reported(network string) []netip.Addr {
+	if network == "" {
+		return p.IPs
+	}
+	var out []netip.Addr
+	for _, n := range p.Networks {
+		if n.Names(network) {
+			out = append(out, n.IPs...)
+		}
+	}
+	return out
 }
 
 // NeedsAddress reports whether the pod will need an address it may not have yet: it counts as
