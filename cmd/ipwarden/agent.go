@@ -108,7 +108,10 @@ pod, or on the node's NodeIPAllocation when the pod object is gone from the agen
 	fs.Int("reserve-ahead", 0, "ignored: every ADD is answered after its journal write")
 	_ = fs.MarkDeprecated("reserve-ahead", "it is ignored: every ADD is answered after its journal write; remove it")
 	fs.DurationVar(&f.cfg.RebuildHold, "rebuild-hold", 5*time.Minute,
-		"after the journal was lost or damaged and rebuilt from the pods, held addresses no attachment accounts for stay out of use until every pod on the node has reported its addresses or is gone, at most this long")
+		"after the journal was lost or damaged and rebuilt, held addresses no attachment accounts for stay out of use until every pod that may run is accounted for on each pool's network (its sandbox shown by the runtime, its own report of that network, or an ADD here), at most this long")
+	fs.StringVar(&f.cfg.CRISocket, "cri-socket", "",
+		"the container runtime's CRI socket (containerd: unix:///run/containerd/containerd.sock, as the shipped DaemonSet sets; CRI-O: unix:///var/run/crio/crio.sock), read-only: "+
+			"after a lost or damaged journal the rebuild and the hold rest on the sandboxes the runtime shows (ListPodSandbox, PodSandboxStatus) rather than on pod statuses; \"\" asks nothing and falls back to the pods' own reports, network by network")
 	gofs := goflag.NewFlagSet("zap", goflag.ContinueOnError)
 	f.zap.BindFlags(gofs)
 	fs.AddGoFlagSet(gofs)

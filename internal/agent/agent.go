@@ -92,6 +92,7 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/record"
 
+	"github.com/ipwarden/ipwarden/internal/agent/cri"
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
 	"github.com/ipwarden/ipwarden/internal/agent/journal"
 	"github.com/ipwarden/ipwarden/internal/agent/nodesignal"
@@ -140,6 +141,9 @@ type Config struct {
 	ControllerLease string
 	// RebuildHold bounds the unattributed hold after the journal was rebuilt from the pods.
 	RebuildHold time.Duration
+	// CRISocket is the container runtime's CRI endpoint, read-only: the node's own evidence of
+	// its pod sandboxes for the rebuild and the hold (package cri). "" asks nothing.
+	CRISocket string
 	// ExhaustedTaint adds the NoSchedule taint ipwarden.io/addresses-exhausted with the Node
 	// condition ipwarden.io/AddressesExhausted (the condition is always shown).
 	ExhaustedTaint bool
@@ -236,6 +240,11 @@ func Run(ctx context.Context, cfg Config) error {
 		return err
 	}
 	defer os.Remove(cfg.Socket)
+	runtime, err := cri.New(cfg.CRISocket, 5*time.Second)
+	if err != nil {
+		return fmt.Errorf("--cri-socket: %w", err)
+	}
+	defer runtime.Close()
 	svc.SetReady(true)
 	log.Info("serving CNI requests from the journal", "socket", cfg.Socket, "addFromJournal", offline, "identity", identity)
 	// A journal that breaks while serving (bbolt failed writing it) stops the agent: the next
@@ -258,7 +267,7 @@ func Run(ctx context.Context, cfg Config) error {
 	gcCtx, stopGC := context.WithCancel(serveCtx)
 	defer stopGC()
 	collected := make(chan struct{})
-	start := startFacts{recovered: recovered, journalEmpty: snap.IsEmpty()}
+	start := startFacts{recovered: recovered, journalEmpty: snap.IsEmpty(), runtime: runtime}
 	go func() {
 		defer close(collected)
 		if err := catchUp(gcCtx, cfg, svc, events, identity, start, log); err != nil && gcCtx.Err() == nil {
@@ -279,6 +288,7 @@ func Run(ctx context.Context, cfg Config) error {
 type startFacts struct {
 	recovered    *journal.Recovery // a damaged journal was moved aside
 	journalEmpty bool              // new, lost or damaged: the owners of held addresses are unknown
+	runtime      *cri.Reader       // the container runtime, read-only (nil: none configured)
 }
 
 // catchUp connects the agent to the API server, retrying while it is away: it starts the
@@ -363,6 +373,9 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 		case <-time.After(2 * time.Second):
 		}
 	}
+	// The node's own evidence first: the sandboxes the runtime shows, for the rebuild and the
+	// hold (docs/design.md, "The node forgets").
+	svc.SetSandboxes(readSandboxes(ctx, start.runtime, svc.Metrics(), log))
 	n, err := svc.Rebuild(pods)
 	if err != nil {
 		return err
@@ -379,6 +392,11 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 			until = heldUntil
 		}
 		svc.StartHold(until)
+	}
+	if on, _ := svc.Hold(); on {
+		go watchHold(ctx, svc, start.runtime, log)
+	} else {
+		svc.SetSandboxes(ipam.NodeSandboxes{}) // a reading ages: later rebuilds read the pods' reports
 	}
 	svc.setSynced()
 	served, attachments, unknown := svc.servedSummary(cfg.Pools)
@@ -400,6 +418,60 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 	go kube.Run(ctx)
 	collector.Run(ctx)
 	return nil
+}
+
+// readSandboxes reads the runtime's pod sandboxes; a runtime that is not configured or does not
+// answer gives no evidence (Known false), and the rules fall back to the pods' own reports.
+func readSandboxes(ctx context.Context, r *cri.Reader, metrics *Metrics, log logr.Logger) ipam.NodeSandboxes {
+	if r == nil {
+		metrics.RuntimeReads.WithLabelValues("off").Inc()
+		return ipam.NodeSandboxes{}
+	}
+	ev, err := r.Read(ctx)
+	if err != nil {
+		metrics.RuntimeReads.WithLabelValues("error").Inc()
+		log.Error(err, "cannot read the node's pod sandboxes from the container runtime: the rebuild and the hold rest on the pods' own reports, network by network",
+			"criSocket", r.Endpoint())
+		return ipam.NodeSandboxes{}
+	}
+	metrics.RuntimeReads.WithLabelValues("ok").Inc()
+	names := make([]string, 0, min(len(ev.Sandboxes), 20))
+	for i, sb := range ev.Sandboxes {
+		if i == 20 {
+			names = append(names, fmt.Sprintf("and %d more", len(ev.Sandboxes)-20))
+			break
+		}
+		state := "ready"
+		if !sb.Ready {
+			state = "notready"
+		}
+		names = append(names, fmt.Sprintf("%s %s (%s) %v", cniproto.Truncate(sb.ID, 13), sb.Pod.String(), state, sb.IPs))
+	}
+	log.V(1).Info("read the node's pod sandboxes from the container runtime", "criSocket", r.Endpoint(), "sandboxes", len(ev.Sandboxes), "read", names)
+	return ev
+}
+
+// watchHold reads the runtime's sandboxes again every 2 s while the hold after a rebuild lasts,
+// records what they show and evaluates the hold; once it ends the reading is dropped.
+func watchHold(ctx context.Context, svc *Service, r *cri.Reader, log logr.Logger) {
+	t := time.NewTicker(2 * time.Second)
+	defer t.Stop()
+	for {
+		if on, _ := svc.Hold(); !on {
+			svc.SetSandboxes(ipam.NodeSandboxes{})
+			return
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if r != nil {
+			svc.RefreshSandboxes(readSandboxes(ctx, r, svc.Metrics(), log))
+		} else {
+			svc.RefreshSandboxes(ipam.NodeSandboxes{})
+		}
+	}
 }
 
 // waitSocketFree waits while another agent answers on socket (a second agent for the node with

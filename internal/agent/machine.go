@@ -698,8 +698,9 @@ func (m *Machine) StartHold(until, now time.Time) {
 	}
 	m.marker(until)
 	m.metrics.HoldActive.Set(1)
-	m.log.Info("rebuilt journal: holding addresses of unknown owner out of use until every pod on the node has reported its addresses or is gone",
-		"addresses", n, "until", until.UTC().Format(time.RFC3339))
+	ev := m.st.Sandboxes()
+	m.log.Info("rebuilt journal: holding addresses of unknown owner out of use until every pod that may run is accounted for on each pool's network (docs/design.md, \"The node forgets\")",
+		"addresses", n, "until", until.UTC().Format(time.RFC3339), "runtimeAsked", ev.Known, "runtimeSandboxes", len(ev.Sandboxes))
 	if m.evaluateHold() {
 		m.changed()
 	}
@@ -711,14 +712,26 @@ func (m *Machine) marker(until time.Time) {
 	}
 }
 
-// evaluateHold ends the unattributed hold when its condition holds, and reports it; it says
-// whether it ended.
+// evaluateHold frees what may leave the unattributed hold now and ends the hold when nothing is
+// left (ipam.DecideHold); it says whether it freed anything.
 func (m *Machine) evaluateHold() bool {
 	if on, _ := m.st.Hold(); !on {
 		return false
 	}
 	d := m.st.EvaluateHold(m.now)
 	if !d.Release {
+		if n := d.Freed(); n > 0 {
+			kv := []any{"addresses", n}
+			for pool, free := range d.Free {
+				if !free.IsEmpty() {
+					kv = append(kv, "pool."+pool, free.String())
+				}
+			}
+			m.log.Info("addresses left the unattributed hold: every pod that may run is accounted for on their pools' networks, and nothing on the node uses them", kv...)
+			m.rd.Kick = true
+			m.rd.Changed = true
+			return true
+		}
 		return false
 	}
 	m.metrics.HoldActive.Set(0)

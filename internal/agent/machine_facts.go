@@ -67,6 +67,9 @@ func (m *Machine) SetPods(pods []ipam.Pod, now time.Time) {
 	m.st.SetPods(pods)
 }
 
+// Pods returns the pods last set by SetPods.
+func (m *Machine) Pods() []ipam.Pod { return m.st.Pods() }
+
 // SetNamespaces takes the namespaces, for the pool choice of the node's pods.
 func (m *Machine) SetNamespaces(ns map[string]ipam.Namespace) { m.st.SetNamespaces(ns) }
 
@@ -133,6 +136,16 @@ func (m *Machine) SetRecordMissing(missing bool) {
 		m.log.Info("the node's NodeIPAllocation is missing: no new address is handed out until it is back", "nodeIPAllocation", m.cfg.Node)
 	}
 	m.changed()
+}
+
+// SetSandboxes takes a reading of the container runtime's pod sandboxes (the node's own evidence
+// for the rebuild and the hold; ipam.NodeSandboxes). During the hold it is evaluated again.
+func (m *Machine) SetSandboxes(ev ipam.NodeSandboxes, now time.Time) {
+	m.now = now
+	m.st.SetSandboxes(ev)
+	if on, _ := m.st.Hold(); on && m.evaluateHold() {
+		m.changed()
+	}
 }
 
 // EvaluateHold evaluates the unattributed hold now (after pods reported).
@@ -222,8 +235,8 @@ func rebuildApplied(m *Machine, p ipam.Plan, a *Answer) {
 		if !at.Key.IsRebuilt() {
 			continue // an attachment of another pod that lost an address the pod's report won
 		}
-		m.log.Info("recorded an attachment from the pod's status.podIPs (a pod the journal did not know: taken over from the previous IPAM, or a lost journal)",
-			"pod", at.Pod.String(), "podUID", at.Pod.UID, "addresses", fmtAddresses(at.Addresses))
+		m.log.Info("recorded an attachment from what the node shows of the pod (the runtime's sandbox, status.podIPs, network-status; a pod the journal did not know: taken over from the previous IPAM, or a lost journal)",
+			"pod", at.Pod.String(), "podUID", at.Pod.UID, "addresses", fmtAddresses(at.Addresses), "runtimeShowsPod", m.st.Sandboxes().Shows(at.Pod.UID))
 	}
 	a.N = len(plan.Change.PutAttachments)
 }

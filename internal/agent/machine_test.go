@@ -15,6 +15,7 @@ import (
 	"github.com/ipwarden/ipwarden/internal/addr"
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
 	"github.com/ipwarden/ipwarden/internal/cniproto"
+	"github.com/ipwarden/ipwarden/internal/podinfo"
 )
 
 // The tests of the Machine's ordering rules (see its doc comment). They drive the machine as a
@@ -867,9 +868,13 @@ func TestMachineHoldMarker(t *testing.T) {
 		wantEvent bool
 	}{
 		{name: "the pods report", marker: true, at: mt0.Add(time.Minute), end: func(h *machineHarness) {
+			// As the Service does on a pod event: set the pods, record what they report (the
+			// rebuild, journaled), then evaluate the hold.
 			reported := web
 			reported.IPs = []netip.Addr{netip.MustParseAddr("10.1.0.9")}
 			h.m.st.SetPods([]ipam.Pod{reported})
+			h.m.Rebuild([]ipam.Pod{reported}, 0, h.now)
+			h.settle()
 			h.m.EvaluateHold(h.now)
 		}, wantEnd: true},
 		{name: "the pod's ADD", marker: true, at: mt0.Add(time.Minute), end: func(h *machineHarness) {
@@ -1072,5 +1077,77 @@ func TestMachineDelWriteCarriesTheHandbackRelease(t *testing.T) {
 		case !handedBack && rel != nil:
 			t.Fatalf("not handed back: the DEL's write releases %+v, want nothing", rel)
 		}
+	}
+}
+
+// Rule: after a lost journal the hold is per network. The pod network's pool leaves it once the
+// runtime shows every pod's sandbox (or, with no runtime to ask, every pod reports
+// status.podIPs); a secondary network's pool only once network-status names that network for
+// every pod (or it has an ADD here on it). What a pod uses is attached, never freed.
+func TestMachineHoldPerNetwork(t *testing.T) {
+	storage := ipam.Pool{Name: "s4", Network: "storage", CIDRs: []netip.Prefix{netip.MustParsePrefix("10.99.0.0/24")},
+		Scaling: testV4.Scaling, Cooldown: time.Hour}
+	webRef := ipam.PodRef{Namespace: "ns", Name: "web", UID: "uid-web"}
+	status := func(p ipam.Pod) ipam.Pod { p.IPs = []netip.Addr{netip.MustParseAddr("10.1.0.8")}; return p }
+	net1 := func(p ipam.Pod) ipam.Pod {
+		p.Networks = []podinfo.NetworkStatus{{Name: "default/storage", Interface: "net1", IPs: []netip.Addr{netip.MustParseAddr("10.99.0.8")}}}
+		return p
+	}
+	shown := ipam.NodeSandboxes{Known: true, Sandboxes: []ipam.RuntimeSandbox{{ID: "sb1", Pod: webRef, Ready: true,
+		IPs: []netip.Addr{netip.MustParseAddr("10.1.0.8")}}}}
+	for _, tc := range []struct {
+		name string
+		pod  ipam.Pod
+		ev   ipam.NodeSandboxes
+		// what stays unattributed per pool, and whether the hold is still on
+		v4, s4 string
+		holdOn bool
+		attach []string
+	}{
+		{name: "no runtime, status.podIPs only: the secondary pool stays held",
+			pod: status(ipam.Pod{Ref: webRef}), v4: "", s4: "10.99.0.8/30", holdOn: true, attach: []string{"v4=10.1.0.8"}},
+		{name: "the runtime shows the sandbox, no status yet: eth0 attached from it",
+			pod: ipam.Pod{Ref: webRef}, ev: shown, v4: "", s4: "10.99.0.8/30", holdOn: true, attach: []string{"v4=10.1.0.8"}},
+		{name: "the runtime does not show the pod: the pod network stays held, whatever the status says",
+			pod: status(ipam.Pod{Ref: webRef}), ev: ipam.NodeSandboxes{Known: true}, v4: "10.1.0.9-10.1.0.11", s4: "10.99.0.8/30", holdOn: true,
+			attach: []string{"v4=10.1.0.8"}},
+		{name: "network-status names storage: both attached, the hold ends",
+			pod: net1(status(ipam.Pod{Ref: webRef})), ev: shown, v4: "", s4: "", holdOn: false, attach: []string{"s4=10.99.0.8", "v4=10.1.0.8"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newMachine(t, MachineConfig{AddressWait: time.Minute}, testV4, storage)
+			h.hold(map[string]string{"v4": "10.1.0.8/30", "s4": "10.99.0.8/30"})
+			// The journal was lost: nothing attaches, and the pod has not reported yet.
+			h.m.SetPods([]ipam.Pod{{Ref: webRef}}, h.now)
+			h.m.StartHold(mt0.Add(5*time.Minute), h.now)
+			h.settle()
+			// A reading and a pod event, as the Service carries them: the reading, the pods, the
+			// rebuild (journaled), the hold.
+			h.m.SetSandboxes(tc.ev, h.now)
+			h.m.SetPods([]ipam.Pod{tc.pod}, h.now)
+			h.m.Rebuild([]ipam.Pod{tc.pod}, 0, h.now)
+			h.settle()
+			h.m.EvaluateHold(h.now)
+			h.settle()
+			for pool, want := range map[string]string{"v4": tc.v4, "s4": tc.s4} {
+				if got := h.m.st.Unattributed(pool); !got.Equal(addr.MustParseSetString(want)) {
+					t.Errorf("%s unattributed %v, want %q", pool, got, want)
+				}
+			}
+			if on, _ := h.m.st.Hold(); on != tc.holdOn {
+				t.Errorf("hold on %v, want %v", on, tc.holdOn)
+			}
+			var got []string
+			for _, k := range h.m.st.PodAttachments(webRef.UID) {
+				a, _ := h.m.st.Attachment(k)
+				for _, ad := range a.Addresses {
+					got = append(got, ad.Pool+"="+ad.Addr.String())
+				}
+			}
+			slices.Sort(got)
+			if !slices.Equal(got, tc.attach) {
+				t.Errorf("attached %v, want %v", got, tc.attach)
+			}
+		})
 	}
 }

@@ -26,6 +26,8 @@ type Metrics struct {
 	// PreviousReads counts the readings of its reservations at ADDs, by IPAM type and result.
 	PreviousReserved *prometheus.GaugeVec
 	PreviousReads    *prometheus.CounterVec
+	// RuntimeReads counts the readings of the container runtime's pod sandboxes, by result.
+	RuntimeReads *prometheus.CounterVec
 
 	Attachments  prometheus.Gauge
 	OpDuration   *prometheus.HistogramVec
@@ -113,6 +115,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		PreviousReads: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "previous_reads_total",
 			Help: "Readings of the previous IPAM's reservations at ADDs (host-local's files under its lock, Whereabouts' IPPools from the API server), by IPAM type and result: ok, error (the ADD failed with CNI error 11 and is retried), unreadable (another IPAM: nothing is kept out of use)."}, []string{"ipam", "result"}),
 
+		RuntimeReads: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "runtime_reads_total",
+			Help: "Readings of the container runtime's pod sandboxes (CRI ListPodSandbox and PodSandboxStatus on --cri-socket) at start-up and during the hold after a lost journal, by result: ok, error (the hold falls back to the pods' own reports, network by network), off (no --cri-socket)."}, []string{"result"}),
 		JournalRecovered: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "journal_recovered_total",
 			Help: "Damaged journals moved aside at start (the attachments were rebuilt from the pods), by reason: truncated, corrupt, incompatible_version."}, []string{"reason"}),
 		HoldActive: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "unattributed_hold_active",
@@ -196,7 +200,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			m.Attachments, m.OpDuration, m.IPWait, m.JournalWrite, m.Errors, m.SpecWrites, m.Conflicts, m.RecordRewinds, m.RecordRecreated, m.LeaderAcks,
 			m.GCCandidates, m.GCCollected, m.GCKept, m.GCFailed, m.GCDryRun, m.GCDeleteToFree, m.GCFullChecks, m.GCQueueDepth,
 			m.Unattributed, m.JournalRecovered, m.HoldActive, m.HandedBack, m.Conns, m.Busy, m.BadRequests, m.AbandonedAdds, m.ReleasesInFlight, m.PodUnknown, m.JournalRefused,
-			m.GCSandboxHeld, m.GCSandboxOutlived, m.PreviousReserved, m.PreviousReads)
+			m.GCSandboxHeld, m.GCSandboxOutlived, m.PreviousReserved, m.PreviousReads, m.RuntimeReads)
 	}
 	return m
 }

@@ -537,6 +537,33 @@ func (s *Service) StartHold(until time.Time) {
 	s.step(func(m *Machine, now time.Time) { m.StartHold(until, now) })
 }
 
+// SetSandboxes hands the machine a reading of the container runtime's pod sandboxes.
+func (s *Service) SetSandboxes(ev ipam.NodeSandboxes) {
+	s.step(func(m *Machine, now time.Time) { m.SetSandboxes(ev, now) })
+}
+
+// RefreshSandboxes hands the machine a new reading during the hold, records what it shows (a
+// rebuild with the pods last set) and evaluates the hold.
+func (s *Service) RefreshSandboxes(ev ipam.NodeSandboxes) {
+	var pods []ipam.Pod
+	s.step(func(m *Machine, now time.Time) {
+		m.SetSandboxes(ev, now)
+		pods = m.Pods()
+	})
+	if _, err := s.rebuild(pods, 1); err != nil {
+		s.log.Error(err, "cannot journal attachments rebuilt during the unattributed hold; the hold stays on")
+		return
+	}
+	s.step(func(m *Machine, now time.Time) { m.EvaluateHold(now) })
+	s.kick()
+}
+
+// Hold reports whether the unattributed hold is on, and its deadline.
+func (s *Service) Hold() (on bool, until time.Time) {
+	s.read(func(m *Machine) { on, until = m.st.Hold() })
+	return on, until
+}
+
 // holdStatus reports the hold for LIST, or nil.
 func holdStatus(m *Machine) *cniproto.Hold {
 	on, until := m.st.Hold()

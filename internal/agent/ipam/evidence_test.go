@@ -111,7 +111,7 @@ func TestRebuildReadsEachNetworkFromItsOwnEvidence(t *testing.T) {
 			},
 			pod: reporting(web, "10.0.0.2"), want: []string{"v4=10.0.0.3"}},
 		{name: "journal beats status on its network only: net1 is still read from network-status",
-			pools: []Pool{poolV4, poolS4},
+			pools:   []Pool{poolV4, poolS4},
 			journal: func(h *harness) { h.mustAddPod("sb1", web) },
 			pod:     withStorage(reporting(web, "10.0.0.9"), "10.99.0.8"),
 			want:    []string{"s4=10.99.0.8", "v4=10.0.0.2"}},

@@ -435,6 +435,9 @@ func (s *State) SetPods(pods []Pod) {
 	}
 }
 
+// Pods returns the pods last set by SetPods.
+func (s *State) Pods() []Pod { return slices.Clone(s.pods) }
+
 // Holding returns what the node holds from pool and whether the controller has said so.
 func (s *State) Holding(pool string) (addr.Set, bool) {
 	p, ok := s.pools[pool]
