@@ -474,6 +474,10 @@ func (s *sim) reconcile() {
 		s.logf("reconcile: holdings refused; catchUp retries")
 		return
 	}
+	// The informers start with a full list: every pod bound to the node is visible.
+	for _, p := range s.pods {
+		p.visible = p.visible || p.inAPI
+	}
 	pods := s.apiPods()
 	s.setPods(pods)
 	n, err := reconcileStart(simStarter{s}, pods, a.dir, a.start, simHold, s.now, logr.Discard())
@@ -646,6 +650,24 @@ func (s *sim) term() {
 		a.m.Written(ids[i], err, s.now)
 		s.flush()
 	}
+	if s.a.synced && s.chance(2) {
+		// The pool monitor's goroutine is not waited for: a last round may come after Close.
+		// Its write is refused (journal.ErrClosed), so nothing it marked is published.
+		id := a.m.ReleaseRound(s.now, false)
+		s.flush()
+		for _, sw := range a.writes {
+			err := a.j.Submit(sw.w.Change, sw.w.Lazy)()
+			s.logf("write %d after Close: %v", sw.w.ID, err)
+			a.m.Written(sw.w.ID, err, s.now)
+		}
+		a.writes = nil
+		s.expect(id, func(ans Answer) {
+			if ans.Err == nil && ans.Round != nil {
+				s.published = ans.Round.Spec
+				s.logf("monitor published the spec after Close")
+			}
+		})
+	}
 	s.endAgent()
 	dir := s.stateCopy()
 	s.logf("SIGTERM: stopped")
@@ -655,7 +677,7 @@ func (s *sim) term() {
 
 // damage loses or damages the journal in dir, sometimes: a replaced disk, a file moved aside.
 func (s *sim) damage(dir string) {
-	if s.rng.IntN(3) != 0 {
+	if !s.chance(2) {
 		return
 	}
 	if simGaps.SecondaryAfterLoss {
@@ -734,13 +756,13 @@ func (c simCollector) collect(path string, cand gc.Candidate, why string) (bool,
 	return ans.Att != nil, nil
 }
 
-func (simCollector) gcDryRun() bool                            { return false }
+func (simCollector) gcDryRun() bool                              { return false }
 func (simCollector) reportGCFailed(string, gc.Candidate, string) {}
 func (c simCollector) reportOutlived(cand gc.Candidate, _ time.Duration) {
 	c.s.logf("collector: sandbox of %s outlives its pod", cand.Key)
 }
-func (c simCollector) Clock() time.Time  { return c.s.now }
-func (simCollector) Metrics() *Metrics { return NewMetrics(nil) }
+func (c simCollector) Clock() time.Time { return c.s.now }
+func (simCollector) Metrics() *Metrics  { return NewMetrics(nil) }
 
 // simPods is the collector's PodSource: the watch's cache and the API server.
 type simPods struct{ s *sim }
@@ -1295,6 +1317,15 @@ var simEvents = []simEvent{
 	{"catchUp retries", 3, func(s *sim) {
 		if !s.apiAway {
 			s.reconcile()
+		}
+	}},
+	{"restart during the hold", 3, func(s *sim) {
+		if on, _ := s.a.m.st.Hold(); on {
+			if s.chance(2) {
+				s.kill()
+			} else {
+				s.term()
+			}
 		}
 	}},
 	{"handback", 1, func(s *sim) {
