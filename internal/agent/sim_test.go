@@ -1408,10 +1408,11 @@ func (s *sim) check() {
 			s.fatalf("live address %s of %s is not among the controller's grants to the node", f.addr, f.key)
 		}
 	}
-	// LIST covers the live set. An agent whose journal was empty at its start covers nothing
-	// before it reconciled: it serves no ADD until then.
+	// LIST covers the live set. An agent that serves no ADD before it reconciled (its journal
+	// was empty, or a hold was under way: openState's offline decision) covers nothing until
+	// then.
 	a := s.a
-	if a.start.journalEmpty && !a.synced {
+	if !a.start.offline && !a.synced {
 		return
 	}
 	for _, f := range live {
