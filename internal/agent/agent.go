@@ -94,7 +94,6 @@ import (
 
 	"github.com/ipwarden/ipwarden/internal/agent/cri"
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
-	"github.com/ipwarden/ipwarden/internal/agent/journal"
 	"github.com/ipwarden/ipwarden/internal/agent/nodesignal"
 	"github.com/ipwarden/ipwarden/internal/cniproto"
 )
@@ -165,9 +164,7 @@ func Run(ctx context.Context, cfg Config) error {
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	metrics := NewMetrics(reg)
 
-	j, snap, recovered, err := journal.OpenOrRecover(cfg.StateDir, journal.Options{Node: cfg.Node, ObserveWrite: func(d time.Duration) {
-		metrics.JournalWrite.Observe(d.Seconds())
-	}}, time.Now())
+	j, st, start, err := openState(cfg.StateDir, cfg.Node, time.Now(), metrics, log)
 	if err != nil {
 		return err
 	}
@@ -176,42 +173,11 @@ func Run(ctx context.Context, cfg Config) error {
 			log.Error(err, "close journal")
 		}
 	}()
-	for _, r := range []string{journal.ReasonTruncated, journal.ReasonCorrupt, journal.ReasonIncompatibleVersion} {
-		metrics.JournalRecovered.WithLabelValues(r)
-	}
-	if recovered != nil {
-		metrics.JournalRecovered.WithLabelValues(recovered.Reason).Inc()
-		log.Error(nil, "the journal is damaged: moved it aside and started an empty one; attachments are rebuilt from the pods' status.podIPs",
-			"reason", recovered.Reason, "problem", recovered.Problem, "movedTo", recovered.MovedTo, "journal", j.Path())
-	}
-	st := ipam.New(cfg.Node)
-	for _, p := range st.Restore(snap) {
-		log.Error(nil, "journal restore found a problem", "problem", p)
-	}
-	if n := st.ClampFuture(time.Now()); n > 0 {
-		log.Info("the journal holds times later than this node's clock (it was stepped back since): they count from now", "times", n)
-	}
-	if snap.IsEmpty() {
-		log.Info("the journal is empty (new node, or the journal was lost): attachments will be rebuilt from the pods' status.podIPs", "journal", j.Path())
-	} else {
-		log.Info("journal loaded", "journal", j.Path(), "attachments", len(snap.Attachments), "cooling", len(snap.Cooling),
-			"releasing", len(snap.Releasing), "lostReservations", st.LostAhead())
-	}
-	if n := st.LostAhead(); n > 0 {
-		log.Error(nil, "the journal holds addresses an older agent reserved ahead and may have handed out without a record of the sandbox: they stay out of use",
-			"addresses", n, "remedy", "docs/operations.md: addresses reserved ahead by an older agent")
-	}
 
 	svc := NewService(st, j, ServiceOptions{Node: cfg.Node, AddressWait: cfg.AddressWait, GCGrace: cfg.GCGrace, GCDryRun: cfg.GCDryRun,
 		LeaseNamespace: cfg.LeaseNamespace, Gated: true, NetnsDirs: cfg.NetnsDirs, RebuildHold: cfg.RebuildHold, HoldDir: cfg.StateDir,
 		Log: log.WithName("service"), Metrics: metrics})
-	offline := st.CanServeOffline()
-	if _, interrupted, _ := journal.HeldUntil(cfg.StateDir); interrupted && offline {
-		// A restart during the hold after a rebuild: which held addresses are unattributed is
-		// decided again once the pods are known, so nothing is served from the journal first.
-		offline = false
-		log.Info("a hold of addresses of unknown owner was under way: ADD waits for the API server to resume it")
-	}
+	offline := start.offline
 	svc.setServeOffline(offline)
 	identity, err := Identity(cfg.StateDir)
 	if err != nil {
@@ -267,7 +233,7 @@ func Run(ctx context.Context, cfg Config) error {
 	gcCtx, stopGC := context.WithCancel(serveCtx)
 	defer stopGC()
 	collected := make(chan struct{})
-	start := startFacts{recovered: recovered, journalEmpty: snap.IsEmpty(), runtime: runtime}
+	start.runtime = runtime
 	go func() {
 		defer close(collected)
 		if err := catchUp(gcCtx, cfg, svc, events, identity, start, log); err != nil && gcCtx.Err() == nil {
@@ -282,13 +248,6 @@ func Run(ctx context.Context, cfg Config) error {
 		return berr
 	}
 	return err
-}
-
-// startFacts is what the start found that catchUp reports or acts on once the API answers.
-type startFacts struct {
-	recovered    *journal.Recovery // a damaged journal was moved aside
-	journalEmpty bool              // new, lost or damaged: the owners of held addresses are unknown
-	runtime      *cri.Reader       // the container runtime, read-only (nil: none configured)
 }
 
 // catchUp connects the agent to the API server, retrying while it is away: it starts the
@@ -375,28 +334,13 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 	}
 	// The node's own evidence first: the sandboxes the runtime shows, for the rebuild and the
 	// hold (docs/design.md, "The node forgets").
-	svc.SetSandboxes(readSandboxes(ctx, start.runtime, svc.Metrics(), log))
-	n, err := svc.Rebuild(pods)
+	ev := readSandboxes(ctx, start.runtime, svc.Metrics(), log)
+	n, err := reconcileStart(svc, pods, ev, cfg.StateDir, start, cfg.RebuildHold, time.Now(), log)
 	if err != nil {
 		return err
 	}
-	// The journal was lost, damaged or is new, or a restart interrupted a hold: the owners of
-	// some held addresses are unknown. The hold starts before any ADD is served from them.
-	heldUntil, interrupted, err := journal.HeldUntil(cfg.StateDir)
-	if err != nil {
-		log.Error(err, "unreadable hold marker: holding for the full --rebuild-hold")
-	}
-	if start.journalEmpty || interrupted {
-		until := time.Now().Add(cfg.RebuildHold)
-		if interrupted && !heldUntil.IsZero() {
-			until = heldUntil
-		}
-		svc.StartHold(until)
-	}
 	if on, _ := svc.Hold(); on {
 		go watchHold(ctx, svc, start.runtime, log)
-	} else {
-		svc.SetSandboxes(ipam.NodeSandboxes{}) // a reading ages: later rebuilds read the pods' reports
 	}
 	svc.setSynced()
 	served, attachments, unknown := svc.servedSummary(cfg.Pools)

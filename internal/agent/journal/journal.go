@@ -219,19 +219,25 @@ func (j *Journal) Commit(ch ipam.Change) error { return j.commit(ch, false) }
 // Any Commit arriving meanwhile writes it at once, with the Commit's change.
 func (j *Journal) CommitLazy(ch ipam.Change) error { return j.commit(ch, true) }
 
-func (j *Journal) commit(ch ipam.Change, lazy bool) error {
+func (j *Journal) commit(ch ipam.Change, lazy bool) error { return j.Submit(ch, lazy)() }
+
+// Submit queues ch as Commit (lazy: CommitLazy) does and returns at once; wait returns the
+// outcome Commit would have, once the change is on disk. A change submitted before Close is
+// written by Close. (The agent's simulation submits the writes in flight when it stops the
+// agent, so that Close, not the simulation, decides their outcome.)
+func (j *Journal) Submit(ch ipam.Change, lazy bool) (wait func() error) {
 	if ch.IsEmpty() {
-		return nil
+		return func() error { return nil }
 	}
 	r := &commitReq{ch: ch, done: make(chan error, 1), lazy: lazy}
 	j.mu.RLock()
 	if j.isClosed {
 		j.mu.RUnlock()
-		return ErrClosed
+		return func() error { return ErrClosed }
 	}
 	j.reqs <- r // the committer drains reqs until Close, which waits for this send
 	j.mu.RUnlock()
-	return <-r.done
+	return func() error { return <-r.done }
 }
 
 // committer writes queued changes, as many as are waiting per transaction. A group of lazy
