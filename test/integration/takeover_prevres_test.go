@@ -5,6 +5,8 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -17,7 +19,9 @@ import (
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/controlplane"
+	"github.com/ipwarden/ipwarden/internal/handback"
 	"github.com/ipwarden/ipwarden/internal/localcluster"
+	prevpkg "github.com/ipwarden/ipwarden/internal/previous"
 )
 
 // slowedIPAM is the previous IPAM of testPreviousSlowedBeforeItsLock: the real plugin and the
@@ -27,6 +31,8 @@ type slowedIPAM struct {
 	bin    string // the real plugin
 	ipam   func(typ string) map[string]any
 	prefix string // its /24, e.g. "10.138.0."
+	// ipwardens lists the addresses of ipwarden's own entries in its store, sorted.
+	ipwardens func(t *testing.T) []string
 }
 
 // TestTakeoverWhileAHostLocalADDWaitsForItsLock: a pod's ADD goes through host-local just before
@@ -52,6 +58,19 @@ func TestTakeoverWhileAHostLocalADDWaitsForItsLock(t *testing.T) {
 			return map[string]any{"type": typ, "dataDir": dataDir, "ranges": [][]map[string]string{{{"subnet": "10.138.0.0/24",
 				"rangeStart": "10.138.0.16", "rangeEnd": "10.138.0.47", "gateway": "10.138.0.1"}}}}
 		},
+		ipwardens: func(t *testing.T) []string {
+			files, err := handback.ReadExisting(filepath.Join(dataDir, "podnet"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			var out []netip.Addr
+			for a, content := range files {
+				if prevpkg.IsOwnHostLocal(content) {
+					out = append(out, a)
+				}
+			}
+			return sortedAddrs(out)
+		},
 	})
 }
 
@@ -72,6 +91,16 @@ func TestTakeoverWhileAWhereaboutsADDWaitsForItsLock(t *testing.T) {
 		ipam: func(typ string) map[string]any {
 			return map[string]any{"type": typ, "range": "10.139.0.0/24", "range_start": "10.139.0.16", "range_end": "10.139.0.47",
 				"gateway": "10.139.0.1", "configuration_path": flat}
+		},
+		ipwardens: func(t *testing.T) []string {
+			_, mine := whereaboutsAllocations(t)
+			var out []netip.Addr
+			for _, r := range mine {
+				if strings.HasPrefix(r.IP.String(), "10.139.0.") {
+					out = append(out, r.IP)
+				}
+			}
+			return sortedAddrs(out)
 		},
 	})
 }
@@ -136,8 +165,13 @@ printf '%%s' "$conf" | %[3]q
 		_, _ = runPlugin(t, prev.bin, cniPath, "DEL", oldConf, name+"-old", podArgs("default", old.Name, string(old.UID)))
 	})
 
-	// ipwarden's pool: the previous IPAM's whole range.
-	agentPool(t, name, name, ipwardenv1.IPPoolSpec{CIDRs: []ipwardenv1.CIDR{ipwardenv1.CIDR(ip(16) + "/28"), ipwardenv1.CIDR(ip(32) + "/28")},
+	// ipwarden's pool: the previous IPAM's whole range, address by address (a /28 would keep
+	// its first and last address out of the pool).
+	var cidrs []ipwardenv1.CIDR
+	for n := 16; n <= 47; n++ {
+		cidrs = append(cidrs, ipwardenv1.CIDR(ip(n)+"/32"))
+	}
+	agentPool(t, name, name, ipwardenv1.IPPoolSpec{CIDRs: cidrs,
 		Scaling: ipwardenv1.Scaling{BatchSize: 8, BufferPercent: 0, MaxPerNode: 32}, ReuseCooldown: cooldown(0)})
 	eventually(t, 30*time.Second, "the old pod's address to be adopted", func() error {
 		if p := ag.pool(t, name); p.Adopted != 1 {
@@ -203,6 +237,10 @@ printf '%%s' "$conf" | %[3]q
 			}
 		}
 	}
+	// Each answered ADD's address is ipwarden's in the previous IPAM's own store.
+	if got, want := prev.ipwardens(t), sortedAddrs(addrsOf(t, slices.Collect(maps.Keys(given)))); !slices.Equal(got, want) {
+		t.Fatalf("ipwarden's entries in %s's store %v, want the 20 addresses it answered %v", prev.typ, got, want)
+	}
 	select {
 	case a := <-answered:
 		t.Fatalf("the previous IPAM's ADD answered before the gate opened: %v %s", a.err, a.out)
@@ -222,6 +260,7 @@ printf '%%s' "$conf" | %[3]q
 	if got == ip(16) {
 		t.Fatalf("%s gave the slowed pod %s, the old pod's", prev.typ, got)
 	}
+	t.Logf("ipwarden gave %d pods %s; %s gave the slowed pod %s", len(given), strings.Join(slices.Sorted(maps.Keys(given)), ","), prev.typ, got)
 	setPodIP(t, slowPod, got)
 	t.Cleanup(func() {
 		_, _ = runPlugin(t, prev.bin, cniPath, "DEL", oldConf, cid, podArgs("default", slowPod.Name, string(slowPod.UID)))
@@ -243,4 +282,38 @@ printf '%%s' "$conf" | %[3]q
 	if t.Failed() {
 		t.Fatalf("ipwarden check: %s", stderr)
 	}
+
+	// The new pods end: their DELs (through ipwarden's plugin, which also runs the previous
+	// IPAM's DEL) free their addresses, and the agent removes its entries from the previous
+	// IPAM's store once each free is journaled.
+	for _, p := range pods {
+		if _, e := runPlugin(t, cniBinary(t), cniPath, "DEL", newConf, p.Name, podArgs("default", p.Name, string(p.UID))); e != nil {
+			t.Fatalf("DEL of %s: %v", p.Name, e)
+		}
+	}
+	eventually(t, 10*time.Second, "ipwarden's entries to leave the previous IPAM's store", func() error {
+		if got := prev.ipwardens(t); len(got) != 0 {
+			return fmt.Errorf("ipwarden's entries %v", got)
+		}
+		return nil
+	})
+}
+
+func addrsOf(t *testing.T, ss []string) []netip.Addr {
+	t.Helper()
+	out := make([]netip.Addr, len(ss))
+	for i, s := range ss {
+		out[i] = netip.MustParseAddr(s)
+	}
+	return out
+}
+
+// sortedAddrs renders as, sorted by address.
+func sortedAddrs(as []netip.Addr) []string {
+	slices.SortFunc(as, func(x, y netip.Addr) int { return x.Compare(y) })
+	out := make([]string, len(as))
+	for i, a := range as {
+		out[i] = a.String()
+	}
+	return out
 }
