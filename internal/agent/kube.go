@@ -49,10 +49,12 @@ type Kube struct {
 	// prevw writes ipwarden's allocations into Whereabouts' IPPools at ADDs while the CNI
 	// configuration names Whereabouts as "previous" (kube_previous.go): the same unlimited
 	// client as meta.
-	prevw   client.Writer
-	log     logr.Logger
-	svc     *Service
-	trigger chan struct{}
+	prevw client.Writer
+	// wbEditMu serializes the agent's edits of Whereabouts' IPPools (EditWhereaboutsPools).
+	wbEditMu sync.Mutex
+	log      logr.Logger
+	svc      *Service
+	trigger  chan struct{}
 	// podDeleted, when set, also receives the pod informer's delete notifications.
 	podDeleted func(obj any)
 	// ctrlLease is the controller's leader election Lease; onLeader is called when it changes.

@@ -53,6 +53,10 @@ func (k *Kube) listWhereaboutsPools(ctx context.Context) ([]previous.Whereabouts
 // One list and one update per IPPool edited. RBAC: list and update
 // ippools.whereabouts.cni.cncf.io.
 func (k *Kube) EditWhereaboutsPools(ctx context.Context, plan func([]previous.WhereaboutsPool) ([]previous.WhereaboutsEdit, addr.Set, error)) (addr.Set, error) {
+	// The agent's own edits go one at a time: concurrent ADDs would otherwise conflict with
+	// each other on the same IPPool and list again; only Whereabouts' updates remain to race.
+	k.wbEditMu.Lock()
+	defer k.wbEditMu.Unlock()
 	pause := 5 * time.Millisecond
 	for {
 		pools, objs, err := k.listWhereaboutsPools(ctx)
