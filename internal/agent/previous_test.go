@@ -286,3 +286,84 @@ func TestServiceAddPicksAgainWhenThePreviousIPAMTookTheAddress(t *testing.T) {
 	}
 	h.j.neverTwice(t)
 }
+
+// The order around the journal, on the Service with host-local as "previous": the reservation
+// file exists before the ADD's journal write (held here) and the ADD answers after both; a DEL
+// is answered at once but its file stays until the DEL's journal write landed; a journal that
+// refuses the ADD's write leaves no file and the ADD fails with nothing handed out.
+func TestServiceReservationOrderAroundTheJournal(t *testing.T) {
+	h := newSvc(t, 100*time.Millisecond, testV4)
+	h.hold(map[string]string{"v4": "10.1.0.10-10.1.0.13"})
+	data := t.TempDir()
+	dir := filepath.Join(data, "net")
+	prev, _ := json.Marshal(map[string]any{"type": "host-local", "dataDir": data})
+	exists := func(ip string) bool {
+		_, err := os.Stat(filepath.Join(dir, ip))
+		if err != nil && !errors.Is(err, os.ErrNotExist) {
+			t.Fatal(err)
+		}
+		return err == nil
+	}
+	waitFor := func(what string, cond func() bool) {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
+		for !cond() {
+			if time.Now().After(deadline) {
+				t.Fatalf("timed out waiting for %s", what)
+			}
+			time.Sleep(time.Millisecond) // polling a condition, not a synchronization
+		}
+	}
+
+	gate := make(chan struct{})
+	h.j.setBlock(gate)
+	req := addReq("c1")
+	req.Previous = prev
+	answered := make(chan *cniproto.Response, 1)
+	go func() { answered <- h.svc.Handle(context.Background(), req) }()
+	waitFor("the reservation file", func() bool { return exists("10.1.0.10") })
+	select {
+	case r := <-answered:
+		t.Fatalf("the ADD answered %+v before its journal write landed", r)
+	default:
+	}
+	if n := len(h.j.snapshot().Attachments); n != 0 {
+		t.Fatalf("the journal has %d attachments while its write is held", n)
+	}
+	h.j.setBlock(nil)
+	close(gate)
+	if got := addrOfResp(t, <-answered); got != "10.1.0.10" {
+		t.Fatalf("ADD got %s", got)
+	}
+
+	gate = make(chan struct{})
+	h.j.setBlock(gate)
+	if resp := h.svc.Handle(context.Background(), delReq("c1")); resp.Error != nil {
+		t.Fatal(resp.Error)
+	}
+	if !exists("10.1.0.10") {
+		t.Fatal("the DEL's journal write has not landed and the file is gone")
+	}
+	h.j.setBlock(nil)
+	close(gate)
+	waitFor("the file's removal after the DEL's journal write", func() bool { return !exists("10.1.0.10") })
+
+	h.j.setFail(errors.New("write journal: no space left on device"))
+	req = addReq("c2")
+	req.Previous = prev
+	resp := h.do(req)
+	if resp.Error == nil || resp.Error.Code != cniproto.CodeTryAgainLater {
+		t.Fatalf("ADD with the journal refusing: %+v %+v", resp.IPs, resp.Error)
+	}
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range ents {
+		if e.Name() != "lock" {
+			t.Fatalf("a refused ADD left %s in host-local's directory", e.Name())
+		}
+	}
+	h.j.setFail(nil)
+	h.j.neverTwice(t)
+}
