@@ -13,7 +13,6 @@ import (
 	"github.com/ipwarden/ipwarden/internal/addr"
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
 	"github.com/ipwarden/ipwarden/internal/cniproto"
-	"github.com/ipwarden/ipwarden/internal/previous"
 )
 
 // Machine is the node's state as a single-owner machine, in the style of etcd's raft and of the
@@ -552,11 +551,9 @@ func (m *Machine) Written(id uint64, err error, now time.Time) {
 		return
 	}
 	what := map[reqKind]string{reqAdd: "add", reqDel: "del", reqFreeIf: "del"}[r.kind]
-	var taken *previous.TakenError
-	var reserve *ReserveError
 	if err != nil {
 		m.st.Abort(r.plan)
-		if !errors.As(err, &taken) && !errors.As(err, &reserve) {
+		if !isReserveError(err) {
 			m.metrics.JournalRefused.WithLabelValues(what).Inc()
 		}
 	} else {

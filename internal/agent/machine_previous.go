@@ -118,3 +118,11 @@ func (m *Machine) reserveRefused(r *mreq, err error) bool {
 	}
 	return false
 }
+
+// isReserveError reports whether a write's outcome is the previous IPAM's store refusing the
+// reservation (not the journal refusing the write).
+func isReserveError(err error) bool {
+	var taken *previous.TakenError
+	var re *ReserveError
+	return errors.As(err, &taken) || errors.As(err, &re)
+}
