@@ -1159,6 +1159,10 @@ func TestMachinePreviousReservedWithTheAddsWrite(t *testing.T) {
 			if !slices.Equal(got, tc.writes) {
 				t.Fatalf("the ADD's writes recorded %v, want %v", got, tc.writes)
 			}
+			journalRefused := slices.ContainsFunc(tc.outcomes, func(e error) bool { return e != nil && !isReserveError(e) })
+			if n := testutil.ToFloat64(h.m.metrics.JournalRefused.WithLabelValues("add")); (n > 0) != journalRefused {
+				t.Fatalf("journal_refused_total{change=add} = %v: only the journal's refusals count", n)
+			}
 			if tc.wantErr != 0 {
 				if code(a) != tc.wantErr || a.Att != nil || h.attached("c1") {
 					t.Fatalf("ADD answered %s, want code %d and nothing handed out", describeAnswer(a), tc.wantErr)
