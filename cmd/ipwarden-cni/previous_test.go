@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -22,6 +23,7 @@ import (
 	"github.com/ipwarden/ipwarden/internal/agent/journal"
 	"github.com/ipwarden/ipwarden/internal/cniproto"
 	"github.com/ipwarden/ipwarden/internal/localcluster"
+	"github.com/ipwarden/ipwarden/internal/previous"
 )
 
 // podArgs is CNI_ARGS as containerd and CRI-O pass it: IgnoreUnknown=1 lets host-local accept
@@ -203,8 +205,9 @@ func TestPreviousOldPodCheckAndDel(t *testing.T) {
 	}
 }
 
-// ADD never reaches the previous IPAM: host-local's dataDir stays empty (the agent's reading of
-// its reservations creates nothing), and CHECK of the new pod is the agent's alone.
+// ADD never reaches the previous IPAM: host-local does not run (the agent reads its
+// reservations and writes its own reservation file for the new pod's address), and CHECK of the
+// new pod is the agent's alone.
 func TestPreviousAddNeverDelegates(t *testing.T) {
 	dataDir := t.TempDir()
 	sock, reqs := realAgent(t)
@@ -220,8 +223,21 @@ func TestPreviousAddNeverDelegates(t *testing.T) {
 	if _, e := run(t, "CHECK", ipwardenConf(sock, hostLocalIPAM(dataDir), withPrevResult(out)), env...); e != nil {
 		t.Fatalf("CHECK of the new pod: %+v", e)
 	}
-	if ents, err := os.ReadDir(dataDir); err != nil || len(ents) != 0 {
-		t.Fatalf("host-local's dataDir after ADD and CHECK: %v %v, want it empty", ents, err)
+	// host-local never ran (it would have written last_reserved_ip.0); the agent wrote its
+	// own reservation of the new pod's address, under host-local's lock, before it answered.
+	var files []string
+	err := filepath.WalkDir(dataDir, func(path string, d os.DirEntry, err error) error {
+		if err == nil && !d.IsDir() {
+			rel, _ := filepath.Rel(dataDir, path)
+			files = append(files, rel)
+		}
+		return err
+	})
+	if err != nil || !slices.Equal(files, []string{"podnet/10.1.0.5", "podnet/lock"}) {
+		t.Fatalf("host-local's dataDir after ADD and CHECK: %v %v, want the agent's reservation and host-local's lock alone", files, err)
+	}
+	if b, err := os.ReadFile(filepath.Join(dataDir, "podnet", "10.1.0.5")); err != nil || !previous.IsOwnHostLocal(string(b)) {
+		t.Fatalf("the reservation file holds %q (%v), not ipwarden's", b, err)
 	}
 	got := reqs()
 	if len(got) != 2 || got[0].Op != cniproto.OpAdd || got[1].Op != cniproto.OpCheck {

@@ -270,6 +270,7 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 				svc.SetPodLookup(kube.GetPod)
 				svc.SetPodMeta(kube.PodMeta)
 				svc.SetWhereaboutsLister(kube.ListWhereaboutsPools)
+				svc.SetWhereaboutsEditor(kube.EditWhereaboutsPools)
 				collector = NewCollector(svc, kube, CollectorOptions{Grace: cfg.GCGrace, FullCheckInterval: cfg.GCFullCheckInterval,
 					SandboxGrace: cfg.GCSandboxGrace, NetnsDirs: cfg.NetnsDirs, QueueMetrics: svc.Metrics().Queue, Log: log.WithName("gc")})
 				kube.OnPodDelete(collector.OnPodDelete)

@@ -45,10 +45,16 @@ type Kube struct {
 	api   client.Client // uncached: writes and fresh reads
 	// meta reads a pod's and a namespace's metadata at an ADD whose pod the cache lacks: no
 	// client-side rate limit, so such an ADD never queues behind the agent's other requests.
-	meta    client.Reader
-	log     logr.Logger
-	svc     *Service
-	trigger chan struct{}
+	meta client.Reader
+	// prevw writes ipwarden's allocations into Whereabouts' IPPools at ADDs while the CNI
+	// configuration names Whereabouts as "previous" (kube_previous.go): the same unlimited
+	// client as meta.
+	prevw client.Writer
+	// wbEditMu serializes the agent's edits of Whereabouts' IPPools (EditWhereaboutsPools).
+	wbEditMu sync.Mutex
+	log      logr.Logger
+	svc      *Service
+	trigger  chan struct{}
 	// podDeleted, when set, also receives the pod informer's delete notifications.
 	podDeleted func(obj any)
 	// ctrlLease is the controller's leader election Lease; onLeader is called when it changes.
@@ -140,7 +146,7 @@ func NewKube(cfg *rest.Config, scheme *runtime.Scheme, node string, only []strin
 	if err != nil {
 		return nil, fmt.Errorf("create API client: %w", err)
 	}
-	return &Kube{node: node, only: only, ctrlLease: ctrlLease, cache: c, api: api, meta: meta, log: log, svc: svc, trigger: make(chan struct{}, 1)}, nil
+	return &Kube{node: node, only: only, ctrlLease: ctrlLease, cache: c, api: api, meta: meta, prevw: meta, log: log, svc: svc, trigger: make(chan struct{}, 1)}, nil
 }
 
 // metadataConfig is cfg for the reads an ADD makes when the pod watch lacks its pod: without a

@@ -10,6 +10,7 @@ import (
 	"github.com/go-logr/logr"
 	corev1 "k8s.io/api/core/v1"
 
+	"github.com/ipwarden/ipwarden/internal/addr"
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
 	"github.com/ipwarden/ipwarden/internal/cniproto"
 )
@@ -105,12 +106,19 @@ type Ready struct {
 // next write's transaction. Add: the write of an ADD (the failpoint holds those). Release: a
 // DEL's (or a free's) attachment while the node is handed back: once the write landed, and
 // before its outcome is fed back, the driver removes host-local's reservations of it.
+// Reserve: an ADD's addresses to make unavailable in the previous IPAM's store before the
+// journal write (machine_previous.go): when that fails, the journal write is not made and the
+// outcome is that failure; when the journal write fails after it, the reservation is removed
+// again. Unreserve: a free's reservations to remove from the previous IPAM's store once the
+// write landed, before its outcome is fed back.
 type Write struct {
-	ID      uint64
-	Change  ipam.Change
-	Lazy    bool
-	Add     bool
-	Release *ipam.Attachment
+	ID        uint64
+	Change    ipam.Change
+	Lazy      bool
+	Add       bool
+	Release   *ipam.Attachment
+	Reserve   *Reserve
+	Unreserve *Reserve
 }
 
 // PodRead asks the driver for a pod's annotations and namespace (for pool choice).
@@ -288,7 +296,8 @@ func (m *Machine) Request(req cniproto.Request, now time.Time) uint64 {
 	case cniproto.OpAdd:
 		r.kind = reqAdd
 		r.add = ipam.AddRequest{Key: r.key, Network: req.Network, Netns: req.Netns, Pools: req.Pools, PoolNetwork: req.PoolNetwork,
-			Pod: ipam.PodRef{Namespace: req.Pod.Namespace, Name: req.Pod.Name, UID: req.Pod.UID}}
+			Pod:      ipam.PodRef{Namespace: req.Pod.Namespace, Name: req.Pod.Name, UID: req.Pod.UID},
+			Previous: previousStore(req.Previous, req.Network)}
 	case cniproto.OpDel:
 		r.kind = reqDel
 	default:
@@ -404,6 +413,10 @@ func (m *Machine) tryAdd(r *mreq) {
 		// turn came and its pod was read.
 		r.start, r.deadline = now, now.Add(m.cfg.AddressWait)
 	}
+	var rebuilt addr.Set
+	if r.add.Previous != nil {
+		rebuilt = m.rebuiltAddrs(r.add.Pod.UID) // before Add adopts them
+	}
 	att, ch, err := m.st.Add(r.add, now)
 	var short *ipam.ShortError
 	if errors.As(err, &short) {
@@ -458,6 +471,7 @@ func (m *Machine) tryAdd(r *mreq) {
 	// The answer waits for the journal write: an address a runtime was told is on disk first.
 	r.stage, r.att, r.plan = stageWriting, att, ipam.AddPlan{Key: r.key, Change: ch}
 	m.write(r.id, ch, false, true)
+	m.rd.Writes[len(m.rd.Writes)-1].Reserve = reserveOf(att, rebuilt)
 }
 
 // dropWaiter removes r's demand from the state, if it registered one.
@@ -517,6 +531,7 @@ func (m *Machine) tryDel(r *mreq) {
 	if m.st.HandedBack() != nil {
 		m.rd.Writes[len(m.rd.Writes)-1].Release = &att
 	}
+	m.rd.Writes[len(m.rd.Writes)-1].Unreserve = reserveOf(att, addr.Set{})
 }
 
 // Written is the outcome of journal write id.
@@ -538,7 +553,9 @@ func (m *Machine) Written(id uint64, err error, now time.Time) {
 	what := map[reqKind]string{reqAdd: "add", reqDel: "del", reqFreeIf: "del"}[r.kind]
 	if err != nil {
 		m.st.Abort(r.plan)
-		m.metrics.JournalRefused.WithLabelValues(what).Inc()
+		if !isReserveError(err) {
+			m.metrics.JournalRefused.WithLabelValues(what).Inc()
+		}
 	} else {
 		m.st.Apply(r.plan)
 	}
@@ -553,6 +570,9 @@ func (m *Machine) Written(id uint64, err error, now time.Time) {
 
 // addWritten answers ADD r once its write landed or was refused.
 func (m *Machine) addWritten(r *mreq, err error) {
+	if err != nil && m.reserveRefused(r, err) {
+		return
+	}
 	if err != nil {
 		m.reply(r, errResp(cniproto.CodeTryAgainLater, "ipwarden: cannot record the attachment in the journal: "+cniproto.Truncate(err.Error(), 300),
 			"nothing was handed out; check the agent's --state-dir disk"))

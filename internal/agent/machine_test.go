@@ -16,6 +16,7 @@ import (
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
 	"github.com/ipwarden/ipwarden/internal/cniproto"
 	"github.com/ipwarden/ipwarden/internal/podinfo"
+	"github.com/ipwarden/ipwarden/internal/previous"
 )
 
 // The tests of the Machine's ordering rules (see its doc comment). They drive the machine as a
@@ -1149,5 +1150,148 @@ func TestMachineHoldPerNetwork(t *testing.T) {
 				t.Errorf("attached %v, want %v", got, tc.attach)
 			}
 		})
+	}
+}
+
+// An ADD whose configuration names a previous IPAM whose store ipwarden writes (host-local,
+// Whereabouts) carries, with its journal write, the reservation of its addresses in that store
+// (Write.Reserve, which the driver makes first); it is answered only after both. When the
+// previous IPAM reserved the address itself since the reading (a TakenError), nothing is handed
+// out and the ADD picks again with that address out of use; any other failure of the
+// reservation fails the ADD with code 11, nothing handed out. The attachment records the store,
+// and its free carries the removal (Write.Unreserve) with the free's journal write.
+func TestMachinePreviousReservedWithTheAddsWrite(t *testing.T) {
+	hostLocal := `{"type": "host-local", "dataDir": "/var/lib/cni/networks"}`
+	for _, tc := range []struct {
+		name string
+		prev string // the ADD's "previous"
+		// outcomes of the ADD's writes, in turn (a missing one lands)
+		outcomes []error
+		// writes: the address each of the ADD's writes records; reserve: whether they carry
+		// a reservation, and of which store
+		writes  []string
+		store   *ipam.PreviousStore
+		wantIP  string
+		wantErr uint
+	}{
+		{name: "no previous: the journal write alone", writes: []string{"v4=10.1.0.8"}, wantIP: "10.1.0.8/16"},
+		{name: "an IPAM ipwarden does not write: the journal write alone", prev: `{"type": "calico-ipam"}`,
+			writes: []string{"v4=10.1.0.8"}, wantIP: "10.1.0.8/16"},
+		{name: "host-local: its directory is reserved in first", prev: hostLocal, writes: []string{"v4=10.1.0.8"},
+			store: &ipam.PreviousStore{Kind: "host-local", Dir: "/var/lib/cni/networks/net"}, wantIP: "10.1.0.8/16"},
+		{name: "Whereabouts: its IPPools", prev: `{"type": "whereabouts"}`, writes: []string{"v4=10.1.0.8"},
+			store: &ipam.PreviousStore{Kind: "whereabouts"}, wantIP: "10.1.0.8/16"},
+		{name: "taken by host-local since the reading: the ADD picks another", prev: hostLocal,
+			outcomes: []error{&previous.TakenError{Kind: previous.HostLocal, Addrs: addr.MustParseSetString("10.1.0.8")}},
+			writes:   []string{"v4=10.1.0.8", "v4=10.1.0.9"}, store: &ipam.PreviousStore{Kind: "host-local", Dir: "/var/lib/cni/networks/net"},
+			wantIP: "10.1.0.9/16"},
+		{name: "taken twice: the ADD picks a third", prev: `{"type": "whereabouts"}`,
+			outcomes: []error{&previous.TakenError{Kind: previous.Whereabouts, Addrs: addr.MustParseSetString("10.1.0.8")},
+				&previous.TakenError{Kind: previous.Whereabouts, Addrs: addr.MustParseSetString("10.1.0.9")}},
+			writes: []string{"v4=10.1.0.8", "v4=10.1.0.9", "v4=10.1.0.10"}, store: &ipam.PreviousStore{Kind: "whereabouts"}, wantIP: "10.1.0.10/16"},
+		{name: "the reservation fails: code 11, nothing handed out", prev: hostLocal,
+			outcomes: []error{&ReserveError{Kind: "host-local", Err: errors.New("host-local's lock was not released in time")}},
+			writes:   []string{"v4=10.1.0.8"}, store: &ipam.PreviousStore{Kind: "host-local", Dir: "/var/lib/cni/networks/net"},
+			wantErr: cniproto.CodeTryAgainLater},
+		{name: "the journal refuses after the reservation: code 11, nothing handed out", prev: hostLocal, outcomes: []error{errRefused},
+			writes: []string{"v4=10.1.0.8"}, store: &ipam.PreviousStore{Kind: "host-local", Dir: "/var/lib/cni/networks/net"},
+			wantErr: cniproto.CodeTryAgainLater},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newMachine(t, MachineConfig{AddressWait: time.Minute}, testV4)
+			h.hold(map[string]string{"v4": "10.1.0.8-10.1.0.10"})
+			req := addReq("c1")
+			if tc.prev != "" {
+				req.Previous = []byte(tc.prev)
+			}
+			id := h.m.Request(req, h.now)
+			var got []string
+			var a Answer
+			for i := 0; ; i++ {
+				rd := h.ready()
+				if ans, ok := answerOf(rd, id); ok {
+					a = ans
+					break
+				}
+				ws := writesOf(rd, "c1")
+				if len(ws) != 1 {
+					t.Fatalf("ADD's writes %+v, want one", rd.Writes)
+				}
+				w := ws[0]
+				got = append(got, putAddresses(w, "c1"))
+				switch {
+				case tc.store == nil && w.Reserve != nil:
+					t.Fatalf("write %d reserves %+v, want no reservation", i, w.Reserve)
+				case tc.store != nil && (w.Reserve == nil || w.Reserve.Store != *tc.store || len(w.Reserve.Reservations) != 1 ||
+					"v4="+w.Reserve.Reservations[0].Addr.String() != got[i] || w.Reserve.Reservations[0].Pod != "ns/pod-c1" ||
+					w.Reserve.Reservations[0].ContainerID != "c1" || w.Reserve.Reservations[0].IfName != "eth0"):
+					t.Fatalf("write %d reserves %+v, want %+v for %s", i, w.Reserve, tc.store, got[i])
+				}
+				var out error
+				if i < len(tc.outcomes) {
+					out = tc.outcomes[i]
+				}
+				h.m.Written(w.ID, out, h.now)
+			}
+			if !slices.Equal(got, tc.writes) {
+				t.Fatalf("the ADD's writes recorded %v, want %v", got, tc.writes)
+			}
+			journalRefused := slices.ContainsFunc(tc.outcomes, func(e error) bool { return e != nil && !isReserveError(e) })
+			if n := testutil.ToFloat64(h.m.metrics.JournalRefused.WithLabelValues("add")); (n > 0) != journalRefused {
+				t.Fatalf("journal_refused_total{change=add} = %v: only the journal's refusals count", n)
+			}
+			if tc.wantErr != 0 {
+				if code(a) != tc.wantErr || a.Att != nil || h.attached("c1") {
+					t.Fatalf("ADD answered %s, want code %d and nothing handed out", describeAnswer(a), tc.wantErr)
+				}
+				return
+			}
+			if ips(a.Resp) != tc.wantIP || a.Att == nil {
+				t.Fatalf("ADD answered %s, want %s", describeAnswer(a), tc.wantIP)
+			}
+			att, _ := h.m.st.Attachment(ipam.Key{ContainerID: "c1", IfName: "eth0"})
+			if (att.Previous == nil) != (tc.store == nil) || (tc.store != nil && *att.Previous != *tc.store) {
+				t.Fatalf("the attachment records store %+v, want %+v", att.Previous, tc.store)
+			}
+			// The free: its journal write carries the removal from the same store.
+			del := h.m.Request(delReq("c1"), h.now)
+			rd := h.ready()
+			mustAnswer(t, rd, del)
+			ws := writesOf(rd, "c1")
+			if len(ws) != 1 || ws[0].Reserve != nil {
+				t.Fatalf("DEL's writes %+v", rd.Writes)
+			}
+			if u := ws[0].Unreserve; (u == nil) != (tc.store == nil) ||
+				(u != nil && (u.Store != *tc.store || len(u.Reservations) != 1 || "v4="+u.Reservations[0].Addr.String() != tc.writes[len(tc.writes)-1])) {
+				t.Fatalf("DEL's write removes %+v, want store %+v", u, tc.store)
+			}
+		})
+	}
+}
+
+// An ADD that adopts its pod's address (rebuilt from its status: a pod that started through the
+// previous IPAM) reserves it as adopted: the previous IPAM's own reservation of it is no conflict.
+func TestMachinePreviousReservationOfAnAdoptedAddress(t *testing.T) {
+	h := newMachine(t, MachineConfig{AddressWait: time.Minute}, testV4)
+	h.hold(map[string]string{"v4": "10.1.0.8-10.1.0.10"})
+	pod := ipam.Pod{Ref: ipam.PodRef{Namespace: "ns", Name: "pod-c1", UID: "uid-c1"}, IPs: []netip.Addr{netip.MustParseAddr("10.1.0.9")}}
+	id := h.m.Rebuild([]ipam.Pod{pod}, 0, h.now)
+	if a := mustAnswer(t, h.settle(), id); a.Err != nil || a.N != 1 {
+		t.Fatalf("rebuild: %+v", a)
+	}
+	req := addReq("c1")
+	req.Previous = []byte(`{"type": "host-local"}`)
+	id = h.m.Request(req, h.now)
+	rd := h.ready()
+	ws := writesOf(rd, "c1")
+	if len(ws) != 1 || ws[0].Reserve == nil || len(ws[0].Reserve.Reservations) != 1 {
+		t.Fatalf("writes %+v", rd.Writes)
+	}
+	if r := ws[0].Reserve.Reservations[0]; r.Addr != netip.MustParseAddr("10.1.0.9") || !r.Adopted {
+		t.Fatalf("reservation %+v, want the pod's 10.1.0.9, adopted", r)
+	}
+	h.m.Written(ws[0].ID, nil, h.now)
+	if a := mustAnswer(t, h.ready(), id); ips(a.Resp) != "10.1.0.9/16" {
+		t.Fatalf("ADD answered %s", describeAnswer(a))
 	}
 }

@@ -26,6 +26,9 @@ type Metrics struct {
 	// PreviousReads counts the readings of its reservations at ADDs, by IPAM type and result.
 	PreviousReserved *prometheus.GaugeVec
 	PreviousReads    *prometheus.CounterVec
+	// PreviousWrites counts ipwarden's writes into the previous IPAM's store (its reservations
+	// before an ADD answers, their removal after a free), by IPAM type, operation and result.
+	PreviousWrites *prometheus.CounterVec
 	// RuntimeReads counts the readings of the container runtime's pod sandboxes, by result.
 	RuntimeReads *prometheus.CounterVec
 
@@ -114,6 +117,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			"Held addresses of the pool kept out of use because the IPAM the node ran before ipwarden (the CNI configuration's \"previous\") reserves them, as last read at an ADD: a pod that started through it may use them before its status shows it. They become free once that IPAM releases them (the pod's DEL reaches it through \"previous\")."),
 		PreviousReads: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "previous_reads_total",
 			Help: "Readings of the previous IPAM's reservations at ADDs (host-local's files under its lock, Whereabouts' IPPools from the API server), by IPAM type and result: ok, error (the ADD failed with CNI error 11 and is retried), unreadable (another IPAM: nothing is kept out of use)."}, []string{"ipam", "result"}),
+		PreviousWrites: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "previous_writes_total",
+			Help: "ipwarden's writes into the previous IPAM's own store while the CNI configuration names it (\"previous\"): op reserve (an ADD's addresses made unavailable to it before the answer: host-local's file, Whereabouts' IPPool allocation) or release (removed after the free), by IPAM type and result: ok, taken (the previous IPAM reserved the address itself since the last reading: the ADD picks another), error (a reserve fails the ADD with CNI error 11; a failed release leaves the entry, which only keeps the previous IPAM off that address)."}, []string{"ipam", "op", "result"}),
 
 		RuntimeReads: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "runtime_reads_total",
 			Help: "Readings of the container runtime's pod sandboxes (CRI ListPodSandbox and PodSandboxStatus on --cri-socket) at start-up and during the hold after a lost journal, by result: ok, error (the hold falls back to the pods' own reports, network by network), off (no --cri-socket)."}, []string{"result"}),
@@ -200,7 +205,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			m.Attachments, m.OpDuration, m.IPWait, m.JournalWrite, m.Errors, m.SpecWrites, m.Conflicts, m.RecordRewinds, m.RecordRecreated, m.LeaderAcks,
 			m.GCCandidates, m.GCCollected, m.GCKept, m.GCFailed, m.GCDryRun, m.GCDeleteToFree, m.GCFullChecks, m.GCQueueDepth,
 			m.Unattributed, m.JournalRecovered, m.HoldActive, m.HandedBack, m.Conns, m.Busy, m.BadRequests, m.AbandonedAdds, m.ReleasesInFlight, m.PodUnknown, m.JournalRefused,
-			m.GCSandboxHeld, m.GCSandboxOutlived, m.PreviousReserved, m.PreviousReads, m.RuntimeReads)
+			m.GCSandboxHeld, m.GCSandboxOutlived, m.PreviousReserved, m.PreviousReads, m.PreviousWrites, m.RuntimeReads)
 	}
 	return m
 }

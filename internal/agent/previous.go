@@ -2,7 +2,9 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -32,9 +34,27 @@ type previousReads struct {
 	// previous IPAM cannot be read, logged once.
 	last   map[string]addr.Set
 	warned map[string]string
+	// known is, per host-local directory, what the readings found of each file: ipwarden's
+	// own or not (previous.ReadHostLocalKnown), so a file is opened once, not at every ADD.
+	known map[string]map[string]bool
 	// whereabouts lists Whereabouts' IPPools from the API server (Kube.ListWhereaboutsPools);
 	// nil until the agent has an API client.
 	whereabouts atomic.Pointer[func(context.Context) ([]previous.WhereaboutsPool, error)]
+	// editWhereabouts writes ipwarden's allocations into Whereabouts' IPPools
+	// (Kube.EditWhereaboutsPools); nil until the agent has an API client.
+	editWhereabouts atomic.Pointer[WhereaboutsEditor]
+}
+
+// WhereaboutsEditor lists Whereabouts' IPPools fresh, hands them to plan and applies the edits it
+// returns, each an update carrying the object's resourceVersion; on a conflict (Whereabouts, or
+// another writer, updated the IPPool since the list) it lists and plans again, until ctx ends.
+// The taken addresses plan reports refuse the whole change: nothing is updated.
+type WhereaboutsEditor func(ctx context.Context, plan func([]previous.WhereaboutsPool) ([]previous.WhereaboutsEdit, addr.Set, error)) (taken addr.Set, err error)
+
+// SetWhereaboutsEditor sets how the agent writes its own allocations into Whereabouts' IPPools
+// (Kube.EditWhereaboutsPools), for ADDs whose "previous" IPAM is Whereabouts.
+func (s *Service) SetWhereaboutsEditor(f WhereaboutsEditor) {
+	s.prev.editWhereabouts.Store(&f)
 }
 
 // SetWhereaboutsLister sets how the agent lists Whereabouts' IPPool objects from the API server
@@ -119,11 +139,19 @@ func (s *Service) forgetPrevious(network string) {
 }
 
 // readReservations reads src's reservations: host-local's files under its lock, or Whereabouts'
-// IPPools from the API server.
+// IPPools from the API server. The caller holds s.prev.mu.
 func (s *Service) readReservations(ctx context.Context, src previous.Source) (addr.Set, error) {
 	switch src.Kind {
 	case previous.HostLocal:
-		return previous.ReadHostLocal(ctx, src.Dir)
+		if s.prev.known == nil {
+			s.prev.known = map[string]map[string]bool{}
+		}
+		known := s.prev.known[src.Dir]
+		if known == nil {
+			known = map[string]bool{}
+			s.prev.known[src.Dir] = known
+		}
+		return previous.ReadHostLocalKnown(ctx, src.Dir, known)
 	case previous.Whereabouts:
 		list := s.prev.whereabouts.Load()
 		if list == nil {
@@ -136,4 +164,86 @@ func (s *Service) readReservations(ctx context.Context, src previous.Source) (ad
 		return previous.WhereaboutsReserved(pools)
 	}
 	return addr.Set{}, fmt.Errorf("the previous IPAM %q cannot be read", src.Type)
+}
+
+// reservePrevious makes a write's addresses unavailable in the previous IPAM's store
+// (Write.Reserve), bounded by previousReadTimeout: nil, a *previous.TakenError (the previous IPAM
+// reserved one itself; nothing written), or a *ReserveError.
+func (s *Service) reservePrevious(rv Reserve) error {
+	ctx, cancel := context.WithTimeout(context.Background(), previousReadTimeout)
+	defer cancel()
+	var err error
+	switch rv.Store.Kind {
+	case previous.HostLocal.String():
+		err = previous.ReserveHostLocal(ctx, rv.Store.Dir, rv.Reservations)
+	case previous.Whereabouts.String():
+		edit := s.prev.editWhereabouts.Load()
+		if edit == nil {
+			err = errors.New("the agent has no API client yet to write Whereabouts' IPPools")
+			break
+		}
+		var taken addr.Set
+		taken, err = (*edit)(ctx, func(pools []previous.WhereaboutsPool) ([]previous.WhereaboutsEdit, addr.Set, error) {
+			return previous.PlanWhereabouts(rv.Reservations, pools)
+		})
+		if err == nil && !taken.IsEmpty() {
+			err = &previous.TakenError{Kind: previous.Whereabouts, Addrs: taken}
+		}
+	default:
+		err = fmt.Errorf("ipwarden does not write the store of IPAM %q", rv.Store.Kind)
+	}
+	var taken *previous.TakenError
+	switch {
+	case err == nil:
+		s.metrics.PreviousWrites.WithLabelValues(rv.Store.Kind, "reserve", "ok").Inc()
+		return nil
+	case errors.As(err, &taken):
+		s.metrics.PreviousWrites.WithLabelValues(rv.Store.Kind, "reserve", "taken").Inc()
+		return err
+	}
+	s.metrics.PreviousWrites.WithLabelValues(rv.Store.Kind, "reserve", "error").Inc()
+	s.log.Error(err, "cannot make an ADD's addresses unavailable in the previous IPAM's store; the ADD fails and the runtime retries",
+		"ipam", rv.Store.Kind, "addresses", reservationAddrs(rv))
+	return &ReserveError{Kind: rv.Store.Kind, Err: err}
+}
+
+// releasePrevious removes ipwarden's reservations of a freed attachment (or of an ADD whose
+// journal write failed) from the previous IPAM's store. A failure leaves them there: they keep
+// only the previous IPAM off those addresses (ipwarden's readings skip its own), and the next
+// ADD of ipwarden that picks one of them replaces it.
+func (s *Service) releasePrevious(rv Reserve) {
+	ctx, cancel := context.WithTimeout(context.Background(), previousReadTimeout)
+	defer cancel()
+	var err error
+	switch rv.Store.Kind {
+	case previous.HostLocal.String():
+		_, err = previous.UnreserveHostLocal(ctx, rv.Store.Dir, rv.Reservations)
+	case previous.Whereabouts.String():
+		edit := s.prev.editWhereabouts.Load()
+		if edit == nil {
+			err = errors.New("the agent has no API client yet to write Whereabouts' IPPools")
+			break
+		}
+		_, err = (*edit)(ctx, func(pools []previous.WhereaboutsPool) ([]previous.WhereaboutsEdit, addr.Set, error) {
+			edits, err := previous.PlanWhereaboutsRelease(rv.Reservations, pools)
+			return edits, addr.Set{}, err
+		})
+	default:
+		return
+	}
+	if err != nil {
+		s.metrics.PreviousWrites.WithLabelValues(rv.Store.Kind, "release", "error").Inc()
+		s.log.Error(err, "cannot remove ipwarden's reservation from the previous IPAM's store; it keeps the previous IPAM off the address until ipwarden hands it out again",
+			"ipam", rv.Store.Kind, "dir", rv.Store.Dir, "addresses", reservationAddrs(rv))
+		return
+	}
+	s.metrics.PreviousWrites.WithLabelValues(rv.Store.Kind, "release", "ok").Inc()
+}
+
+func reservationAddrs(rv Reserve) string {
+	parts := make([]string, len(rv.Reservations))
+	for i, r := range rv.Reservations {
+		parts[i] = r.Addr.String()
+	}
+	return strings.Join(parts, ",")
 }

@@ -291,17 +291,32 @@ func (s *Service) flushLocked() (after func()) {
 	}
 }
 
-// perform writes w to the journal, removes host-local's files of a DEL's attachment freed while
-// the node is handed back, and feeds the outcome back.
+// perform writes w to the journal, with ipwarden's reservation in the previous IPAM's store
+// before (Write.Reserve) or its removal after (Write.Unreserve), removes host-local's files of a
+// DEL's attachment freed while the node is handed back, and feeds the outcome back.
 func (s *Service) perform(w Write) {
 	write := s.journal.Commit
 	if lc, ok := s.journal.(lazyCommitter); ok && w.Lazy {
 		write = lc.CommitLazy
 	}
+	if w.Reserve != nil {
+		// First the previous IPAM's store, under its lock: a refusal is the write's outcome,
+		// and nothing is journaled.
+		if err := s.reservePrevious(*w.Reserve); err != nil {
+			s.step(func(m *Machine, now time.Time) { m.Written(w.ID, err, now) })
+			return
+		}
+	}
 	if h := beforeAddWrite; h != nil && w.Add {
 		h()
 	}
 	err := write(w.Change)
+	if err != nil && w.Reserve != nil {
+		s.releasePrevious(*w.Reserve) // nothing is handed out
+	}
+	if err == nil && w.Unreserve != nil {
+		s.releasePrevious(*w.Unreserve)
+	}
 	if err == nil && w.Release != nil {
 		// Before Written: the attachment stays busy, and a barrier (LIST, HANDBACK, the stop)
 		// unanswered, until host-local's file of it is gone too.

@@ -74,6 +74,22 @@ func ReadExisting(dir string) (map[netip.Addr]string, error) {
 // overwritten), then the directory is synced. It returns the paths it created; on an error it has
 // removed them again. The caller holds Lock(dir).
 func Write(dir string, files []File) (created []string, err error) {
+	named := make([]Named, len(files))
+	for i, f := range files {
+		named[i] = Named{Addr: f.Addr, Content: f.Content()}
+	}
+	return WriteFiles(dir, named)
+}
+
+// Named is one reservation file with its content as given (package previous writes ipwarden's
+// own, marked, content with it).
+type Named struct {
+	Addr    netip.Addr
+	Content string
+}
+
+// WriteFiles is Write with each file's content given.
+func WriteFiles(dir string, files []Named) (created []string, err error) {
 	defer func() {
 		if err != nil {
 			for _, p := range created {
@@ -85,7 +101,7 @@ func Write(dir string, files []File) (created []string, err error) {
 	}()
 	for _, f := range files {
 		final := filepath.Join(dir, f.Addr.String())
-		if err := writeOne(dir, final, f.Content()); err != nil {
+		if err := writeOne(dir, final, f.Content); err != nil {
 			return created, err
 		}
 		created = append(created, final)
@@ -119,7 +135,7 @@ func writeOne(dir, final, content string) error {
 	}
 	if err := os.Link(tmp.Name(), final); err != nil {
 		if errors.Is(err, os.ErrExist) {
-			return fmt.Errorf("host-local's reservation %s appeared while the handback ran; nothing was overwritten", final)
+			return fmt.Errorf("host-local's reservation %s appeared while it was written; nothing was overwritten", final)
 		}
 		return fmt.Errorf("create %s: %w", final, err)
 	}

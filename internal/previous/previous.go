@@ -22,10 +22,12 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"math/big"
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -122,11 +124,13 @@ func Parse(raw []byte, network string) (Source, error) {
 
 // HostLocalReserved returns the addresses host-local's directory entries name: each reservation
 // is a regular file named by its address (backend/disk: Reserve); the lock, last_reserved_ip.<n>
-// and anything else are not reservations.
+// and anything else are not reservations, nor are ipwarden's own files (reserve.go): their
+// address is ipwarden's, in use by the attachment the file names or, if that attachment is gone
+// (a crash before the file's removal), free for ipwarden's next ADD, which replaces the file.
 func HostLocalReserved(entries []Entry) addr.Set {
 	var as []netip.Addr
 	for _, e := range entries {
-		if !e.Regular {
+		if !e.Regular || e.Own {
 			continue
 		}
 		a, err := netip.ParseAddr(e.Name)
@@ -142,6 +146,8 @@ func HostLocalReserved(entries []Entry) addr.Set {
 type Entry struct {
 	Name    string
 	Regular bool
+	// Own: the file is one of ipwarden's reservations (IsOwnHostLocal).
+	Own bool
 }
 
 // ReadHostLocal reads host-local's reservations in dir under host-local's lock. A missing dir
@@ -152,6 +158,18 @@ type Entry struct {
 // The lock is waited for until ctx ends: host-local holds it for milliseconds per ADD or DEL, and
 // a host-local that hangs holding it must not hang the agent's ADDs with it.
 func ReadHostLocal(ctx context.Context, dir string) (addr.Set, error) {
+	return ReadHostLocalKnown(ctx, dir, nil)
+}
+
+// ReadHostLocalKnown is ReadHostLocal with known, what earlier readings of dir found of each
+// file (name -> whether it is ipwarden's own), updated in place: a file already known is not
+// opened again, so a reading costs a directory listing plus one small read per new file. A name
+// gone from the listing is forgotten. Knowing a file by its name alone is safe both ways: a name
+// ipwarden's file took over from host-local's counts as host-local's, and its address is in use
+// by ipwarden's attachment anyway; a name host-local's file took over from ipwarden's counts as
+// ipwarden's, and ipwarden's reservation of that address, which reads that very file under the
+// lock, finds it host-local's and picks another (TakenError). Nil known reads every file.
+func ReadHostLocalKnown(ctx context.Context, dir string, known map[string]bool) (addr.Set, error) {
 	if _, err := os.Stat(dir); errors.Is(err, os.ErrNotExist) {
 		parent := filepath.Dir(dir)
 		if _, perr := os.Stat(parent); perr != nil {
@@ -174,10 +192,49 @@ func ReadHostLocal(ctx context.Context, dir string) (addr.Set, error) {
 		return addr.Set{}, fmt.Errorf("%s has %d entries, more than the %d the agent reads", dir, len(ents), maxEntries)
 	}
 	es := make([]Entry, len(ents))
+	seen := make(map[string]bool, len(ents))
 	for i, e := range ents {
 		es[i] = Entry{Name: e.Name(), Regular: e.Type().IsRegular()}
+		if _, err := netip.ParseAddr(e.Name()); err != nil || !es[i].Regular {
+			continue
+		}
+		seen[e.Name()] = true
+		own, ok := known[e.Name()]
+		if !ok {
+			if own, err = ownFile(filepath.Join(dir, e.Name())); err != nil {
+				return addr.Set{}, fmt.Errorf("read host-local's reservations in %s: %w", dir, err)
+			}
+			if known != nil {
+				known[e.Name()] = own
+			}
+		}
+		es[i].Own = own
+	}
+	for n := range known {
+		if !seen[n] {
+			delete(known, n)
+		}
 	}
 	return HostLocalReserved(es), nil
+}
+
+// ownFile reports whether the reservation file at path is one of ipwarden's: it reads its last
+// bytes only (a container ID, a line break and an interface name are at most a few hundred).
+func ownFile(path string) (bool, error) {
+	f, err := os.Open(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	defer f.Close()
+	b := make([]byte, 512)
+	n, err := f.Read(b)
+	if err != nil && !errors.Is(err, io.EOF) {
+		return false, err
+	}
+	return IsOwnHostLocal(string(b[:n])), nil
 }
 
 // lock takes host-local's lock on dir: an exclusive flock on dir/lock, as host-local's disk
@@ -216,6 +273,8 @@ type WhereaboutsPool struct {
 	// Offsets are the keys of spec.allocations: each reserved address's offset from the
 	// address spec.range is written with (Whereabouts' toIPReservationList).
 	Offsets []string
+	// Allocations are spec.allocations' entries, by offset.
+	Allocations map[string]WhereaboutsAllocation
 }
 
 // WhereaboutsPoolOf reads a Whereabouts IPPool object in its JSON form (as an unstructured
@@ -227,14 +286,25 @@ func WhereaboutsPoolOf(obj map[string]any) WhereaboutsPool {
 	p.Name, _ = meta["name"].(string)
 	p.Range, _ = spec["range"].(string)
 	allocs, _ := spec["allocations"].(map[string]any)
-	for off := range allocs {
+	for off, v := range allocs {
 		p.Offsets = append(p.Offsets, off)
+		m, _ := v.(map[string]any)
+		var a WhereaboutsAllocation
+		a.ID, _ = m["id"].(string)
+		a.PodRef, _ = m["podref"].(string)
+		a.IfName, _ = m["ifname"].(string)
+		if p.Allocations == nil {
+			p.Allocations = map[string]WhereaboutsAllocation{}
+		}
+		p.Allocations[off] = a
 	}
+	slices.Sort(p.Offsets)
 	return p
 }
 
 // WhereaboutsReserved returns the addresses Whereabouts' IPPools reserve: spec.range's address
-// plus each allocation's offset. An IPPool that cannot be read (a bad range or offset) is an
+// plus each allocation's offset; ipwarden's own allocations (reserve.go) are not Whereabouts'
+// reservations. An IPPool that cannot be read (a bad range or offset) is an
 // error: its allocations are reservations the agent cannot place.
 //
 // OverlappingRangeIPReservation objects are not read: Whereabouts writes one after the IPPool
@@ -251,6 +321,9 @@ func WhereaboutsReserved(pools []WhereaboutsPool) (addr.Set, error) {
 		base := pfx.Addr().Unmap()
 		n := base.BitLen() / 8
 		for _, off := range p.Offsets {
+			if strings.HasPrefix(p.Allocations[off].ID, WhereaboutsIDPrefix) {
+				continue // ipwarden's own (reserve.go)
+			}
 			o, err := strconv.ParseUint(off, 10, 64)
 			if err != nil {
 				return addr.Set{}, fmt.Errorf("the Whereabouts IPPool %s: allocation offset %q is not a number", p.Name, off)

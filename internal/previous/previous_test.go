@@ -57,14 +57,16 @@ func TestHostLocalReserved(t *testing.T) {
 		want    string
 	}{
 		{name: "none", want: ""},
-		{name: "reservations, lock and last reserved", entries: []Entry{{"lock", true}, {"last_reserved_ip.0", true},
-			{"10.0.0.12", true}, {"10.0.0.10", true}, {"10.0.0.11", true}}, want: "10.0.0.10-10.0.0.12"},
-		{name: "IPv6 and a temporary file", entries: []Entry{{"fd00::5", true}, {".ipwarden-handback-123", true}, {"fd00::5.tmp", true}},
+		{name: "reservations, lock and last reserved", entries: []Entry{{"lock", true, false}, {"last_reserved_ip.0", true, false},
+			{"10.0.0.12", true, false}, {"10.0.0.10", true, false}, {"10.0.0.11", true, false}}, want: "10.0.0.10-10.0.0.12"},
+		{name: "IPv6 and a temporary file", entries: []Entry{{"fd00::5", true, false}, {".ipwarden-handback-123", true, false}, {"fd00::5.tmp", true, false}},
 			want: "fd00::5"},
-		{name: "a directory named like an address is not a reservation", entries: []Entry{{"10.0.0.9", false}, {"10.0.0.8", true}},
+		{name: "a directory named like an address is not a reservation", entries: []Entry{{"10.0.0.9", false, false}, {"10.0.0.8", true, false}},
 			want: "10.0.0.8"},
-		{name: "a zone is not host-local's", entries: []Entry{{"fe80::1%eth0", true}}, want: ""},
-		{name: "IPv4-mapped is the IPv4 address", entries: []Entry{{"::ffff:10.0.0.7", true}}, want: "10.0.0.7"},
+		{name: "a zone is not host-local's", entries: []Entry{{"fe80::1%eth0", true, false}}, want: ""},
+		{name: "ipwarden's own files are not host-local's reservations", entries: []Entry{{"10.0.0.3", true, true}, {"10.0.0.4", true, false}},
+			want: "10.0.0.4"},
+		{name: "IPv4-mapped is the IPv4 address", entries: []Entry{{"::ffff:10.0.0.7", true, false}}, want: "10.0.0.7"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			got := HostLocalReserved(tc.entries)
@@ -92,6 +94,9 @@ func TestWhereaboutsReserved(t *testing.T) {
 		{name: "bad range", pools: []WhereaboutsPool{{Name: "x", Range: "10.1.0.0"}}, err: "spec.range"},
 		{name: "bad offset", pools: []WhereaboutsPool{{Name: "x", Range: "10.1.0.0/24", Offsets: []string{"-1"}}}, err: "not a number"},
 		{name: "offset beyond the address space", pools: []WhereaboutsPool{{Name: "x", Range: "255.255.255.0/24", Offsets: []string{"256"}}}, err: "beyond"},
+		{name: "ipwarden's own allocations are not Whereabouts' reservations", pools: []WhereaboutsPool{{Range: "10.1.0.0/28", Offsets: []string{"1", "2"},
+			Allocations: map[string]WhereaboutsAllocation{"1": {ID: "ipwarden:c1", PodRef: "default/a"}, "2": {ID: "c2", PodRef: "default/b"}}}},
+			want: "10.1.0.2"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			got, err := WhereaboutsReserved(tc.pools)
@@ -112,7 +117,8 @@ func TestWhereaboutsPoolOf(t *testing.T) {
 	obj := map[string]any{"metadata": map[string]any{"name": "10.244.0.0-24"},
 		"spec": map[string]any{"range": "10.244.0.0/24", "allocations": map[string]any{"10": map[string]any{"id": "c1", "podref": "default/a"}}}}
 	p := WhereaboutsPoolOf(obj)
-	if p.Name != "10.244.0.0-24" || p.Range != "10.244.0.0/24" || len(p.Offsets) != 1 || p.Offsets[0] != "10" {
+	if p.Name != "10.244.0.0-24" || p.Range != "10.244.0.0/24" || len(p.Offsets) != 1 || p.Offsets[0] != "10" ||
+		p.Allocations["10"] != (WhereaboutsAllocation{ID: "c1", PodRef: "default/a"}) {
 		t.Fatalf("WhereaboutsPoolOf = %+v", p)
 	}
 }

@@ -304,18 +304,14 @@ func resultAddr(t *testing.T, out []byte) string {
 	return addrOf(t, r.IPs[0].Address).String()
 }
 
-// whereaboutsReservationList lists the addresses Whereabouts' IPPool objects reserve.
+// whereaboutsReservationList lists the addresses Whereabouts' IPPool objects reserve for
+// Whereabouts (not ipwarden's own allocations).
 func whereaboutsReservationList(t *testing.T) []string {
 	t.Helper()
 	var out []string
-	for _, p := range whereaboutsPools(t) {
-		rs, err := localcluster.WhereaboutsPoolReservations(p)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, r := range rs {
-			out = append(out, r.IP.String())
-		}
+	own, _ := whereaboutsAllocations(t)
+	for _, r := range own {
+		out = append(out, r.IP.String())
 	}
 	return out
 }

@@ -19,6 +19,7 @@ import (
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/controlplane"
 	"github.com/ipwarden/ipwarden/internal/localcluster"
+	prevpkg "github.com/ipwarden/ipwarden/internal/previous"
 )
 
 // Taking over from Whereabouts (localcluster.WhereaboutsVersion, the real plugin and its CRDs on
@@ -111,11 +112,19 @@ func TestTakeoverFromWhereabouts(t *testing.T) {
 	if err := json.Unmarshal(out, &r); err != nil || len(r.IPs) != 1 {
 		t.Fatalf("ipwarden ADD result %s: %v", out, err)
 	}
-	if ip := addrOf(t, r.IPs[0].Address).String(); oldIPs[ip] {
-		t.Fatalf("the new pod got %s, an old pod's address", ip)
+	newIP := addrOf(t, r.IPs[0].Address).String()
+	if oldIPs[newIP] {
+		t.Fatalf("the new pod got %s, an old pod's address", newIP)
 	}
-	if n := whereaboutsReservations(t); n != 3 {
-		t.Fatalf("Whereabouts holds %d reservations after ipwarden's ADD, want the old 3: ADD must never reach it", n)
+	// ADD never reaches Whereabouts (it allocates nothing), but the agent has written its own
+	// allocation of the new pod's address into Whereabouts' IPPool before it answered, so a
+	// Whereabouts ADD still in flight never picks it.
+	own, mine := whereaboutsAllocations(t)
+	if len(own) != 3 {
+		t.Fatalf("Whereabouts holds %d reservations of its own after ipwarden's ADD, want the old 3: ADD must never reach it", len(own))
+	}
+	if len(mine) != 1 || mine[0].IP.String() != newIP || mine[0].ContainerID != prevpkg.OwnWhereaboutsID("wb-new") || mine[0].PodRef != "default/"+fresh.Name {
+		t.Fatalf("ipwarden's allocations in Whereabouts' IPPools %+v, want one of %s for container wb-new", mine, newIP)
 	}
 	// CHECK of an old pod's sandbox, which ipwarden never ADDed, is Whereabouts' to answer.
 	old := olds[0]
@@ -132,6 +141,16 @@ func TestTakeoverFromWhereabouts(t *testing.T) {
 	if n := whereaboutsReservations(t); n != 0 {
 		t.Fatalf("Whereabouts still holds %d reservations after the old pods' DELs", n)
 	}
+	// The new pod ends: the agent removes its allocation once the DEL is journaled.
+	if _, e := runPlugin(t, cniBinary(t), cniPath, "DEL", newConf, "wb-new", podArgs("default", fresh.Name, string(fresh.UID))); e != nil {
+		t.Fatalf("DEL of the new pod: %v", e)
+	}
+	eventually(t, 10*time.Second, "ipwarden's allocation to leave Whereabouts' IPPool", func() error {
+		if _, mine := whereaboutsAllocations(t); len(mine) != 0 {
+			return fmt.Errorf("ipwarden's allocations %+v", mine)
+		}
+		return nil
+	})
 }
 
 // runPlugin runs a CNI plugin binary for one verb with CNI_PATH cniPath and returns its stdout,
@@ -154,18 +173,32 @@ func runPlugin(t *testing.T, bin, cniPath, verb, conf, containerID, podArgs stri
 	return out.Bytes(), nil
 }
 
-// whereaboutsReservations counts the allocations in Whereabouts' IPPool objects.
+// whereaboutsReservations counts Whereabouts' own allocations in its IPPool objects (not
+// ipwarden's, package previous: id "ipwarden:<container>").
 func whereaboutsReservations(t *testing.T) int {
 	t.Helper()
-	n := 0
+	own, _ := whereaboutsAllocations(t)
+	return len(own)
+}
+
+// whereaboutsAllocations reads the allocations of Whereabouts' IPPools: Whereabouts' own, and
+// ipwarden's (written while the node's configuration names Whereabouts as "previous").
+func whereaboutsAllocations(t *testing.T) (own, ipwardens []localcluster.WhereaboutsReservation) {
+	t.Helper()
 	for _, p := range whereaboutsPools(t) {
 		rs, err := localcluster.WhereaboutsPoolReservations(p)
 		if err != nil {
 			t.Fatal(err)
 		}
-		n += len(rs)
+		for _, r := range rs {
+			if strings.HasPrefix(r.ContainerID, prevpkg.WhereaboutsIDPrefix) {
+				ipwardens = append(ipwardens, r)
+			} else {
+				own = append(own, r)
+			}
+		}
 	}
-	return n
+	return own, ipwardens
 }
 
 // whereaboutsPools lists Whereabouts' IPPool objects (their JSON form).

@@ -19,6 +19,7 @@ import (
 
 	"github.com/ipwarden/ipwarden/internal/cniproto"
 	"github.com/ipwarden/ipwarden/internal/localcluster"
+	"github.com/ipwarden/ipwarden/internal/previous"
 )
 
 // inflightIPAM is the previous IPAM of testTakeoverInFlight.
@@ -101,7 +102,7 @@ func whereaboutsReserves(ctx context.Context, n *realNode, ip netip.Addr) (bool,
 			return false, err
 		}
 		for _, r := range rs {
-			if r.IP == ip {
+			if r.IP == ip && !strings.HasPrefix(r.ContainerID, previous.WhereaboutsIDPrefix) {
 				return true, nil
 			}
 		}

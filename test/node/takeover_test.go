@@ -24,6 +24,7 @@ import (
 	"github.com/ipwarden/ipwarden/internal/cniproto"
 	"github.com/ipwarden/ipwarden/internal/controlplane"
 	"github.com/ipwarden/ipwarden/internal/localcluster"
+	"github.com/ipwarden/ipwarden/internal/previous"
 )
 
 const (
@@ -463,6 +464,9 @@ func hostLocalReservations(dataDir string, want []pod) error {
 		if err != nil {
 			return err
 		}
+		if previous.IsOwnHostLocal(string(b)) {
+			continue // ipwarden's own reservation of an address it handed out (package previous)
+		}
 		id, _, _ := strings.Cut(string(b), "\n")
 		got = append(got, e.Name()+"="+strings.TrimSpace(id))
 	}
@@ -497,6 +501,9 @@ func whereaboutsReservations(ctx context.Context, n *realNode, want []pod) error
 			return err
 		}
 		for _, r := range rs {
+			if strings.HasPrefix(r.ContainerID, previous.WhereaboutsIDPrefix) {
+				continue // ipwarden's own allocation of an address it handed out (package previous)
+			}
 			got = append(got, "IPPool "+r.String())
 		}
 	}

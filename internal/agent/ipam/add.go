@@ -24,6 +24,9 @@ type AddRequest struct {
 	// PoolNetwork is the network the CNI configuration names ("network"; "" for the pod
 	// network): only pools of that network serve the attachment.
 	PoolNetwork string
+	// Previous is the previous IPAM's store the attachment's addresses are reserved in before
+	// the ADD is answered (recorded in the attachment); nil for none.
+	Previous *PreviousStore
 }
 
 // PrimaryIfName is the interface a runtime gives the pod network's attachment (CNI_IFNAME).
@@ -248,7 +251,7 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 			ch.DeleteAttachments = append(ch.DeleteAttachments, ph.Key)
 		}
 	}
-	att := &Attachment{Key: req.Key, Network: req.Network, Pod: req.Pod, Addresses: picks, Created: now, Netns: req.Netns}
+	att := &Attachment{Key: req.Key, Network: req.Network, Pod: req.Pod, Addresses: picks, Created: now, Netns: req.Netns, Previous: req.Previous}
 	s.putAttachment(att)
 	s.pending[req.Key] = u
 	delete(s.waiters, req.Key)

@@ -37,6 +37,13 @@ func (s *State) SetPrevious(network string, reserved addr.Set, nodeLocal bool) {
 	s.unionPrevious()
 }
 
+// AddPrevious adds more to what the previous IPAM of CNI network network reserves: addresses it
+// reserved after the last reading, found when ipwarden's own reservation of them was refused
+// (package previous: TakenError). The next reading replaces it all.
+func (s *State) AddPrevious(network string, more addr.Set, nodeLocal bool) {
+	s.SetPrevious(network, s.previous[network].reserved.Union(more), nodeLocal)
+}
+
 // ClearPrevious forgets the previous IPAM of CNI network network: its configuration no longer
 // names one.
 func (s *State) ClearPrevious(network string) {

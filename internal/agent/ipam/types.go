@@ -73,6 +73,19 @@ type Attachment struct {
 	// frees a gone pod's attachment at once only when this path no longer exists (package gc).
 	// Empty in journals written before it was recorded.
 	Netns string `json:"netns,omitempty"`
+	// Previous is where the attachment's addresses were made unavailable in the previous IPAM's
+	// own store before its ADD was answered (its configuration named "previous"); freeing the
+	// attachment removes them there. Nil when none were.
+	Previous *PreviousStore `json:"previous,omitempty"`
+}
+
+// PreviousStore is the store of a previous IPAM that ipwarden writes its own reservations into
+// (package previous, reserve.go).
+type PreviousStore struct {
+	// Kind is "host-local" or "whereabouts".
+	Kind string `json:"kind"`
+	// Dir is host-local's directory of the network's reservations, <dataDir>/<network>.
+	Dir string `json:"dir,omitempty"`
 }
 
 // clone returns a deep copy of a.
