@@ -665,11 +665,9 @@ func (s *Service) notReady(req cniproto.Request) *cniproto.Response {
 	case cniproto.OpAdd, cniproto.OpDel, cniproto.OpCheck, cniproto.OpList, cniproto.OpStatus:
 		return nil
 	}
-	if !s.Ready() {
-		return errResp(cniproto.CodeTryAgainLater, "the ipwarden agent on node "+s.node+" is starting and not serving yet",
-			"it serves once it has reconciled its journal with the API server")
-	}
-	return nil
+	var r *cniproto.Response
+	s.read(func(m *Machine) { r = m.gate.refuseStarting() })
+	return r
 }
 
 func (s *Service) handle(ctx context.Context, req cniproto.Request) *cniproto.Response {
