@@ -21,10 +21,20 @@ import (
 // another holder. Past its permit (its last successful renewal's start plus the Lease duration:
 // the agent was paused, or its renewals fail), an ADD first re-checks the Lease: another agent
 // may have taken it meanwhile.
-// The machine owns it (Machine.gate).
+//
+// The machine owns it (Machine.gate) and asks it at every attempt of an ADD to plan, an ADD
+// waiting for addresses included (machine_gate.go); the driver only feeds it facts.
 type gate struct {
 	node, leaseNS string
 	enforce       bool // off: ADD is always allowed (tests of the request paths)
+
+	// starting: the agent is not serving yet (Service.SetReady); ADD, DEL and CHECK are
+	// refused. Independent of enforce.
+	starting bool
+	// rechecking: a re-check of the Lease asked for by an ADD past its permit runs (Ready.Recheck);
+	// checkedAt: when the last one ended (Machine.LeaseChecked).
+	rechecking bool
+	checkedAt  time.Time
 
 	offline    bool // the journal holds addresses to serve before the API server answers
 	leaseKnown bool // the agent has read the Lease at least once
@@ -55,10 +65,21 @@ func PermitExpired(leaseHeld bool, permit, now time.Time) bool {
 	return leaseHeld && !permit.IsZero() && now.After(permit)
 }
 
-// mustRecheck says whether an ADD must re-check the Lease before the gate is asked
-// (PermitExpired).
+// mustRecheck says whether an ADD must wait for a re-check of the Lease before it is planned
+// (PermitExpired): not when one ended less than recheckEvery ago (the API server is away and
+// every ADD would ask again; the agent then serves from what it holds, as through any outage).
 func (g *gate) mustRecheck(now time.Time) bool {
-	return g.enforce && PermitExpired(g.leaseHeld, g.permit, now)
+	return g.enforce && PermitExpired(g.leaseHeld, g.permit, now) &&
+		(g.rechecking || g.checkedAt.IsZero() || now.Sub(g.checkedAt) >= recheckEvery)
+}
+
+// refuseStarting is the refusal of ADD, DEL and CHECK while the agent is starting, or nil.
+func (g *gate) refuseStarting() *cniproto.Response {
+	if !g.starting {
+		return nil
+	}
+	return errResp(cniproto.CodeTryAgainLater, "the ipwarden agent on node "+g.node+" is starting and not serving yet",
+		"it serves once it has reconciled its journal with the API server")
 }
 
 func (g *gate) setSynced() { g.synced, g.apiErr = true, "" }

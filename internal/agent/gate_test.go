@@ -1,13 +1,18 @@
 package agent
 
 import (
-	"github.com/go-logr/logr"
-	"github.com/ipwarden/ipwarden/internal/agent/ipam"
-
 	"context"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/go-logr/logr"
+
+	"github.com/ipwarden/ipwarden/internal/addr"
+	"github.com/ipwarden/ipwarden/internal/agent/ipam"
+	"github.com/ipwarden/ipwarden/internal/cniproto"
 )
 
 func TestListRefusedOnlyWhileWaiting(t *testing.T) {
@@ -77,25 +82,37 @@ func TestPermitExpired(t *testing.T) {
 	}
 }
 
-// An agent paused past its Lease (permit expired) re-checks it before serving an ADD, and refuses
-// when another agent took it meanwhile; within its permit it asks nothing.
+// An agent paused past its Lease (permit expired) re-checks it before it plans an ADD, and refuses
+// when another agent took it meanwhile; within its permit it asks nothing. The machine asks for
+// the re-check (Ready.Recheck); the Service runs the Lease keeper's round and feeds it back.
 func TestAddPastThePermitRechecksTheLease(t *testing.T) {
+	var mu sync.Mutex
 	now := time.Date(2026, 11, 25, 8, 0, 0, 0, time.UTC)
-	svc := NewService(ipam.New("n1"), &memJournal{}, ServiceOptions{Node: "n1", LeaseNamespace: "ns", Gated: true,
-		Now: func() time.Time { return now }, Log: logr.Discard()})
+	clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
+	svc := NewService(ipam.New("n1"), &memJournal{}, ServiceOptions{Node: "n1", LeaseNamespace: "ns", Gated: true, AddressWait: time.Second,
+		Now: clock, Log: logr.Discard()})
+	if err := svc.SetPools([]ipam.Pool{testV4}, []string{"v4"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := svc.SetHoldings(map[string]addr.Set{"v4": addr.MustParseSetString("10.1.0.8/29")}, RecordOf{}); err != nil {
+		t.Fatal(err)
+	}
+	svc.SetReady(true)
 	svc.setLease(true, "", now.Add(time.Minute))
 	svc.setSynced()
-	rechecks := 0
+	var rechecks atomic.Int32
 	svc.setLeaseRecheck(func(context.Context) {
-		rechecks++
+		rechecks.Add(1)
 		svc.setLease(false, "twin-agent", time.Time{}) // what the Lease shows now
 	})
-	if r := svc.refuseAddNow(context.Background()); r != nil || rechecks != 0 {
-		t.Fatalf("within the permit: refusal %+v after %d re-checks", r, rechecks)
+	if r := svc.Handle(context.Background(), addReq("c1")); r.Error != nil || rechecks.Load() != 0 {
+		t.Fatalf("within the permit: %+v after %d re-checks", r.Error, rechecks.Load())
 	}
+	mu.Lock()
 	now = now.Add(2 * time.Minute) // paused past its Lease
-	r := svc.refuseAddNow(context.Background())
-	if rechecks != 1 || r == nil || !strings.Contains(r.Error.Msg, "twin-agent") {
-		t.Fatalf("past the permit: refusal %+v after %d re-checks; want one re-check and a refusal naming twin-agent", r, rechecks)
+	mu.Unlock()
+	r := svc.Handle(context.Background(), addReq("c2"))
+	if rechecks.Load() != 1 || r.Error == nil || r.Error.Code != cniproto.CodeTryAgainLater || !strings.Contains(r.Error.Msg, "twin-agent") {
+		t.Fatalf("past the permit: %+v after %d re-checks; want one re-check and a refusal naming twin-agent", r.Error, rechecks.Load())
 	}
 }

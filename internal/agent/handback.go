@@ -248,16 +248,6 @@ func (s *Service) handbackStatus(network string, withMark bool) *cniproto.Respon
 	return &cniproto.Response{Handback: st}
 }
 
-// handedBackError answers an ADD on a handed-back node, or is nil.
-func (s *Service) handedBackError() *cniproto.Response {
-	var err error
-	s.read(func(m *Machine) { err = m.st.HandedBackRefusal() })
-	if err == nil {
-		return nil
-	}
-	return addError(err)
-}
-
 // releaseHandedBack removes host-local's reservation files that name att, freed while the node is
 // handed back (handback.Release): a pod deleted before the node's CNI configuration names
 // host-local sends its DEL here, not to host-local, so without this its file would hold its

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -71,8 +72,9 @@ func TestLeaseRenewalWritesWithoutReading(t *testing.T) {
 	if gets.Load() != reads+1 {
 		t.Fatalf("the conflicting renewal read the Lease %d times, want 1", gets.Load()-reads)
 	}
-	if r := svc.refuseAddNow(ctx); r == nil {
-		t.Fatal("ADD is served while another agent holds the Lease")
+	svc.SetReady(true)
+	if r := svc.Handle(ctx, addReq("c1")); r.Error == nil || !strings.Contains(r.Error.Msg, other) {
+		t.Fatalf("ADD while another agent holds the Lease: %+v, want a refusal naming %s", r.Error, other)
 	}
 
 	// Deleted by hand: the renewal over the last write finds nothing and the round creates it.

@@ -44,7 +44,12 @@ import (
 //     without a deadline;
 //   - facts read from the API server and rebuilds (pools, holdings, the record mark, rebuilt
 //     attachments, the release round, the handback mark) are planned one at a time, each against
-//     the state the one before left: the next is planned once the previous one's write landed.
+//     the state the one before left: the next is planned once the previous one's write landed;
+//   - an ADD is planned only while the gate lets it (machine_gate.go): the agent serves, the node
+//     is not handed back, no other holder of the node's Lease was seen, and the first
+//     reconciliation is done (or the journal has addresses to serve from). It is asked at every
+//     attempt, so an ADD waiting for addresses fails as soon as any of them stops holding; past
+//     the Lease's permit an ADD waits for a re-check of the Lease (Recheck) first.
 type Machine struct {
 	cfg     MachineConfig
 	st      *ipam.State
@@ -78,8 +83,13 @@ type MachineConfig struct {
 	HoldMarker bool
 	// Sandbox says whether a network namespace exists (a rebuild's check); nil: unknown.
 	Sandbox func(netns string) ipam.Sandbox
-	Log     logr.Logger
-	Metrics *Metrics
+	// Gated: ADD is planned only as the gate allows (the node's Lease, the first reconciliation
+	// or a journal with holdings; see gate). Off: only readiness and the handback mark refuse it.
+	Gated bool
+	// LeaseNamespace is the namespace of the node's Lease, for the gate's refusal.
+	LeaseNamespace string
+	Log            logr.Logger
+	Metrics        *Metrics
 }
 
 // Ready is what the machine wants done now.
@@ -98,6 +108,9 @@ type Ready struct {
 	Kick, KickNow bool
 	// Changed: the state changed; a driver's waiter on a condition of it looks again.
 	Changed bool
+	// Recheck asks the driver to re-check the node's Lease now (an ADD past the permit waits for
+	// it), then to feed LeaseChecked.
+	Recheck bool
 	// Wake is when the machine wants Tick next (zero: only inputs wake it).
 	Wake time.Time
 }
@@ -206,7 +219,7 @@ func NewMachine(st *ipam.State, cfg MachineConfig) *Machine {
 	}
 	return &Machine{cfg: cfg, st: st, log: cfg.Log, metrics: cfg.Metrics, reqs: map[uint64]*mreq{}, keys: map[ipam.Key][]uint64{},
 		writes: map[uint64]uint64{}, delsOpen: map[uint64]bool{}, conflicts: map[ipam.Address]ipam.Key{},
-		gate: gate{node: cfg.Node}}
+		gate: gate{node: cfg.Node, leaseNS: cfg.LeaseNamespace, enforce: cfg.Gated}}
 }
 
 func (m *Machine) id() uint64 { m.next++; return m.next }
@@ -304,6 +317,11 @@ func (m *Machine) Request(req cniproto.Request, now time.Time) uint64 {
 		r.kind = reqCheck
 		r.check = req.PrevAddresses
 	}
+	if resp := m.gate.refuseStarting(); resp != nil && r.kind != reqAdd {
+		// DEL and CHECK wait for nothing; an ADD asks the gate when its turn comes (run).
+		m.answer(Answer{ID: r.id, Resp: resp})
+		return r.id
+	}
 	m.enqueue(r)
 	return r.id
 }
@@ -350,6 +368,10 @@ func (m *Machine) reply(r *mreq, resp *cniproto.Response) {
 func (m *Machine) run(r *mreq) {
 	switch r.kind {
 	case reqAdd:
+		if resp := m.gateRefusal(); resp != nil {
+			m.reply(r, resp) // refused before its pod is read
+			return
+		}
 		_, known := m.st.Attachment(r.key)
 		if m.cfg.ReadsPods && !known && r.add.Pod.Namespace != "" && r.add.Pod.Name != "" {
 			r.stage = stageReading
@@ -405,8 +427,12 @@ func (m *Machine) Cancel(id uint64, now time.Time) {
 	}
 }
 
-// tryAdd plans ADD r: answer it (repeated, refused), write it, or let it wait.
+// tryAdd plans ADD r: answer it (repeated, refused), write it, or let it wait. The gate is
+// asked first, at every attempt.
 func (m *Machine) tryAdd(r *mreq) {
+	if m.gateAdd(r) {
+		return
+	}
 	now := m.now
 	if r.start.IsZero() {
 		// The wait for addresses (and ipwarden_agent_ip_wait_seconds) starts once the ADD's

@@ -5,7 +5,6 @@ import (
 	"time"
 
 	"github.com/ipwarden/ipwarden/internal/agent/gc"
-	"github.com/ipwarden/ipwarden/internal/cniproto"
 )
 
 // The Service is the one owner of the node's state: its fields (the Machine with the ipam.State and the
@@ -64,7 +63,7 @@ func (s *Service) Clock() time.Time { return s.now() }
 func (s *Service) Metrics() *Metrics { return s.metrics }
 
 func (s *Service) publishesSpec() (ok bool) {
-	s.read(func(m *Machine) { ok = !m.gate.enforce || m.gate.leaseIsHeld() })
+	s.read(func(m *Machine) { ok = m.PublishesSpec() })
 	return ok
 }
 
@@ -73,36 +72,23 @@ func (s *Service) setLeaseRecheck(f func(context.Context)) {
 }
 
 func (s *Service) setLease(held bool, holder string, until time.Time) {
-	s.read(func(m *Machine) { m.gate.setLease(held, holder, until) })
+	s.step(func(m *Machine, now time.Time) { m.SetLease(held, holder, until, now) })
 }
 
-// The start-up (agent.go) says how far it has come: ADD is served only as the gate allows.
+// The start-up (agent.go) says how far it has come: ADD is planned only as the machine's gate
+// allows (machine_gate.go).
 
 // setServeOffline says whether ADD may be served from the journal before the API server answers.
-func (s *Service) setServeOffline(ok bool) { s.read(func(m *Machine) { m.gate.setOffline(ok) }) }
+func (s *Service) setServeOffline(ok bool) { s.read(func(m *Machine) { m.SetServeOffline(ok) }) }
 
 // setStage says what the start-up waits for (ADD's error says it until the first reconciliation).
-func (s *Service) setStage(stage string) { s.read(func(m *Machine) { m.gate.setStage(stage) }) }
+func (s *Service) setStage(stage string) { s.read(func(m *Machine) { m.SetStage(stage) }) }
 
 // setAPIError says why the API server cannot be reached yet.
-func (s *Service) setAPIError(err error) { s.read(func(m *Machine) { m.gate.setAPIError(err) }) }
+func (s *Service) setAPIError(err error) { s.read(func(m *Machine) { m.SetAPIError(err) }) }
 
 // setSynced says the first reconciliation with the API server is done.
-func (s *Service) setSynced() { s.read(func(m *Machine) { m.gate.setSynced() }) }
-
-// refuseAddNow is the gate's refusal of an ADD now, after re-checking the node's Lease when the
-// permit ran out (PermitExpired).
-func (s *Service) refuseAddNow(ctx context.Context) (r *cniproto.Response) {
-	expired := false
-	s.step(func(m *Machine, now time.Time) { expired = m.gate.mustRecheck(now) })
-	if recheck := s.getHooks().recheck; expired && recheck != nil {
-		rctx, cancel := context.WithTimeout(ctx, recheckEvery)
-		recheck(rctx)
-		cancel()
-	}
-	s.read(func(m *Machine) { r = m.gate.refuseAdd() })
-	return r
-}
+func (s *Service) setSynced() { s.read(func(m *Machine) { m.SetSynced() }) }
 
 // nodeEvent records an event on the node's NodeIPAllocation (when events are set up).
 func (s *Service) nodeEvent(typ, reason, msg string) { s.gcr.event(nil, typ, reason, msg) }

@@ -59,7 +59,6 @@ type Service struct {
 	timerAt  time.Time
 	hooks    atomic.Pointer[hooks] // set under mu, read without it
 
-	ready atomic.Bool
 	// handingBack: a handback or its undo runs (one at a time).
 	handingBack atomic.Bool
 	// prev reads the previous IPAM's reservations at ADDs (previous.go).
@@ -127,8 +126,8 @@ func NewService(st *ipam.State, journal Committer, opts ServiceOptions) *Service
 				return ipam.SandboxGone
 			}
 			return ipam.SandboxUnknown
-		}, Log: opts.Log, Metrics: opts.Metrics})
-	m.gate = gate{node: opts.Node, leaseNS: opts.LeaseNamespace, enforce: opts.Gated}
+		}, Gated: opts.Gated, LeaseNamespace: opts.LeaseNamespace, Log: opts.Log, Metrics: opts.Metrics})
+	m.SetReady(false, opts.Now()) // SetReady(true) once the start-up let it serve
 	return &Service{
 		node:       opts.Node,
 		journal:    journal,
@@ -154,7 +153,8 @@ type hooks struct {
 	lookup func(context.Context, gc.Name) gc.Lookup
 	// podMeta reads a pod's annotations and namespace for pool choice (Kube.PodMeta).
 	podMeta func(ctx context.Context, namespace, name, uid string) (ipam.PodMeta, error)
-	// recheck re-checks the node's Lease for an ADD past its permit (NodeLease.recheck).
+	// recheck re-checks the node's Lease for ADDs past its permit (NodeLease.recheck;
+	// Ready.Recheck).
 	recheck func(context.Context)
 }
 
@@ -194,11 +194,17 @@ func (s *Service) kickNow() {
 	}
 }
 
-// SetReady marks the service as serving (after the start-up reconciliation).
-func (s *Service) SetReady(ready bool) { s.ready.Store(ready) }
+// SetReady marks the service as serving (after the start-up reconciliation): a fact of the
+// machine, which refuses ADD, DEL and CHECK until then (Machine.SetReady).
+func (s *Service) SetReady(ready bool) {
+	s.step(func(m *Machine, now time.Time) { m.SetReady(ready, now) })
+}
 
 // Ready reports whether the service serves.
-func (s *Service) Ready() bool { return s.ready.Load() }
+func (s *Service) Ready() (ok bool) {
+	s.read(func(m *Machine) { ok = m.Serving() })
+	return ok
+}
 
 // --- the driver --------------------------------------------------------------------------------
 
@@ -266,6 +272,9 @@ func (s *Service) flushLocked() (after func()) {
 			ctx = w.ctx
 		}
 		go s.readPod(ctx, r)
+	}
+	if rd.Recheck {
+		go s.recheckLease()
 	}
 	if rd.Marker != nil {
 		s.writeMarker(*rd.Marker)
@@ -335,6 +344,17 @@ func (s *Service) readPod(ctx context.Context, r PodRead) {
 		cancel()
 	}
 	s.step(func(m *Machine, now time.Time) { m.PodRead(r.ID, meta, err, now) })
+}
+
+// recheckLease re-checks the node's Lease for the ADDs past the permit (Ready.Recheck): the
+// Lease keeper's round feeds what it found (SetLease), then the machine hears the re-check ended.
+func (s *Service) recheckLease() {
+	if f := s.getHooks().recheck; f != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), recheckEvery)
+		f(ctx)
+		cancel()
+	}
+	s.step(func(m *Machine, now time.Time) { m.LeaseChecked(now) })
 }
 
 // setTimerLocked makes the machine Tick at wake (zero: no timer).
@@ -652,17 +672,9 @@ func (s *Service) HandleRequest(ctx context.Context, req cniproto.Request) (resp
 	return resp, undo
 }
 
-// addRequest runs an ADD and, when it created an attachment, returns how to roll it back.
+// addRequest runs an ADD and, when it created an attachment, returns how to roll it back. The
+// machine asks the gate (readiness, the handback mark, the node's Lease) when it plans it.
 func (s *Service) addRequest(ctx context.Context, req cniproto.Request) (*cniproto.Response, func()) {
-	if bad := s.notReady(req); bad != nil {
-		return bad, nil
-	}
-	if r := s.handedBackError(); r != nil {
-		return r, nil
-	}
-	if r := s.refuseAddNow(ctx); r != nil {
-		return r, nil
-	}
 	resp, created := s.add(ctx, req)
 	if created == nil {
 		return resp, nil
@@ -687,12 +699,17 @@ func (s *Service) rollbackAdd(key ipam.Key, at time.Time) {
 	}
 }
 
+// notReady refuses the requests the driver serves itself (GC, HANDBACK) while the agent is
+// starting. The machine refuses ADD, DEL and CHECK itself (Machine.SetReady); LIST and STATUS
+// answer for themselves.
 func (s *Service) notReady(req cniproto.Request) *cniproto.Response {
-	if req.Op != cniproto.OpList && req.Op != cniproto.OpStatus && !s.Ready() {
-		return errResp(cniproto.CodeTryAgainLater, "the ipwarden agent on node "+s.node+" is starting and not serving yet",
-			"it serves once it has reconciled its journal with the API server")
+	switch req.Op {
+	case cniproto.OpAdd, cniproto.OpDel, cniproto.OpCheck, cniproto.OpList, cniproto.OpStatus:
+		return nil
 	}
-	return nil
+	var r *cniproto.Response
+	s.read(func(m *Machine) { r = m.gate.refuseStarting() })
+	return r
 }
 
 func (s *Service) handle(ctx context.Context, req cniproto.Request) *cniproto.Response {
@@ -975,11 +992,12 @@ func (s *Service) gc(ctx context.Context, req cniproto.Request) *cniproto.Respon
 // status reports whether the agent can serve ADD: it must be ready and some pool must select the
 // node (CNI STATUS; code 50 otherwise).
 func (s *Service) status() *cniproto.Response {
-	if !s.Ready() {
-		return errResp(cniproto.CodeNotAvailable, "the ipwarden agent on node "+s.node+" is starting and not serving yet", "")
-	}
 	var resp *cniproto.Response
 	s.read(func(m *Machine) {
+		if !m.Serving() {
+			resp = errResp(cniproto.CodeNotAvailable, "the ipwarden agent on node "+s.node+" is starting and not serving yet", "")
+			return
+		}
 		if r := m.gate.refuseAdd(); r != nil {
 			resp = errResp(cniproto.CodeNotAvailable, r.Error.Msg, r.Error.Details)
 			return

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	cnitypes "github.com/containernetworking/cni/pkg/types"
 	coordinationv1 "k8s.io/api/coordination/v1"
 	"k8s.io/client-go/util/retry"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -216,23 +217,7 @@ func TestAgentStopsServingWhenItLosesTheLease(t *testing.T) {
 	conf := pluginConf("1.1.0", ag.socket)
 	mustAdd(t, conf, "before")
 
-	setHolder := func(holder string) {
-		t.Helper()
-		if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
-			l := &coordinationv1.Lease{}
-			if err := k8s.Get(context.Background(), client.ObjectKey{Namespace: controlplane.ControllerNamespace, Name: "ipwarden-agent-" + node}, l); err != nil {
-				return err
-			}
-			if holder == "" {
-				l.Spec.HolderIdentity = nil
-			} else {
-				l.Spec.HolderIdentity = &holder
-			}
-			return k8s.Update(context.Background(), l)
-		}); err != nil {
-			t.Fatal(err)
-		}
-	}
+	setHolder := func(holder string) { t.Helper(); setAgentLeaseHolder(t, node, holder) }
 	setHolder("intruder-1")
 	eventually(t, 10*time.Second, "ADD to be refused naming the new holder", func() error {
 		_, e := cni(t, "ADD", conf, "during", podArgs("default", "pod-during", "uid-during"))
@@ -253,6 +238,65 @@ func TestAgentStopsServingWhenItLosesTheLease(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// setAgentLeaseHolder writes holder ("": none) into node's agent Lease, as another agent taking
+// it would.
+func setAgentLeaseHolder(t *testing.T, node, holder string) {
+	t.Helper()
+	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		l := &coordinationv1.Lease{}
+		if err := k8s.Get(context.Background(), client.ObjectKey{Namespace: controlplane.ControllerNamespace, Name: "ipwarden-agent-" + node}, l); err != nil {
+			return err
+		}
+		if holder == "" {
+			l.Spec.HolderIdentity = nil
+		} else {
+			l.Spec.HolderIdentity = &holder
+		}
+		return k8s.Update(context.Background(), l)
+	}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// An ADD already waiting for addresses (the pool is full) when the agent sees another holder of
+// the node's Lease fails at once with the refusal naming it, never later with an address: the
+// machine asks the gate at every attempt, not once before the wait (issue 35).
+func TestAgentWaitingAddRefusedWhenItLosesTheLease(t *testing.T) {
+	const node = "lease-lost-waiting"
+	gcSetup(t, node, "10.147.0.0/29") // six addresses
+	ag := startAgent(t, node, "", "--lease-renew-interval=1s", "--lease-duration=6s", "--address-wait=60s")
+	ag.waitServing(t)
+	conf := pluginConf("1.1.0", ag.socket)
+	for i := range 6 {
+		mustAdd(t, conf, fmt.Sprintf("full-%d", i))
+	}
+	type outcome struct {
+		e     *cnitypes.Error
+		after time.Duration
+	}
+	done := make(chan outcome, 1)
+	start := time.Now()
+	go func() {
+		_, e := cni(t, "ADD", conf, "waiting", podArgs("default", "pod-waiting", "uid-waiting"))
+		done <- outcome{e, time.Since(start)}
+	}()
+	select {
+	case o := <-done:
+		t.Fatalf("the seventh ADD on a full pool did not wait: %+v", o.e)
+	case <-time.After(3 * time.Second):
+	}
+	setAgentLeaseHolder(t, node, "intruder-2")
+	select {
+	case o := <-done:
+		if o.e == nil || o.e.Code != 11 || !strings.Contains(o.e.Msg, "intruder-2") {
+			t.Fatalf("the waiting ADD after the agent lost its Lease: %+v, want code 11 naming intruder-2", o.e)
+		}
+		t.Logf("the waiting ADD was refused %v after it started", o.after.Round(time.Millisecond))
+	case <-time.After(20 * time.Second):
+		t.Fatal("the waiting ADD was still waiting 20s after another agent took the Lease (--address-wait is 60s)")
+	}
 }
 
 // A second agent for the node configured with the same socket path does not take the socket
