@@ -585,6 +585,20 @@ func (s *State) PlanRebuild(pods []Pod, now time.Time, sandbox func(netns string
 					if sandbox != nil && a.Netns != "" {
 						sb = sandbox(a.Netns)
 					}
+					if net == "" && a.Rebuilt && ev.Shows(pod.Ref.UID) && !ev.PodUses(a.Pod.UID, ip) {
+						// Proof beats a report: the runtime shows this pod's ready sandbox with
+						// ip and no sandbox of the owner with it, so the owner's record came from
+						// a stale report (a status written for a sandbox that ended, read before
+						// the runtime was, or while it did not list the new sandbox yet).
+						plan.Problems = append(plan.Problems, fmt.Sprintf("the runtime shows pod %s's sandbox with address %s, recorded for pod %s from its reports, "+
+							"whose sandboxes the runtime shows without it: the address moves to %s", pod.Ref, ip, a.Pod, pod.Ref))
+						touch(owner)
+						a.Addresses = slices.DeleteFunc(a.Addresses, func(ad Address) bool { return ad.Addr == ip })
+						delete(p.inUse, ip)
+						changed[owner] = true
+						picks = append(picks, Address{Pool: name, Addr: ip})
+						continue
+					}
 					if !ReportWins(ip, ownerPod, ownerBound, sb) {
 						plan.Problems = append(plan.Problems, fmt.Sprintf("pod %s shows address %s, which the journal records for %s of pod %s",
 							pod.Ref, ip, owner, a.Pod))
@@ -649,6 +663,9 @@ func (s *State) PlanRebuild(pods []Pod, now time.Time, sandbox func(netns string
 	}
 	for _, k := range sortedKeys(changed) {
 		a := s.atts[k]
+		// An attachment this plan recorded before it lost the address: the journal applies
+		// deletions before puts, so only its last form may be in the change.
+		ch.PutAttachments = slices.DeleteFunc(ch.PutAttachments, func(x Attachment) bool { return x.Key == k })
 		if len(a.Addresses) == 0 {
 			s.dropAttachment(k)
 			ch.DeleteAttachments = append(ch.DeleteAttachments, k)

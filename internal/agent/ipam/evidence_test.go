@@ -227,3 +227,76 @@ func (h *harness) mustAddPod(cid string, pod PodRef) {
 	h.commit(ch)
 	h.s.Apply(AddPlan{Key: key(cid), Change: ch})
 }
+
+// Proof beats another pod's report: an address recorded for a pod from its reports (a stale
+// status, read before the runtime was, or while the runtime did not list the new sandbox yet)
+// moves to the pod whose ready sandbox the runtime shows with it, unless the runtime shows a
+// sandbox of the first pod with it too, or the journal (an ADD here) attaches it.
+func TestRebuildProofBeatsAnotherPodsReport(t *testing.T) {
+	web := PodRef{"ns", "web", "uid-web"}
+	old := PodRef{"ns", "old", "uid-old"} // its sandbox ended; its status still names .8
+	shows := func(sbs ...RuntimeSandbox) NodeSandboxes { return NodeSandboxes{Known: true, Sandboxes: sbs} }
+	webReady := RuntimeSandbox{ID: "sb-web", Pod: web, Ready: true, IPs: []netip.Addr{ip("10.0.0.8")}}
+	for _, tc := range []struct {
+		name string
+		// first is the reading of the rebuild that recorded .8 for old (none: before the runtime
+		// was read).
+		first   *NodeSandboxes
+		journal bool // .8 is old's by an ADD here, not by a report
+		ev      NodeSandboxes
+		oldGets []string
+		webGets []string
+	}{
+		{name: "recorded from the status before the runtime was read",
+			ev: shows(webReady), webGets: []string{"v4=10.0.0.8"}},
+		{name: "recorded while the runtime did not list the new sandbox yet", first: &NodeSandboxes{Known: true},
+			ev: shows(webReady), webGets: []string{"v4=10.0.0.8"}},
+		{name: "one plan: the report is read first, the proof takes it back", first: ptr(shows(webReady)),
+			ev: shows(webReady), webGets: []string{"v4=10.0.0.8"}},
+		{name: "a sandbox of the first pod still has it: a conflict, nothing moves",
+			ev:      shows(webReady, RuntimeSandbox{ID: "sb-old", Pod: old, IPs: []netip.Addr{ip("10.0.0.8")}}),
+			oldGets: []string{"v4=10.0.0.8"}},
+		{name: "the journal attaches it: nothing moves", journal: true,
+			ev: shows(webReady), oldGets: []string{"v4=10.0.0.2"}},
+		{name: "no runtime to ask: reports against reports, nothing moves",
+			ev: NodeSandboxes{}, oldGets: []string{"v4=10.0.0.8"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newHarness(t, poolV4)
+			h.hold("v4", "10.0.0.0/24")
+			oldPod := reporting(old, "10.0.0.8")
+			if tc.journal {
+				h.mustAddPod("sb-old", old) // .2, and its status says so
+				oldPod = reporting(old, "10.0.0.2")
+				tc.ev.Sandboxes[0].IPs = []netip.Addr{ip("10.0.0.2")}
+			}
+			pods := []Pod{oldPod, {Ref: web}}
+			if tc.first != nil {
+				h.s.SetSandboxes(*tc.first)
+			}
+			h.s.SetPods(pods)
+			first := h.s.PlanRebuild(pods, h.now, nil)
+			h.commit(first.Change)
+			h.s.Apply(first)
+			h.s.SetSandboxes(tc.ev)
+			plan := h.s.PlanRebuild(pods, h.now, nil)
+			h.commit(plan.Change)
+			h.s.Apply(plan)
+			if got := attachedTo(h.s, old.UID); !slices.Equal(got, tc.oldGets) {
+				t.Fatalf("old's attachments = %v, want %v (problems %v)", got, tc.oldGets, plan.Problems)
+			}
+			if !tc.journal {
+				if got := attachedTo(h.s, web.UID); !slices.Equal(got, tc.webGets) {
+					t.Fatalf("web's attachments = %v, want %v (problems %v)", got, tc.webGets, plan.Problems)
+				}
+			}
+			// The journal holds what memory holds.
+			h.crash()
+			if got := attachedTo(h.s, old.UID); !slices.Equal(got, tc.oldGets) {
+				t.Fatalf("after a restart old's attachments = %v, want %v", got, tc.oldGets)
+			}
+		})
+	}
+}
+
+func ptr[T any](v T) *T { return &v }

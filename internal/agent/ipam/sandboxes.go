@@ -54,6 +54,11 @@ func (e NodeSandboxes) ReadyIPs(uid string) []netip.Addr {
 	return out
 }
 
+// PodUses reports whether a sandbox of the pod with uid the runtime shows (ready or not) has ip.
+func (e NodeSandboxes) PodUses(uid string, ip netip.Addr) bool {
+	return slices.ContainsFunc(e.Sandboxes, func(sb RuntimeSandbox) bool { return sb.Pod.UID == uid && slices.Contains(sb.IPs, ip) })
+}
+
 // Uses returns every address a sandbox the runtime shows may hold (ready or not).
 func (e NodeSandboxes) Uses() addr.Set {
 	var as []netip.Addr
