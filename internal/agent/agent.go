@@ -164,7 +164,7 @@ func Run(ctx context.Context, cfg Config) error {
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	metrics := NewMetrics(reg)
 
-	j, st, start, err := openState(cfg.StateDir, cfg.Node, time.Now(), metrics, log)
+	j, st, start, err := openState(cfg.StateDir, cfg.Node, time.Now(), cfg.RebuildHold, metrics, log)
 	if err != nil {
 		return err
 	}

@@ -151,6 +151,11 @@ type simIf struct {
 	addr    netip.Addr // what the runtime was told (ifLive, and after)
 	req     uint64     // the request in flight (ifAdding, ifDeleting), on agent gen
 	gen     int
+	// forgotten: the journal that recorded its answer was lost or damaged since. A runtime calls
+	// ADD once per sandbox interface; a repeated ADD models CNI's idempotency, which the agent
+	// keeps from its journal: after the journal is gone the node has no record of which address
+	// the interface was told, so no repeated ADD is sent for it (docs/design.md, invariant 6).
+	forgotten bool
 }
 
 type simSandbox struct {
@@ -438,7 +443,7 @@ func (s *sim) podByUID(uid string) *simPod {
 // journal as the gate allows, then reconciles unless the API server is away.
 func (s *sim) boot(dir string) {
 	s.gen++
-	j, st, start, err := openState(dir, simNode, s.now, NewMetrics(nil), logr.Discard())
+	j, st, start, err := openState(dir, simNode, s.now, simHold, NewMetrics(nil), logr.Discard())
 	if err != nil {
 		s.fatalf("open state: %v", err)
 	}
@@ -831,6 +836,9 @@ func (s *sim) damage(dir string) {
 		}
 		s.logf("journal damaged (meta pages zeroed)")
 		s.counts["journal damaged"]++
+	}
+	for _, f := range s.ifs {
+		f.forgotten = true
 	}
 }
 
@@ -1466,7 +1474,7 @@ var simEvents = []simEvent{
 		}
 	}},
 	{"repeated ADD", 3, func(s *sim) {
-		if f := s.pickIf(ifLive); f != nil {
+		if f := s.pickIf(ifLive); f != nil && !f.forgotten {
 			s.sendAdd(f, "repeated ADD")
 		}
 	}},

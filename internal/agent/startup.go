@@ -28,7 +28,14 @@ type startFacts struct {
 // journal.OpenOrRecover), restores the node's state from it, and decides whether ADD may be
 // served from the journal before the API server answers: only when it holds addresses and no
 // hold after a rebuild was under way. metrics and log receive what it found.
-func openState(dir, node string, now time.Time, metrics *Metrics, log logr.Logger) (*journal.Journal, *ipam.State, startFacts, error) {
+//
+// A journal that is empty (new, lost, or damaged and moved aside) means the owners of the node's
+// held addresses are unknown: the hold after the rebuild must start, until now+hold at the latest.
+// The need is recorded at once, as the hold's marker, before anything is written to the new
+// journal: a restart before the hold starts (the API server away, a write refused, a SIGTERM)
+// finds a journal that is no longer empty and would otherwise serve the addresses of the pods
+// whose records were lost (the agent's simulation found this: seed 16576469368076013389).
+func openState(dir, node string, now time.Time, hold time.Duration, metrics *Metrics, log logr.Logger) (*journal.Journal, *ipam.State, startFacts, error) {
 	j, snap, recovered, err := journal.OpenOrRecover(dir, journal.Options{Node: node, ObserveWrite: func(d time.Duration) {
 		metrics.JournalWrite.Observe(d.Seconds())
 	}}, now)
@@ -61,6 +68,13 @@ func openState(dir, node string, now time.Time, metrics *Metrics, log logr.Logge
 			"addresses", n, "remedy", "docs/operations.md: addresses reserved ahead by an older agent")
 	}
 	start := startFacts{recovered: recovered, journalEmpty: snap.IsEmpty(), offline: st.CanServeOffline()}
+	if start.journalEmpty {
+		if _, marked, _ := journal.HeldUntil(dir); !marked {
+			if err := journal.MarkHold(dir, now.Add(hold)); err != nil {
+				log.Error(err, "cannot record in the state directory that the hold after a rebuild is due; a restart before it starts would not hold")
+			}
+		}
+	}
 	if _, interrupted, _ := journal.HeldUntil(dir); interrupted && start.offline {
 		// A restart during the hold after a rebuild: which held addresses are unattributed is
 		// decided again once the pods are known, so nothing is served from the journal first.
