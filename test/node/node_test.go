@@ -71,7 +71,16 @@ type realNode struct {
 	// refuseSquatter: while set, the sticky StatefulSet's waits fail the test if the squatter
 	// pod has an address (sticky_test.go).
 	refuseSquatter bool
+	// cniNetworks is containerd's max_conf_num: every pod is attached to the first cniNetworks
+	// configs in /etc/cni/net.d, as eth0, eth1, ... (0: containerd's default, 1).
+	cniNetworks int
 }
+
+// runtimeSocket is where the shipped agent DaemonSet finds containerd's CRI socket (its hostPath
+// volume "cri", type Socket). containerd listens in the suite's scratch directory (its shims'
+// command lines name it); the node path is a symlink to it, which the kubelet's hostPath check
+// and the runtime's bind mount follow.
+const runtimeSocket = "/run/containerd/containerd.sock"
 
 func (n *realNode) logf(format string, args ...any) {
 	n.t.Helper()
@@ -86,8 +95,12 @@ func startNode(t *testing.T, ctx context.Context) *realNode {
 // startNodeIn brings the node up with its logs and state in the scratch directory's dir and
 // its node paths (hostDirs) backed by fs, so a test that runs after another in the same suite
 // starts from empty node paths (no journal, kubelet or containerd state of the earlier node).
-func startNodeIn(t *testing.T, ctx context.Context, dir, fs string) *realNode {
+// Each opt configures the node before anything starts.
+func startNodeIn(t *testing.T, ctx context.Context, dir, fs string, opts ...func(*realNode)) *realNode {
 	n := &realNode{t: t, dir: filepath.Join(prep.Scratch, dir)}
+	for _, o := range opts {
+		o(n)
+	}
 	t.Cleanup(n.teardown)
 	must := func(err error) {
 		t.Helper()
@@ -186,6 +199,7 @@ state = "/run/containerd"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/opt/cni/bin"
     conf_dir = "/etc/cni/net.d"
+    max_conf_num = %d
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
     default_runtime_name = "runc"
@@ -193,7 +207,7 @@ state = "/run/containerd"
       runtime_type = "io.containerd.runc.v2"
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
         SystemdCgroup = false
-`, n.criSock, n.criSock+".ttrpc", pauseImage)
+`, n.criSock, n.criSock+".ttrpc", pauseImage, max(n.cniNetworks, 1))
 	cfgPath := filepath.Join(dir, "config.toml")
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
 		return err
@@ -209,7 +223,22 @@ state = "/run/containerd"
 	}
 	n.criConn = conn
 	n.cri = runtimeapi.NewRuntimeServiceClient(conn)
+	if err := linkRuntimeSocket(n.criSock); err != nil {
+		return err
+	}
 	return n.waitContainerd(ctx)
+}
+
+// linkRuntimeSocket makes the node's containerd socket path (runtimeSocket) lead to sock. A
+// power cycle empties /run/containerd; the link is made again at boot.
+func linkRuntimeSocket(sock string) error {
+	if err := os.MkdirAll(filepath.Dir(runtimeSocket), 0o755); err != nil {
+		return err
+	}
+	if err := os.Remove(runtimeSocket); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	return os.Symlink(sock, runtimeSocket)
 }
 
 func (n *realNode) waitContainerd(ctx context.Context) error {
@@ -654,6 +683,9 @@ func (n *realNode) powerCycle(ctx context.Context) error {
 	}
 	n.logf("power cycle: everything on the node killed and volatile state dropped; booting")
 	if err := n.containerd.Restart(); err != nil {
+		return err
+	}
+	if err := linkRuntimeSocket(n.criSock); err != nil {
 		return err
 	}
 	if err := n.waitContainerd(ctx); err != nil {
