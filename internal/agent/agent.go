@@ -259,6 +259,10 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 	var lastLog time.Time
 	var kube *Kube
 	var collector *Collector
+	// The node's own evidence before any rebuild: the informers' first pushes rebuild from the
+	// pods (Service.SetPods) as soon as they start, and a stale status must not be recorded for
+	// a pod whose sandbox the runtime shows with another address. reconcileStart reads again.
+	svc.SetSandboxes(readSandboxes(ctx, start.runtime, svc.Metrics(), log))
 	for {
 		var err error
 		if kube == nil {
@@ -333,8 +337,8 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 		case <-time.After(2 * time.Second):
 		}
 	}
-	// The node's own evidence first: the sandboxes the runtime shows, for the rebuild and the
-	// hold (docs/design.md, "The node forgets").
+	// The node's own evidence, read again now that the pods are known: the sandboxes the runtime
+	// shows, for the rebuild and the hold (docs/design.md, "The node forgets").
 	ev := readSandboxes(ctx, start.runtime, svc.Metrics(), log)
 	n, err := reconcileStart(svc, pods, ev, cfg.StateDir, start, cfg.RebuildHold, time.Now(), log)
 	if err != nil {
