@@ -56,6 +56,8 @@ type Machine struct {
 	log     logr.Logger
 	metrics *Metrics
 	now     time.Time // the time of the input being handled
+	// holdPastDeadline: the hold's deadline passed with addresses still held (reported once).
+	holdPastDeadline bool
 
 	next     uint64
 	reqs     map[uint64]*mreq
@@ -284,8 +286,8 @@ func (m *Machine) wake() time.Time {
 	if short {
 		earliest(m.st.NextCooled(m.now))
 	}
-	if on, until := m.st.Hold(); on {
-		earliest(until)
+	if on, until := m.st.Hold(); on && until.After(m.now) {
+		earliest(until) // past it, what still holds waits for pod events and runtime readings
 	}
 	return w
 }
@@ -743,6 +745,7 @@ func (m *Machine) StartHold(until, now time.Time) {
 		return
 	}
 	m.marker(until)
+	m.holdPastDeadline = false
 	m.metrics.HoldActive.Set(1)
 	ev := m.st.Sandboxes()
 	m.log.Info("rebuilt journal: holding addresses of unknown owner out of use until every pod that may run is accounted for on each pool's network (docs/design.md, \"The node forgets\")",
@@ -766,6 +769,18 @@ func (m *Machine) evaluateHold() bool {
 	}
 	d := m.st.EvaluateHold(m.now)
 	if !d.Release {
+		if d.Reason == ipam.HoldReasonDeadline && !m.holdPastDeadline {
+			m.holdPastDeadline = true
+			left := 0
+			for _, st := range m.st.Stats(m.now) {
+				left += st.Unattributed
+			}
+			m.log.Info("the hold's deadline (--rebuild-hold) passed; addresses the runtime shows in use, and a secondary network's addresses while sandboxes that predate the lost journal run without network-status, stay held",
+				"held", left, "freed", d.Freed())
+			m.rd.Events = append(m.rd.Events, NodeEvent{Type: corev1.EventTypeWarning, Reason: ReasonHoldExpired, Message: fmt.Sprintf(
+				"the hold after the journal was rebuilt reached --rebuild-hold with %d addresses still possibly in use: they stay held while the container runtime shows sandboxes that predate the lost journal "+
+					"and their pods report nothing on those addresses' networks (Multus' network-status); they are freed once those sandboxes are gone", left)})
+		}
 		if n := d.Freed(); n > 0 {
 			kv := []any{"addresses", n}
 			for pool, free := range d.Free {

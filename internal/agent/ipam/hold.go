@@ -72,22 +72,40 @@ func (d HoldDecision) Freed() int {
 // address. Once no pod is waiting on a pool, its unattributed addresses leave the hold except
 // those something may still use: an address a sandbox the runtime shows has, or one a pod that
 // may run reports on the pool's network (reports add protection; they never release it). Those
-// leave once nothing names them any more. At until everything leaves.
-func DecideHold(pools []HoldPool, pods []Pod, ev NodeSandboxes, hasADD func(uid, network string) bool, now, until time.Time) HoldDecision {
+// leave once nothing names them any more. At until everything leaves, except what the runtime
+// still proves may be in use (see predating).
+func DecideHold(pools []HoldPool, pods []Pod, ev NodeSandboxes, hasADD func(uid, network string) bool, attached func(containerID string) bool, now, until time.Time) HoldDecision {
 	d := HoldDecision{Free: map[string]addr.Set{}}
 	if !now.Before(until) {
 		waiting := map[PodRef]bool{}
+		left := false
 		for _, hp := range pools {
-			if !hp.Unattributed.IsEmpty() {
-				d.Free[hp.Name] = hp.Unattributed
-				for _, p := range pods {
-					if !settles(p, hp.Network, ev, hasADD) {
-						waiting[p.Ref] = true
-					}
+			if hp.Unattributed.IsEmpty() {
+				continue
+			}
+			for _, p := range pods {
+				if !settles(p, hp.Network, ev, hasADD) {
+					waiting[p.Ref] = true
 				}
 			}
+			free := hp.Unattributed
+			if ev.Known {
+				// Past the deadline the runtime's proof still stands: what a sandbox it shows has
+				// stays held, and so does a secondary pool while a sandbox that predates the hold
+				// runs unaccounted for on its network (predating).
+				free = free.Subtract(ev.Uses())
+				if hp.Network != "" && predating(hp.Network, pods, ev, attached) {
+					free = addr.Set{}
+				}
+			}
+			if !free.IsEmpty() {
+				d.Free[hp.Name] = free
+			}
+			if !hp.Unattributed.Subtract(free).IsEmpty() {
+				left = true
+			}
 		}
-		d.Release, d.Reason, d.Waiting = true, HoldReasonDeadline, sortedRefs(keysOf(waiting))
+		d.Release, d.Reason, d.Waiting = !left, HoldReasonDeadline, sortedRefs(keysOf(waiting))
 		return d
 	}
 	waiting := map[PodRef]bool{}
@@ -125,6 +143,32 @@ func DecideHold(pools []HoldPool, pods []Pod, ev NodeSandboxes, hasADD func(uid,
 		d.Release, d.Reason = true, HoldReasonAllReported
 	}
 	return d
+}
+
+// predating reports whether the runtime shows a sandbox that may have an address on secondary
+// network without the node knowing which: a sandbox none of whose interfaces this agent attached
+// (attached: by container ID, which is the sandbox ID; so it was set up before the journal was
+// lost) and whose pod is not known not to run (host network, finished) and does not report the
+// network. The runtime cannot say which address such a sandbox has on a secondary network, so the
+// pool's addresses of unknown owner stay held for as long as it runs, past --rebuild-hold: the
+// price is a few held addresses for the life of those pods, never a duplicate. With Multus'
+// network-status on the pods, nothing is held past the deadline.
+func predating(network string, pods []Pod, ev NodeSandboxes, attached func(string) bool) bool {
+	byUID := make(map[string]Pod, len(pods))
+	for _, p := range pods {
+		byUID[p.Ref.UID] = p
+	}
+	for _, sb := range ev.Sandboxes {
+		if attached != nil && attached(sb.ID) {
+			continue
+		}
+		p, known := byUID[sb.Pod.UID]
+		if known && (!p.MayRun() || len(p.Reported(network)) > 0) {
+			continue
+		}
+		return true
+	}
+	return false
 }
 
 // settles reports whether pod p settles a pool of network (see DecideHold).
@@ -231,7 +275,7 @@ func (s *State) EvaluateHold(now time.Time) HoldDecision {
 		return HoldDecision{}
 	}
 	s.observe(now)
-	d := DecideHold(s.holdPools(), s.pods, s.sandboxes, s.hasADD, now, s.holdUntil)
+	d := DecideHold(s.holdPools(), s.pods, s.sandboxes, s.hasADD, s.attachedContainer(), now, s.holdUntil)
 	for name, free := range d.Free {
 		if p := s.pools[name]; p != nil {
 			p.unattributed = p.unattributed.Subtract(free)
@@ -270,6 +314,18 @@ func (s *State) hasADD(uid, network string) bool {
 	return false
 }
 
+// attachedContainer reports whether a container (sandbox) ID has an attachment of this agent's
+// own (not one rebuilt from reports).
+func (s *State) attachedContainer() func(string) bool {
+	ids := make(map[string]bool, len(s.atts))
+	for k := range s.atts {
+		if !k.IsRebuilt() {
+			ids[k.ContainerID] = true
+		}
+	}
+	return func(id string) bool { return ids[id] }
+}
+
 // networkOf is the network of pool ("" for the pod network, and for a pool the node does not
 // know).
 func (s *State) networkOf(pool string) string {
@@ -294,5 +350,5 @@ func (s *State) HoldWaiting() []PodRef {
 	if s.holdUntil.IsZero() {
 		return nil
 	}
-	return DecideHold(s.holdPools(), s.pods, s.sandboxes, s.hasADD, s.clock, s.holdUntil).Waiting
+	return DecideHold(s.holdPools(), s.pods, s.sandboxes, s.hasADD, s.attachedContainer(), s.clock, s.holdUntil).Waiting
 }

@@ -80,6 +80,21 @@ func TestDecideHold(t *testing.T) {
 			map[string]addr.Set{}, []PodRef{{"ns", "x", ""}}},
 		{"deadline: everything leaves, naming those it waited for", []Pod{eth0, {Ref: db}}, NodeSandboxes{}, nil, until, true, HoldReasonDeadline,
 			v4s4([]string{"10.0.0.8", "10.0.0.9"}, []string{"10.99.0.8", "10.99.0.9"}), []PodRef{db, web}},
+		{"deadline with the runtime: what a sandbox has stays held", []Pod{both}, NodeSandboxes{Known: true,
+			Sandboxes: []RuntimeSandbox{{ID: "sb-attached", Pod: web, Ready: true, IPs: []netip.Addr{ip("10.0.0.8")}}}}, nil, until, false, HoldReasonDeadline,
+			v4s4([]string{"10.0.0.9"}, []string{"10.99.0.8", "10.99.0.9"}), nil},
+		{"deadline: a sandbox that predates the hold, its pod silent on storage, keeps the secondary pool held", []Pod{eth0}, NodeSandboxes{Known: true,
+			Sandboxes: []RuntimeSandbox{{ID: "sb-old", Pod: web, Ready: true, IPs: []netip.Addr{ip("10.0.0.8")}}}}, nil, until, false, HoldReasonDeadline,
+			v4("10.0.0.9"), []PodRef{web}},
+		{"deadline: a predating sandbox of a host-network pod holds nothing", []Pod{{Ref: db, HostNetwork: true}}, NodeSandboxes{Known: true,
+			Sandboxes: []RuntimeSandbox{{ID: "sb-host", Pod: db, Ready: true}}}, nil, until, true, HoldReasonDeadline,
+			v4s4([]string{"10.0.0.8", "10.0.0.9"}, []string{"10.99.0.8", "10.99.0.9"}), nil},
+		{"deadline: a predating sandbox of a pod the node does not list keeps it held", nil, NodeSandboxes{Known: true,
+			Sandboxes: []RuntimeSandbox{{ID: "sb-gone", Pod: db, Ready: false}}}, nil, until, false, HoldReasonDeadline,
+			v4("10.0.0.8", "10.0.0.9"), nil},
+		{"deadline: a sandbox this agent attached (set up since) holds nothing", []Pod{{Ref: web, IPs: []netip.Addr{ip("10.0.0.8")}}}, NodeSandboxes{Known: true,
+			Sandboxes: []RuntimeSandbox{{ID: "sb-attached", Pod: web, Ready: true}}}, nil, until, true, HoldReasonDeadline,
+			v4s4([]string{"10.0.0.8", "10.0.0.9"}, []string{"10.99.0.8", "10.99.0.9"}), []PodRef{web}},
 		{"just before the deadline", []Pod{{Ref: db}}, NodeSandboxes{}, nil, until.Add(-time.Nanosecond), false, "", map[string]addr.Set{}, []PodRef{db}},
 		{"waiting sorted", []Pod{{Ref: db}, {Ref: PodRef{"a", "z", "u1"}}}, NodeSandboxes{}, nil, t0, false, "", map[string]addr.Set{},
 			[]PodRef{{"a", "z", "u1"}, db}},
@@ -87,7 +102,7 @@ func TestDecideHold(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			hasADD := func(uid, network string) bool { n, ok := tc.adds[uid]; return ok && n == network }
-			d := DecideHold(pools, tc.pods, tc.ev, hasADD, tc.now, until)
+			d := DecideHold(pools, tc.pods, tc.ev, hasADD, func(cid string) bool { return cid == "sb-attached" }, tc.now, until)
 			if d.Release != tc.release || d.Reason != tc.reason || !reflect.DeepEqual(d.Waiting, tc.waiting) || !equalFree(d.Free, tc.free) {
 				t.Fatalf("DecideHold = %+v, want release %v reason %q free %v waiting %v", d, tc.release, tc.reason, tc.free, tc.waiting)
 			}
