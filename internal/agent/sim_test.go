@@ -233,7 +233,6 @@ type sim struct {
 	published []ipam.PoolRequest       // the node's spec as last published by its pool monitor
 	apiAway   bool
 	diskFull  int // writes still to refuse
-	failed    string
 	// multus: the cluster runs Multus, which writes each pod's network-status (per seed).
 	multus bool
 	// nextRuntime is decided at a restart, before the journal may be lost: whether the next
