@@ -302,6 +302,9 @@ func (s *Service) perform(w Write) {
 		h()
 	}
 	err := write(w.Change)
+	if h := afterAddWrite; h != nil && w.Add {
+		h()
+	}
 	if err == nil && w.Release != nil {
 		// Before Written: the attachment stays busy, and a barrier (LIST, HANDBACK, the stop)
 		// unanswered, until host-local's file of it is gone too.
@@ -766,6 +769,10 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 // beforeAddWrite, when set (a build with the failpoints tag), runs before an ADD's journal
 // write: the crash tests hold it there and kill or stop the agent.
 var beforeAddWrite func()
+
+// afterAddWrite, when set (a build with the failpoints tag), runs once an ADD's journal write
+// returned and before its outcome is fed back (and the ADD answered).
+var afterAddWrite func()
 
 func addError(err error) *cniproto.Response {
 	var ce *ipam.ConfigError
