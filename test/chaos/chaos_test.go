@@ -279,6 +279,7 @@ func (x *chaos) setup() {
 		t.Fatal(err)
 	}
 	x.tracker = check.NewTracker()
+	x.tracker.SetPoolNetworks(map[string]string{storagePool: storageNetwork})
 	go x.tracker.Watch(superCtx, wc, nil)
 	localcluster.IPAMOnly()
 	for i := 1; i <= 3; i++ {
