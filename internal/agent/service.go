@@ -320,6 +320,9 @@ func (s *Service) perform(w Write) {
 		h()
 	}
 	err := write(w.Change)
+	if h := afterAddWrite; h != nil && w.Add {
+		h()
+	}
 	if err != nil && w.Reserve != nil {
 		s.releasePrevious(*w.Reserve) // nothing is handed out
 	}
@@ -798,6 +801,10 @@ func (s *Service) add(ctx context.Context, req cniproto.Request) (*cniproto.Resp
 // beforeAddWrite, when set (a build with the failpoints tag), runs before an ADD's journal
 // write: the crash tests hold it there and kill or stop the agent.
 var beforeAddWrite func()
+
+// afterAddWrite, when set (a build with the failpoints tag), runs once an ADD's journal write
+// returned and before its outcome is fed back (and the ADD answered).
+var afterAddWrite func()
 
 func addError(err error) *cniproto.Response {
 	var ce *ipam.ConfigError

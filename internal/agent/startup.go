@@ -58,7 +58,7 @@ func openState(dir, node string, now time.Time, hold time.Duration, metrics *Met
 		log.Info("the journal holds times later than this node's clock (it was stepped back since): they count from now", "times", n)
 	}
 	if snap.IsEmpty() {
-		log.Info("the journal is empty (new node, or the journal was lost): attachments will be rebuilt from the pods' status.podIPs", "journal", j.Path())
+		log.Info("the journal is empty (new node, or the journal was lost): attachments will be rebuilt from what the node shows (the runtime's sandboxes, the pods' reports) and a hold is due", "journal", j.Path())
 	} else {
 		log.Info("journal loaded", "journal", j.Path(), "attachments", len(snap.Attachments), "cooling", len(snap.Cooling),
 			"releasing", len(snap.Releasing), "lostReservations", st.LostAhead())

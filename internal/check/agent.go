@@ -25,6 +25,7 @@ func FromAgent(node string, atts []cniproto.Attachment) []Attachment {
 			}
 			if addr, err := netip.ParseAddr(s); err == nil {
 				at.Addrs = append(at.Addrs, addr)
+				at.AddrPools = append(at.AddrPools, ip.Pool)
 			}
 		}
 		out = append(out, at)

@@ -33,8 +33,12 @@ type Attachment struct {
 	Addrs        []netip.Addr
 	// Pool is the pool of the attachment's first address ("" when the agent does not say): its
 	// spec.network says which network the addresses are on.
-	Pool    string
-	Created time.Time
+	Pool string
+	// AddrPools is the pool of each address of Addrs where the agent says (a journal rebuilt
+	// from the pods' reports attaches one pod's addresses on several networks under one key);
+	// an address without one is in Pool.
+	AddrPools []string
+	Created   time.Time
 	// Sandbox is what the agent sees of the network namespace recorded at ADD: "gone",
 	// "exists", "unknown" or "unrecorded" ("" from an agent that does not say).
 	Sandbox string
@@ -242,11 +246,21 @@ func Check(in Input) Report {
 			r.Attachments++
 			s := addr.SetOfAddrs(at.Addrs...)
 			who := fmt.Sprintf("%s/%s (container %s, %s)", at.PodNamespace, at.PodName, short(at.ContainerID), at.IfName)
-			net := network[at.Pool]
-			if dup := attached[net].Intersect(s); !dup.IsEmpty() {
-				add(Finding{Kind: AttachedTwice, Addresses: dup.String(), Nodes: []string{node}, Pod: who, Detail: "on two attachments"})
+			byNet := map[string]addr.Set{}
+			for i, a := range at.Addrs {
+				pool := at.Pool
+				if i < len(at.AddrPools) && at.AddrPools[i] != "" {
+					pool = at.AddrPools[i]
+				}
+				byNet[network[pool]] = byNet[network[pool]].Union(addr.SetOfAddrs(a))
 			}
-			attached[net] = attached[net].Union(s)
+			for _, net := range sortedKeys(byNet) {
+				on := byNet[net]
+				if dup := attached[net].Intersect(on); !dup.IsEmpty() {
+					add(Finding{Kind: AttachedTwice, Addresses: dup.String(), Nodes: []string{node}, Pod: who, Detail: "on two attachments"})
+				}
+				attached[net] = attached[net].Union(on)
+			}
 			attachedOn[node] = attachedOn[node].Union(s)
 			if at.Sandbox == "gone" && in.Now.Sub(at.Created) >= in.Grace {
 				add(Finding{Kind: SandboxGone, Addresses: s.String(), Nodes: []string{node}, Pod: who,
@@ -293,6 +307,15 @@ func holders(owners []ownedSet, s addr.Set) []string {
 			out = append(out, o.node)
 		}
 	}
+	return out
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	out := make([]string, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	sort.Strings(out)
 	return out
 }
 

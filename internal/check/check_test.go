@@ -109,6 +109,15 @@ func TestCheck(t *testing.T) {
 			in.Attachments["n1"] = append(in.Attachments["n1"], Attachment{Node: "n1", ContainerID: "c2", IfName: "eth1", PodUID: "u1",
 				Addrs: ips("10.0.0.18"), Created: now.Add(-time.Hour), Sandbox: "unknown"})
 		}, nil},
+		{"an attachment with an address on each of two overlapping networks", func(in *Input) {
+			// A lost journal's rebuilt attachment carries one pod's addresses on every network:
+			// its net1 address 10.0.0.17 on storage is the pod network's 10.0.0.17 of c1.
+			storage := pool("storage", "10.0.0.0/24")
+			storage.Spec.Network = "storage"
+			in.Pools = append(in.Pools, storage)
+			in.Attachments["n1"] = append(in.Attachments["n1"], Attachment{Node: "n1", ContainerID: "rebuilt:u1", IfName: "-", PodUID: "u1",
+				Addrs: ips("10.0.0.18", "10.0.0.17"), Pool: "v4", AddrPools: []string{"v4", "storage"}, Created: now})
+		}, nil},
 		{"two attachments share an address", func(in *Input) {
 			in.Attachments["n1"] = append(in.Attachments["n1"], Attachment{Node: "n1", ContainerID: "c2", IfName: "eth0", PodUID: "u1", Addrs: ips("10.0.0.17"), Created: now})
 		}, map[string]int{AttachedTwice: 1}},

@@ -19,16 +19,30 @@ import (
 // break invariants 1 and 2, which a snapshot taken later may miss: an address in two nodes'
 // statuses at once, and a status that drops an address its node's spec does not release.
 // Reset starts over from a fresh list (after a watch ended, or etcd was restored: a rewound
-// record drops addresses by design, the claims bring them back).
+// record drops addresses by design, the claims bring them back). Pools on different networks may
+// overlap, so addresses are compared network by network (SetPoolNetworks).
 type Tracker struct {
 	mu         sync.Mutex
-	latest     map[string]addr.Set
-	seen       map[string]string // node -> where its latest status came from (for the report)
+	latest     map[string]map[string]addr.Set // node -> network -> status addresses
+	seen       map[string]string              // node -> where its latest status came from (for the report)
+	networks   map[string]string              // pool -> spec.network ("" when not told)
 	violations []string
 }
 
 // NewTracker returns an empty tracker.
-func NewTracker() *Tracker { return &Tracker{latest: map[string]addr.Set{}, seen: map[string]string{}} }
+func NewTracker() *Tracker {
+	return &Tracker{latest: map[string]map[string]addr.Set{}, seen: map[string]string{}, networks: map[string]string{}}
+}
+
+// SetPoolNetworks tells the tracker each pool's spec.network (a pool it is not told is on the
+// pod network ""), before it observes anything.
+func (t *Tracker) SetPoolNetworks(m map[string]string) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for k, v := range m {
+		t.networks[k] = v
+	}
+}
 
 // origin says which write a status came from, so a violation names both writes.
 func origin(a *ipwardenv1.NodeIPAllocation, how string) string {
@@ -43,10 +57,10 @@ func origin(a *ipwardenv1.NodeIPAllocation, how string) string {
 func (t *Tracker) Reset(items []ipwardenv1.NodeIPAllocation) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	t.latest = map[string]addr.Set{}
+	t.latest = map[string]map[string]addr.Set{}
 	t.seen = map[string]string{}
 	for i := range items {
-		t.latest[items[i].Name], _ = statusAddrs(&items[i])
+		t.latest[items[i].Name], _ = t.statusAddrs(&items[i])
 		t.seen[items[i].Name] = origin(&items[i], "listed")
 	}
 	t.crossCheck("")
@@ -61,19 +75,21 @@ func (t *Tracker) Observe(a *ipwardenv1.NodeIPAllocation, deleted bool) {
 		delete(t.seen, a.Name)
 		return
 	}
-	now, err := statusAddrs(a)
+	now, err := t.statusAddrs(a)
 	if err != nil {
 		t.violations = append(t.violations, fmt.Sprintf("node %s: unreadable status: %v", a.Name, err))
 		return
 	}
-	var releasing addr.Set
+	releasing := map[string]addr.Set{}
 	for _, p := range a.Spec.Pools {
 		s, _ := addr.ParseSet(blockStrings(p.Releasing))
-		releasing = releasing.Union(s)
+		releasing[t.networks[p.Pool]] = releasing[t.networks[p.Pool]].Union(s)
 	}
 	if prev, ok := t.latest[a.Name]; ok {
-		if dropped := prev.Subtract(now).Subtract(releasing); !dropped.IsEmpty() {
-			t.violations = append(t.violations, fmt.Sprintf("node %s: status dropped %v, which its spec does not release (invariant 2)", a.Name, dropped))
+		for _, net := range sortedKeys(prev) {
+			if dropped := prev[net].Subtract(now[net]).Subtract(releasing[net]); !dropped.IsEmpty() {
+				t.violations = append(t.violations, fmt.Sprintf("node %s: status dropped %v%s, which its spec does not release (invariant 2)", a.Name, dropped, onNetwork(net)))
+			}
 		}
 	}
 	t.latest[a.Name] = now
@@ -93,9 +109,11 @@ func (t *Tracker) crossCheck(node string) {
 			if node != "" && a != node && b != node {
 				continue
 			}
-			if both := t.latest[a].Intersect(t.latest[b]); !both.IsEmpty() {
-				t.violations = append(t.violations, fmt.Sprintf("%v in the statuses of nodes %s and %s at once (invariant 1): %s: %s; %s: %s",
-					both, a, b, a, t.seen[a], b, t.seen[b]))
+			for _, net := range sortedKeys(t.latest[a]) {
+				if both := t.latest[a][net].Intersect(t.latest[b][net]); !both.IsEmpty() {
+					t.violations = append(t.violations, fmt.Sprintf("%v%s in the statuses of nodes %s and %s at once (invariant 1): %s: %s; %s: %s",
+						both, onNetwork(net), a, b, a, t.seen[a], b, t.seen[b]))
+				}
 			}
 		}
 	}
@@ -108,16 +126,25 @@ func (t *Tracker) Violations() []string {
 	return append([]string(nil), t.violations...)
 }
 
-func statusAddrs(a *ipwardenv1.NodeIPAllocation) (addr.Set, error) {
-	var s addr.Set
+// statusAddrs is a status's addresses by network.
+func (t *Tracker) statusAddrs(a *ipwardenv1.NodeIPAllocation) (map[string]addr.Set, error) {
+	out := map[string]addr.Set{}
 	for _, p := range a.Status.Pools {
 		ps, err := addr.ParseSet(p.Addresses)
 		if err != nil {
-			return s, err
+			return out, err
 		}
-		s = s.Union(ps)
+		net := t.networks[p.Pool]
+		out[net] = out[net].Union(ps)
 	}
-	return s, nil
+	return out, nil
+}
+
+func onNetwork(net string) string {
+	if net == "" {
+		return ""
+	}
+	return " on network " + net
 }
 
 // Watch feeds t from the API server until ctx ends: a list, then a watch, and a new list each

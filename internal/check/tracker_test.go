@@ -49,3 +49,29 @@ func TestTracker(t *testing.T) {
 		t.Fatalf("a reset reported %v", v[seen:])
 	}
 }
+
+// Pools on different networks may overlap: one address in n1's pod-network pool and n2's storage
+// pool is not in two statuses at once (the chaos suite, with net1 on a pool over the pod
+// network's CIDR, once reported hundreds of such moments); in n2's pod-network pool it is.
+func TestTrackerKeysAddressesByNetwork(t *testing.T) {
+	tr := NewTracker()
+	tr.SetPoolNetworks(map[string]string{"st": "storage"})
+	tr.Reset([]ipwardenv1.NodeIPAllocation{alloc("n1", "v4", "10.0.0.16/30"), alloc("n2", "st", "10.0.0.16/30")})
+	st := alloc("n2", "st", "10.0.0.16/29")
+	tr.Observe(&st, false)
+	if v := tr.Violations(); len(v) != 0 {
+		t.Fatalf("overlapping pools on two networks: %v", v)
+	}
+	both := st
+	both.Status.Pools = append(both.Status.Pools, ipwardenv1.NodePoolStatus{Pool: "v4", Addresses: []string{"10.0.0.17"}})
+	tr.Observe(&both, false)
+	if v := tr.Violations(); len(v) != 1 || !strings.Contains(v[0], "10.0.0.17 in the statuses of nodes n1 and n2") {
+		t.Fatalf("violations %v, want 10.0.0.17 on the pod network", v)
+	}
+	// Dropping the storage pool's addresses unreleased is reported with its network.
+	none := alloc("n2", "v4", "10.0.0.17")
+	tr.Observe(&none, false)
+	if v := tr.Violations(); len(v) < 2 || !strings.Contains(v[1], "on network storage, which its spec does not release") {
+		t.Fatalf("violations %v", v)
+	}
+}

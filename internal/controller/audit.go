@@ -66,31 +66,45 @@ func (s *State) Audit(allocs []ipwardenv1.NodeIPAllocation) AuditResult {
 	r := AuditResult{Unpublished: map[string]addr.Set{}, Adopted: map[string]addr.Set{}}
 	listed := map[string]map[string]addr.Set{} // node -> pool -> status addresses
 	sort.Slice(allocs, func(i, j int) bool { return allocs[i].Name < allocs[j].Name })
-	var all []addr.Range
-	var total uint64
+	// Pools on different networks may overlap (one address on eth0 of one pod and net1 of
+	// another): an address is held twice only if two statuses list it on one network.
+	networkOf := func(pool string) string {
+		if p, ok := s.pools[pool]; ok {
+			return p.cfg.Network
+		}
+		return ""
+	}
+	all := map[string][]addr.Range{} // network -> listed ranges
+	total := map[string]uint64{}
 	for _, a := range allocs {
 		for _, ps := range a.Status.Pools {
 			set, err := addr.ParseSet(ps.Addresses)
 			if err != nil {
 				continue
 			}
-			all = append(all, set.Ranges()...)
+			net := networkOf(ps.Pool)
+			all[net] = append(all[net], set.Ranges()...)
 			n, _ := set.Size().Uint64()
-			total += n
+			total[net] += n
 			if listed[a.Name] == nil {
 				listed[a.Name] = map[string]addr.Set{}
 			}
 			listed[a.Name][ps.Pool] = set
 		}
 	}
-	// One merge of every listed range; only if the sizes disagree is anything held twice, and
-	// then a pass in name order finds which addresses.
-	if n, _ := addr.NewSet(all...).Size().Uint64(); n != total {
+	// One merge of every listed range per network; only if the sizes disagree is anything held
+	// twice, and then a pass in name order finds which addresses.
+	for net, ranges := range all {
+		if n, _ := addr.NewSet(ranges...).Size().Uint64(); n == total[net] {
+			continue
+		}
 		var seen addr.Set
 		for _, a := range allocs {
-			for _, set := range listed[a.Name] {
-				r.Twice = r.Twice.Union(seen.Intersect(set))
-				seen = seen.Union(set)
+			for pool, set := range listed[a.Name] {
+				if networkOf(pool) == net {
+					r.Twice = r.Twice.Union(seen.Intersect(set))
+					seen = seen.Union(set)
+				}
 			}
 		}
 	}

@@ -102,3 +102,28 @@ func TestAuditWhileFillsAreInFlight(t *testing.T) {
 		t.Fatalf("ConfirmTwice of a real double hold = %v", got)
 	}
 }
+
+// Pools on different networks may overlap: one address in a pod-network pool on one node and in
+// a secondary network's pool on another is not held twice (the audit once logged "held by two
+// nodes" and set ipwarden_controller_addresses_twice for every such address: the chaos suite,
+// with net1 on a pool over the pod network's CIDR); on one network it still is.
+func TestAuditKeysAddressesByNetwork(t *testing.T) {
+	s := NewState(DefaultExhaustionMarks)
+	storage := testPool("st", "10.0.0.0/24", time.Minute)
+	storage.Spec.Network = "storage"
+	pools := []ipwardenv1.IPPool{testPool("p", "10.0.0.0/24", time.Minute), storage}
+	both := func(name, pod, st string) ipwardenv1.NodeIPAllocation {
+		return ipwardenv1.NodeIPAllocation{ObjectMeta: allocWith(name, "p").ObjectMeta, Status: ipwardenv1.NodeIPAllocationStatus{Pools: []ipwardenv1.NodePoolStatus{
+			{Pool: "p", Addresses: []string{pod}}, {Pool: "st", Addresses: []string{st}}}}}
+	}
+	allocs := []ipwardenv1.NodeIPAllocation{both("a", "10.0.0.16/28", "10.0.0.32/28"), both("b", "10.0.0.32/28", "10.0.0.16/28")}
+	s.Rebuild(pools, allocs, t0)
+	if r := s.Audit(allocs); r.Candidates() != 0 || !r.Twice.IsEmpty() {
+		t.Fatalf("overlapping pools on two networks: audit found %+v", r)
+	}
+	// On one network it is held twice: b's storage status also lists a's 10.0.0.33.
+	allocs[1].Status.Pools[1].Addresses = []string{"10.0.0.16/28", "10.0.0.33"}
+	if r := s.Audit(allocs); !r.Twice.Equal(set(t, "10.0.0.33")) {
+		t.Fatalf("twice %v, want 10.0.0.33", r.Twice)
+	}
+}

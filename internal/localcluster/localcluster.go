@@ -76,6 +76,7 @@ type Process struct {
 	Log  string
 	bin  string
 	args []string
+	env  []string // added to this process's environment
 
 	mu      sync.Mutex
 	cmd     *exec.Cmd
@@ -89,12 +90,21 @@ func Start(name, bin, logPath string, args ...string) (*Process, error) {
 	return p, p.start()
 }
 
+// StartEnv is Start with env added to the environment the process inherits (every run).
+func StartEnv(name, bin, logPath string, env []string, args ...string) (*Process, error) {
+	p := &Process{Name: name, Log: logPath, bin: bin, args: args, env: env}
+	return p, p.start()
+}
+
 func (p *Process) start() error {
 	f, err := os.OpenFile(p.Log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
 		return err
 	}
 	cmd := exec.Command(p.bin, p.args...)
+	if len(p.env) > 0 {
+		cmd.Env = append(os.Environ(), p.env...)
+	}
 	cmd.Stdout, cmd.Stderr = f, f
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {

@@ -29,8 +29,9 @@ type Network struct {
 	// NSPrefix names the pods' network namespaces (<prefix><container id>).
 	NSPrefix string
 
-	cni  *libcni.CNIConfig
-	list *libcni.NetworkConfigList
+	cni    *libcni.CNIConfig
+	list   *libcni.NetworkConfigList
+	ifName string // "" for eth0
 }
 
 // NewNetwork builds a network for the agent at socket. cacheDir holds libcni's result cache.
@@ -58,6 +59,21 @@ func NewNetwork(cniDir, cacheDir, name, socket, bridge, nsPrefix string, pools .
 	return n, nil
 }
 
+// NewSecondaryNetwork builds an IPAM-only network whose calls name interface ifName (Multus'
+// "net1") and ask ipwarden for an address on network (an IPPool's spec.network), as a secondary
+// network's main plugin delegating IPAM to ipwarden would. Its pods are the pod network's: the
+// same container ids, namespaces and pod arguments.
+func NewSecondaryNetwork(cniDir, cacheDir, name, socket, network, ifName string) (*Network, error) {
+	IPAMOnly()
+	b, _ := json.Marshal(map[string]any{"cniVersion": "1.1.0", "name": name,
+		"plugins": []any{map[string]any{"type": "ipwarden", "socket": socket, "network": network}}})
+	list, err := libcni.NetworkConfFromBytes(b)
+	if err != nil {
+		return nil, err
+	}
+	return &Network{cni: libcni.NewCNIConfigWithCacheDir([]string{cniDir}, cacheDir, nil), list: list, ifName: ifName}, nil
+}
+
 // RandomName returns prefix followed by hex digits, for bridges and container ids.
 func RandomName(prefix string, bytes int) string {
 	b := make([]byte, bytes)
@@ -70,10 +86,14 @@ func (n *Network) rt(p Pod) *libcni.RuntimeConf {
 	if n.Bridge != "" {
 		netns = NetnsPath(n.NSPrefix + p.ContainerID)
 	}
+	ifName := "eth0"
+	if n.ifName != "" {
+		ifName = n.ifName
+	}
 	return &libcni.RuntimeConf{
 		ContainerID: p.ContainerID,
 		NetNS:       netns,
-		IfName:      "eth0",
+		IfName:      ifName,
 		Args: [][2]string{{"IgnoreUnknown", "1"}, {"K8S_POD_NAMESPACE", p.Namespace}, {"K8S_POD_NAME", p.Name},
 			{"K8S_POD_UID", p.UID}},
 	}

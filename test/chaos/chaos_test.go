@@ -1,5 +1,9 @@
 // Package chaos runs many pod lifecycles on several real agents while faults are injected at
-// random: kill -9 of agents and controllers mid-operation, agents stopped with SIGTERM and
+// random. Half the pods also have net1 on a secondary network ("storage", its pool overlapping the
+// pod network's), with Multus' network-status written for most of them, sometimes late. Faults:
+// journals lost (the agent stopped, journal.db removed, truncated or its meta pages overwritten,
+// started again under running pods), kill -9 timed to land on an ADD's journal write (the
+// slow-add-write failpoint), kill -9 of agents and controllers mid-operation, agents stopped with SIGTERM and
 // started again on their state directory (as a DaemonSet rollout ends and replaces them: once
 // per run every node's agent in turn, and at random), the leading controller paused
 // (SIGSTOP) past its lease and resumed, NodeIPAllocations deleted by hand with the controllers up
@@ -17,6 +21,7 @@ package chaos
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -47,6 +52,7 @@ import (
 	"github.com/ipwarden/ipwarden/internal/cniproto"
 	"github.com/ipwarden/ipwarden/internal/controlplane"
 	"github.com/ipwarden/ipwarden/internal/localcluster"
+	"github.com/ipwarden/ipwarden/internal/podinfo"
 )
 
 var (
@@ -89,18 +95,36 @@ type chaos struct {
 }
 
 type chaosNode struct {
-	name    string
-	socket  string
-	agent   *localcluster.Process
-	net     *localcluster.Network
-	deleted atomic.Bool
+	name     string
+	socket   string
+	stateDir string
+	fpDir    string // the slow-add-write failpoint's marker directory
+	agent    *localcluster.Process
+	net      *localcluster.Network // eth0 on the pod network
+	net1     *localcluster.Network // net1 on the storage network
+	deleted  atomic.Bool
 }
 
+// The pod network and the secondary network net1 is on. Their pools overlap (one CIDR), so the
+// ledger keys an address by its network.
+const (
+	podNetwork     = "pod"
+	storageNetwork = "storage"
+	storagePool    = "chaos-storage"
+	// multusNetworks is the annotation that asks Multus for secondary networks.
+	multusNetworks = "k8s.v1.cni.cncf.io/networks"
+)
+
 type podRun struct {
-	node *chaosNode
-	pod  localcluster.Pod
-	ips  []string
+	node   *chaosNode
+	pod    localcluster.Pod
+	ips    []string // eth0's
+	net1   []string // net1's (storage network), nil for a pod without net1
+	multus bool     // Multus' network-status annotation is written for it
 }
+
+// ledgerKey names an address on a network in x.live.
+func ledgerKey(network, ip string) string { return network + "/" + ip }
 
 func (x *chaos) inc(name string) {
 	v, _ := x.counts.LoadOrStore(name, new(atomic.Int64))
@@ -189,6 +213,13 @@ func (x *chaos) setup() {
 		}
 	})
 	x.dir = x.cp.Dir
+	// One ipwarden binary with the failpoints build tag (they stay off unless IPWARDEN_FAILPOINT
+	// names one): the agents run slow-add-write, so a kill -9 can be timed to land on an ADD's
+	// journal write (faultKillDuringWrite).
+	x.bins.Ipwarden = filepath.Join(filepath.Dir(x.bins.Ipwarden), "ipwarden-failpoints")
+	if err := (localcluster.GoBuild{Dir: root, Out: x.bins.Ipwarden, Pkgs: []string{"./cmd/ipwarden"}, Tags: []string{"failpoints"}}).Once(); err != nil {
+		t.Fatal(err)
+	}
 	u, _ := url.Parse(x.cp.URL)
 	if x.proxy, err = localcluster.NewProxy(u.Host); err != nil {
 		t.Fatal(err)
@@ -218,6 +249,16 @@ func (x *chaos) setup() {
 	}}); err != nil {
 		t.Fatal(err)
 	}
+	// The storage network's pool: the same CIDR on another network (pools on different networks
+	// may overlap), served to net1.
+	if err := x.c.Create(ctx, &ipwardenv1.IPPool{ObjectMeta: metav1.ObjectMeta{Name: storagePool}, Spec: ipwardenv1.IPPoolSpec{
+		CIDRs:         []ipwardenv1.CIDR{"10.96.0.0/22"},
+		Network:       storageNetwork,
+		Scaling:       ipwardenv1.Scaling{BatchSize: 8, BufferPercent: 50, MaxPerNode: 250},
+		ReuseCooldown: metav1.Duration{Duration: time.Second},
+	}}); err != nil {
+		t.Fatal(err)
+	}
 	for i := range 2 {
 		c, err := localcluster.Start(fmt.Sprintf("controller-%d", i), x.bins.Ipwarden, filepath.Join(x.dir, fmt.Sprintf("controller-%d.log", i)),
 			"controller", "--kubeconfig", x.kc, "--claim-settle=30s", "--metrics-bind-address=0", "--health-probe-bind-address=0",
@@ -238,6 +279,7 @@ func (x *chaos) setup() {
 		t.Fatal(err)
 	}
 	x.tracker = check.NewTracker()
+	x.tracker.SetPoolNetworks(map[string]string{storagePool: storageNetwork})
 	go x.tracker.Watch(superCtx, wc, nil)
 	localcluster.IPAMOnly()
 	for i := 1; i <= 3; i++ {
@@ -264,20 +306,33 @@ func (x *chaos) startNode(ctx context.Context, name string) *chaosNode {
 	if err := os.MkdirAll(filepath.Join(dir, "run"), 0o700); err != nil {
 		t.Fatal(err)
 	}
-	n := &chaosNode{name: name, socket: filepath.Join(dir, "run", "agent.sock")}
+	n := &chaosNode{name: name, socket: filepath.Join(dir, "run", "agent.sock"), stateDir: filepath.Join(dir, "state"), fpDir: filepath.Join(dir, "failpoint")}
+	if err := os.MkdirAll(n.fpDir, 0o700); err != nil {
+		t.Fatal(err)
+	}
 	var err error
-	n.agent, err = localcluster.Start("agent "+name, x.bins.Ipwarden, filepath.Join(x.dir, name+".log"),
-		"agent", "--node-name", name, "--kubeconfig", x.kc, "--socket", n.socket, "--state-dir", filepath.Join(dir, "state"),
+	n.agent, err = localcluster.StartEnv("agent "+name, x.bins.Ipwarden, filepath.Join(x.dir, name+".log"),
+		[]string{"IPWARDEN_FAILPOINT=slow-add-write", "IPWARDEN_FAILPOINT_DIR=" + n.fpDir},
+		"agent", "--node-name", name, "--kubeconfig", x.kc, "--socket", n.socket, "--state-dir", n.stateDir,
 		"--metrics-bind-address=0", "--health-probe-bind-address=0", "--resync=5s", "--address-wait=5s",
 		"--gc-grace=3s", "--gc-full-check-interval=5s", "--lease-namespace="+controlplane.ControllerNamespace,
 		// IPAM only: CNI_NETNS is /proc/self/ns/net, which the agent cannot check, so a deleted
 		// pod's address is freed --gc-sandbox-grace after the pod is gone.
-		"--gc-sandbox-grace=3s")
+		"--gc-sandbox-grace=3s",
+		// After a lost journal, addresses of unknown owner are held until every pod is accounted
+		// for on each network or this long. Pods without net1 never settle the storage pool, so
+		// a lost journal may run a storage hold to its deadline; a pod with net1 but no
+		// network-status lives far less than this (its address would rightly leave at the
+		// deadline), one that runs to the end always gets network-status.
+		"--rebuild-hold=15s")
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { n.agent.Kill() })
 	if n.net, err = localcluster.NewNetwork(x.bins.CNIDir, filepath.Join(dir, "cni-cache"), "chaos", n.socket, "", ""); err != nil {
+		t.Fatal(err)
+	}
+	if n.net1, err = localcluster.NewSecondaryNetwork(x.bins.CNIDir, filepath.Join(dir, "cni-cache"), "chaos-storage", n.socket, storageNetwork, "net1"); err != nil {
 		t.Fatal(err)
 	}
 	if err := localcluster.WaitFor(context.Background(), 60*time.Second, 50*time.Millisecond, func() error { return x.agentServing(n) }); err != nil {
@@ -313,15 +368,30 @@ func (x *chaos) pickNode() *chaosNode {
 	return alive[x.intn(len(alive))]
 }
 
-// lifecycle is one pod: bound to a node, ADD, running a while, then an ending.
+// lifecycle is one pod: bound to a node, ADD of eth0 and, for half the pods, of net1 on the
+// storage network (as Multus calls a secondary network's plugin after the default one), the
+// status written as a kubelet and Multus would, running a while, then an ending.
 func (x *chaos) lifecycle(ctx context.Context) {
 	x.quiet.RLock() // an etcd rewind waits for lifecycles in flight
 	defer x.quiet.RUnlock()
 	n := x.pickNode()
 	id := x.seq.Add(1)
 	name := fmt.Sprintf("pod-%05d", id)
+	// Half the pods have net1. Multus writes network-status for most of them, sometimes late
+	// (after the kubelet's status); a pod that runs to the end always gets it: without it, a
+	// lost journal's hold keeps the storage pool only until --rebuild-hold, and then its net1
+	// address may rightly go to another pod (docs/design.md, "The node forgets").
+	storage := x.intn(2) == 0
+	multus := storage && (id%10 == 0 || x.intn(10) < 6)
+	var late time.Duration
+	if multus && x.intn(3) == 0 {
+		late = x.between(200*time.Millisecond, 3*time.Second)
+	}
 	podObj := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: name},
 		Spec: corev1.PodSpec{NodeName: n.name, Containers: []corev1.Container{{Name: "c", Image: "chaos"}}}}
+	if storage {
+		podObj.Annotations = map[string]string{multusNetworks: storageNetwork}
+	}
 	if err := retry(20*time.Second, func() error {
 		err := x.c.Create(context.Background(), podObj)
 		if apierrors.IsAlreadyExists(err) {
@@ -333,29 +403,46 @@ func (x *chaos) lifecycle(ctx context.Context) {
 		return
 	}
 	p := localcluster.Pod{Namespace: "default", Name: name, UID: string(podObj.UID), ContainerID: fmt.Sprintf("c%011d", id)}
-	var ips []string
+	pr := &podRun{node: n, pod: p, multus: multus}
 	err := retry(20*time.Second, func() error {
 		var err error
-		ips, err = n.net.Add(context.Background(), p)
+		pr.ips, err = n.net.Add(context.Background(), p)
 		return err
 	})
+	if err == nil && storage {
+		err = retry(20*time.Second, func() error {
+			var err error
+			pr.net1, err = n.net1.Add(context.Background(), p)
+			return err
+		})
+	}
 	if err != nil {
 		// A runtime gives up: it tears the sandbox down (DEL) and the pod is deleted.
 		x.inc("ADDs given up")
-		_ = retry(20*time.Second, func() error { return n.net.Del(context.Background(), p) })
+		x.delAll(pr, storage)
 		x.deletePod(name)
 		return
 	}
 	x.liveMu.Lock()
-	for _, ip := range ips {
-		if other, ok := x.live[ip]; ok {
+	for _, k := range pr.keys() {
+		if other, ok := x.live[k]; ok {
 			x.inc("live address handed out again")
-			x.problem("address %s handed to %s while %s still runs", ip, name, other)
+			x.problem("address %s handed to %s while %s still runs", k, name, other)
 		}
-		x.live[ip] = name
+		x.live[k] = name
 	}
 	x.liveMu.Unlock()
-	_ = retry(20*time.Second, func() error { return x.setRunning(name, ips) })
+	if storage {
+		x.inc("lifecycles with net1")
+	}
+	_ = retry(20*time.Second, func() error { return x.setRunning(name, pr.ips) })
+	if multus {
+		if late > 0 {
+			x.inc("network-status written late")
+			time.Sleep(late)
+		}
+		_ = retry(20*time.Second, func() error { return x.setNetworkStatus(pr) })
+	}
 
 	if id%10 == 0 {
 		// Every tenth pod runs to the end, through every fault: its address must not change.
@@ -368,7 +455,7 @@ func (x *chaos) lifecycle(ctx context.Context) {
 			}
 		}
 		if onNode < maxLongRunning {
-			x.running[name] = &podRun{node: n, pod: p, ips: ips}
+			x.running[name] = pr
 			x.liveMu.Unlock()
 			x.inc("lifecycles")
 			return
@@ -377,8 +464,8 @@ func (x *chaos) lifecycle(ctx context.Context) {
 	}
 	time.Sleep(x.between(0, 300*time.Millisecond)) // the pod runs
 	x.liveMu.Lock()
-	for _, ip := range ips {
-		delete(x.live, ip)
+	for _, k := range pr.keys() {
+		delete(x.live, k)
 	}
 	x.liveMu.Unlock()
 	switch r := x.intn(100); {
@@ -387,8 +474,8 @@ func (x *chaos) lifecycle(ctx context.Context) {
 		x.deletePod(name)
 	case r < 10: // DEL repeated
 		x.inc("repeated DELs")
-		_ = retry(20*time.Second, func() error { return n.net.Del(context.Background(), p) })
-		_ = retry(20*time.Second, func() error { return n.net.Del(context.Background(), p) })
+		x.delAll(pr, storage)
+		x.delAll(pr, storage)
 		x.deletePod(name)
 	case r < 15: // ADD and DEL for one container interleaved, then the final DEL
 		x.inc("interleaved ADD/DEL")
@@ -397,15 +484,36 @@ func (x *chaos) lifecycle(ctx context.Context) {
 		go func() { defer wg.Done(); _, _ = n.net.Add(context.Background(), p) }()
 		go func() { defer wg.Done(); _ = n.net.Del(context.Background(), p) }()
 		wg.Wait()
-		_ = retry(20*time.Second, func() error { return n.net.Del(context.Background(), p) })
+		x.delAll(pr, storage)
 		x.deletePod(name)
 	default:
-		_ = retry(20*time.Second, func() error { return n.net.Del(context.Background(), p) })
+		x.delAll(pr, storage)
 		x.deletePod(name)
 	}
 	x.inc("lifecycles")
 }
 
+// keys are the pod's addresses in the ledger, each on its network.
+func (pr *podRun) keys() []string {
+	var out []string
+	for _, ip := range pr.ips {
+		out = append(out, ledgerKey(podNetwork, ip))
+	}
+	for _, ip := range pr.net1 {
+		out = append(out, ledgerKey(storageNetwork, ip))
+	}
+	return out
+}
+
+// delAll tears the sandbox's interfaces down as Multus does: net1 (when the pod has it), then eth0.
+func (x *chaos) delAll(pr *podRun, storage bool) {
+	if storage {
+		_ = retry(20*time.Second, func() error { return pr.node.net1.Del(context.Background(), pr.pod) })
+	}
+	_ = retry(20*time.Second, func() error { return pr.node.net.Del(context.Background(), pr.pod) })
+}
+
+// setRunning writes what a kubelet writes: the phase and status.podIPs, eth0's addresses only.
 func (x *chaos) setRunning(name string, ips []string) error {
 	p := &corev1.Pod{}
 	if err := x.c.Get(context.Background(), client.ObjectKey{Namespace: "default", Name: name}, p); err != nil {
@@ -418,6 +526,31 @@ func (x *chaos) setRunning(name string, ips []string) error {
 		p.Status.PodIPs = append(p.Status.PodIPs, corev1.PodIP{IP: ip})
 	}
 	return x.c.Status().Update(context.Background(), p)
+}
+
+// setNetworkStatus writes what Multus writes after a pod's ADDs: network-status with eth0 on the
+// default network and net1 on default/storage. A pod already gone is left alone.
+func (x *chaos) setNetworkStatus(pr *podRun) error {
+	status, _ := json.Marshal([]map[string]any{
+		{"name": "ipwarden", "interface": "eth0", "ips": pr.ips, "default": true},
+		{"name": "default/" + storageNetwork, "interface": "net1", "ips": pr.net1},
+	})
+	p := &corev1.Pod{}
+	if err := x.c.Get(context.Background(), client.ObjectKey{Namespace: pr.pod.Namespace, Name: pr.pod.Name}, p); err != nil {
+		if apierrors.IsNotFound(err) {
+			return nil
+		}
+		return err
+	}
+	if string(p.UID) != pr.pod.UID {
+		return nil
+	}
+	if p.Annotations == nil {
+		p.Annotations = map[string]string{}
+	}
+	p.Annotations[multusNetworks] = storageNetwork
+	p.Annotations[podinfo.AnnotationNetworkStatus] = string(status)
+	return x.c.Update(context.Background(), p)
 }
 
 func (x *chaos) deletePod(name string) {
@@ -433,7 +566,7 @@ func (x *chaos) deletePod(name string) {
 // faults injects one fault every 1-3 s until ctx ends; a quarter through, every agent is rolled
 // (SIGTERM, then started again) one node after another; halfway through, a node is deleted.
 func (x *chaos) faults(ctx context.Context) {
-	deletedNode, snapshotted, rewound, rolled := false, false, false, false
+	deletedNode, snapshotted, rewound, rolled, lostJournal := false, false, false, false, false
 	start := time.Now()
 	half := start.Add(*duration / 2)
 	snapshot := filepath.Join(x.dir, "etcd.snapshot")
@@ -457,6 +590,13 @@ func (x *chaos) faults(ctx context.Context) {
 			}
 			x.t.Logf("etcd snapshot saved %s into the run", time.Since(start).Round(time.Second))
 		}
+		// Every run loses a journal at least once (the 40 s run too): by five eighths in.
+		if !lostJournal && time.Since(start) > *duration*5/8 {
+			lostJournal = true
+			if x.count(faultLostJournal) == 0 {
+				x.loseJournal(x.pickNode())
+			}
+		}
 		if snapshotted && !rewound && time.Since(start) > *duration/3 {
 			rewound = true
 			began := time.Since(start)
@@ -468,11 +608,15 @@ func (x *chaos) faults(ctx context.Context) {
 			return
 		case <-time.After(x.between(time.Second, 3*time.Second)):
 		}
-		switch x.intn(10) {
+		switch x.intn(13) {
+		case 10, 11:
+			x.loseJournal(x.pickNode())
+		case 12:
+			x.killDuringWrite(x.pickNode())
 		case 0:
 			n := x.pickNode()
 			x.inc("kill -9 agent")
-			n.agent.Kill()
+			x.killAgent(n)
 			time.Sleep(x.between(100*time.Millisecond, 1500*time.Millisecond)) // the node is down a while
 			if err := n.agent.Restart(); err != nil {
 				x.problem("restart agent %s: %v", n.name, err)
@@ -525,6 +669,85 @@ func (x *chaos) faults(ctx context.Context) {
 			x.inc("watch connections cut")
 			x.proxy.Cut()
 		}
+	}
+}
+
+// Fault names (counters) the checks and the summary use.
+const (
+	faultLostJournal     = "journal lost (agent stopped, journal.db removed or damaged, started again)"
+	faultKillDuringWrite = "kill -9 agent timed on an ADD's journal write"
+	killLandedOnWrite    = "kill -9 landed on an ADD's journal write"
+)
+
+// killAgent sends the agent kill -9 and counts a kill that landed while an ADD's journal write
+// was in flight (the slow-add-write failpoint's marker outlives the kill).
+func (x *chaos) killAgent(n *chaosNode) {
+	n.agent.Kill()
+	marker := filepath.Join(n.fpDir, "add-write-in-flight")
+	if _, err := os.Stat(marker); err == nil {
+		x.inc(killLandedOnWrite)
+		_ = os.Remove(marker)
+	}
+}
+
+// killDuringWrite waits (up to 3 s) until an ADD's journal write is in flight on n's agent (the
+// slow-add-write failpoint stretches each one by 2-30 ms around the write itself), kills it with
+// kill -9 at once and starts it again a while later; its pods keep running.
+func (x *chaos) killDuringWrite(n *chaosNode) {
+	x.inc(faultKillDuringWrite)
+	marker := filepath.Join(n.fpDir, "add-write-in-flight")
+	_ = localcluster.WaitFor(context.Background(), 3*time.Second, time.Millisecond, func() error {
+		_, err := os.Stat(marker)
+		return err
+	})
+	x.killAgent(n)
+	time.Sleep(x.between(100*time.Millisecond, time.Second))
+	if err := n.agent.Restart(); err != nil {
+		x.problem("restart agent %s: %v", n.name, err)
+	}
+}
+
+// loseJournal stops n's agent (SIGTERM or kill -9), loses its journal (journal.db removed, as on a
+// replaced disk; truncated; or both bbolt meta pages overwritten) and starts it again on the same
+// state directory while its pods keep running: it must rebuild from what the node shows and hold
+// addresses of unknown owner per network (docs/design.md, "The node forgets").
+func (x *chaos) loseJournal(n *chaosNode) {
+	x.inc(faultLostJournal)
+	if x.intn(2) == 0 {
+		x.killAgent(n)
+	} else {
+		n.agent.Stop()
+	}
+	path := filepath.Join(n.stateDir, "journal.db")
+	switch x.intn(3) {
+	case 0:
+		x.inc("journal removed")
+		if err := os.Remove(path); err != nil && !os.IsNotExist(err) {
+			x.problem("remove %s: %v", path, err)
+		}
+	case 1:
+		x.inc("journal truncated")
+		if fi, err := os.Stat(path); err == nil && fi.Size() > 0 {
+			_ = os.Truncate(path, int64(x.intn(int(fi.Size()))))
+		}
+	default:
+		x.inc("journal meta pages overwritten")
+		junk := make([]byte, 8192)
+		for i := range junk {
+			junk[i] = byte(x.intn(256))
+		}
+		if f, err := os.OpenFile(path, os.O_WRONLY, 0); err == nil {
+			_, _ = f.WriteAt(junk, 0)
+			_ = f.Close()
+		}
+	}
+	time.Sleep(x.between(100*time.Millisecond, time.Second))
+	if err := n.agent.Restart(); err != nil {
+		x.problem("restart agent %s after its journal was lost: %v", n.name, err)
+		return
+	}
+	if err := localcluster.WaitFor(context.Background(), 30*time.Second, 50*time.Millisecond, func() error { return x.agentServing(n) }); err != nil {
+		x.problem("agent %s not serving 30 s after its journal was lost: %v", n.name, err)
 	}
 }
 
@@ -585,8 +808,18 @@ func (x *chaos) rewind(snapshot string) {
 	inAPI := map[string]bool{}
 	for _, p := range pods.Items {
 		inAPI[p.Name] = true
-		if _, running := x.running[p.Name]; !running {
+		pr, running := x.running[p.Name]
+		if !running {
 			x.deletePod(p.Name) // deleted after the snapshot: it came back, but nothing runs it
+			continue
+		}
+		// The Pod object rewound to before its status (or network-status) was written: the
+		// kubelet writes its status again, and the harness stands in for Multus too, as a pod
+		// whose sandbox runs on would show it (a report missing for good would only run a lost
+		// journal's hold to its deadline).
+		_ = retry(20*time.Second, func() error { return x.setRunning(p.Name, pr.ips) })
+		if pr.multus {
+			_ = retry(20*time.Second, func() error { return x.setNetworkStatus(pr) })
 		}
 	}
 	x.liveMu.Lock()
@@ -596,9 +829,9 @@ func (x *chaos) rewind(snapshot string) {
 			continue
 		}
 		// Created after the snapshot: the API no longer has it, so its kubelet stops it.
-		_ = retry(20*time.Second, func() error { return pr.node.net.Del(context.Background(), pr.pod) })
-		for _, ip := range pr.ips {
-			delete(x.live, ip)
+		x.delAll(pr, pr.net1 != nil)
+		for _, k := range pr.keys() {
+			delete(x.live, k)
 		}
 		delete(x.running, name)
 		x.inc("running pods stopped by the rewind")
@@ -722,11 +955,16 @@ func (x *chaos) quiesce() {
 	}
 	x.ctrlDown.Store(false)
 	// Leak collection needs grace (3 s) + a full check (5 s); the controller a resync (5 s).
+	// A lost journal's hold (--rebuild-hold) may still run: its addresses leave at its deadline.
 	var r check.Report
 	var last error
+	began, pending := time.Now(), map[string]int{}
 	_ = localcluster.WaitFor(context.Background(), 90*time.Second, 500*time.Millisecond, func() error {
 		r, last = x.snapshot()
 		if last == nil && !r.OK() {
+			for k, n := range r.CountsByKind {
+				pending[k] = max(pending[k], n)
+			}
 			return errors.New("the invariants do not hold yet")
 		}
 		return last
@@ -734,36 +972,56 @@ func (x *chaos) quiesce() {
 	if last != nil {
 		t.Fatalf("cannot check the invariants: %v", last)
 	}
+	t.Logf("quiesced in %s (findings seen while settling, at most: %v)", time.Since(began).Round(100*time.Millisecond), pending)
 
-	// Pods still running keep their addresses.
+	// Pods still running keep their addresses, on each network: eth0's in the pod network's
+	// pool, net1's in the storage pool, under the pod's container id or, after a lost journal,
+	// rebuilt under its UID.
+	lists := map[*chaosNode]cniproto.Response{}
 	for name, pr := range x.running {
-		atts, err := check.AskAgent(context.Background(), pr.node.name, pr.node.socket)
-		if err != nil {
-			t.Fatal(err)
+		resp, ok := lists[pr.node]
+		if !ok {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			r, err := cniproto.Call(ctx, pr.node.socket, cniproto.Request{Version: cniproto.Version, Op: cniproto.OpList})
+			cancel()
+			if err == nil {
+				err = r.AsError()
+			}
+			if err != nil {
+				t.Fatalf("LIST of %s: %v", pr.node.name, err)
+			}
+			resp, lists[pr.node] = *r, *r
 		}
-		found := false
-		for _, a := range atts {
-			if a.ContainerID == pr.pod.ContainerID {
-				found = true
-				var got []string
-				for _, ip := range a.Addrs {
-					got = append(got, ip.String())
+		got := map[string][]string{}
+		for _, a := range resp.Attachments {
+			if a.ContainerID != pr.pod.ContainerID && !(a.Rebuilt && a.Pod.UID == pr.pod.UID) {
+				continue
+			}
+			for _, ip := range a.IPs {
+				network := podNetwork
+				if ip.Pool == storagePool {
+					network = storageNetwork
 				}
-				sort.Strings(got)
-				want := append([]string(nil), pr.ips...)
-				sort.Strings(want)
-				if strings.Join(got, ",") != strings.Join(want, ",") {
-					x.inc("running pod's address changed")
-					x.problem("running pod %s: address %v became %v", name, want, got)
-				}
+				a, _, _ := strings.Cut(ip.Address, "/")
+				got[network] = append(got[network], a)
 			}
 		}
-		if !found {
-			x.inc("live address freed")
-			x.problem("running pod %s (%v): its attachment is gone: a live address was freed", name, pr.ips)
+		for network, want := range map[string][]string{podNetwork: pr.ips, storageNetwork: pr.net1} {
+			g := append([]string(nil), got[network]...)
+			w := append([]string(nil), want...)
+			sort.Strings(g)
+			sort.Strings(w)
+			switch {
+			case len(w) > 0 && len(g) == 0:
+				x.inc("live address freed")
+				x.problem("running pod %s (%s %v): its attachment is gone: a live address was freed", name, network, w)
+			case strings.Join(g, ",") != strings.Join(w, ","):
+				x.inc("running pod's address changed")
+				x.problem("running pod %s: address %v on %s became %v", name, w, network, g)
+			}
 		}
 	}
-	faults := []string{"kill -9 agent", "SIGTERM agent (stop, start again)", "kill -9 controller", "leader paused past its lease", "NodeIPAllocation deleted (controllers up)",
+	faults := []string{"kill -9 agent", faultKillDuringWrite, faultLostJournal, "SIGTERM agent (stop, start again)", "kill -9 controller", "leader paused past its lease", "NodeIPAllocation deleted (controllers up)",
 		"NodeIPAllocation deleted (controllers down)", "API server restart", "etcd restart", "etcd restored from a snapshot",
 		"watch connections cut", "node deleted mid-churn"}
 	var total int64
@@ -777,6 +1035,9 @@ func (x *chaos) quiesce() {
 	for _, f := range faults {
 		t.Logf("    %-44s %d", f, x.count(f))
 	}
+	t.Logf("  pods with net1 (storage network) %d, network-status written late %d", x.count("lifecycles with net1"), x.count("network-status written late"))
+	t.Logf("  journals lost: removed %d, truncated %d, meta pages overwritten %d; agent kills that landed on an ADD's journal write %d",
+		x.count("journal removed"), x.count("journal truncated"), x.count("journal meta pages overwritten"), x.count(killLandedOnWrite))
 	t.Logf("  agent rollouts (every node in turn) %d; agents SIGKILLed 10 s after SIGTERM %d",
 		x.count("agent rollouts (every node in turn)"), x.count("agents SIGKILLed 10 s after SIGTERM"))
 	t.Logf("  addresses held twice     %d", r.CountsByKind[check.HeldTwice]+r.CountsByKind[check.AttachedTwice])
@@ -798,6 +1059,9 @@ func (x *chaos) quiesce() {
 	}
 	if x.count("SIGTERM agent (stop, start again)") == 0 {
 		t.Errorf("no agent was stopped with SIGTERM: the run is too short for its rollout (-chaos.duration)")
+	}
+	if x.count(faultLostJournal) == 0 {
+		t.Errorf("no journal was lost: the run is too short (-chaos.duration)")
 	}
 	if x.count("lifecycles") < 20 {
 		t.Errorf("only %d lifecycles ran: the run proves little", x.count("lifecycles"))
@@ -833,6 +1097,10 @@ func (x *chaos) traceProblems() {
 	addrs := map[string]bool{}
 	for _, p := range x.problems {
 		for _, f := range strings.Fields(p) {
+			f = strings.Trim(f, "[],:")
+			if i := strings.LastIndexByte(f, '/'); i >= 0 {
+				f = f[i+1:] // a ledger key, network/address
+			}
 			if strings.Count(f, ".") == 3 && strings.HasPrefix(f, "10.") {
 				addrs[f] = true
 			}
