@@ -184,6 +184,9 @@ func (sb *simSandbox) running() bool {
 type simWrite struct {
 	w      Write
 	onDisk bool // committed, not acknowledged yet (the goroutine's step not run)
+	// reserved: its Reserve is made in host-local's store (sim_previous_test.go), the journal
+	// write perhaps not yet.
+	reserved bool
 }
 
 type simAgent struct {
@@ -206,6 +209,10 @@ type simAgent struct {
 	runtime bool
 	// watching: watchHold runs (the hold was on after reconcileStart) until it sees the hold end.
 	watching bool
+	// prevKnown is the process's cache of host-local's files (ipwarden's own or not), prevLast
+	// its last reading (sim_previous_test.go).
+	prevKnown map[string]bool
+	prevLast  string
 }
 
 // --- the simulation ----------------------------------------------------------------------------
@@ -238,6 +245,9 @@ type sim struct {
 	// nextRuntime is decided at a restart, before the journal may be lost: whether the next
 	// agent can ask the runtime.
 	nextRuntime *bool
+	// prev: the previous IPAM (host-local) the node switched from, in one seed in two
+	// (sim_previous_test.go).
+	prev simPrev
 }
 
 func (s *sim) logf(format string, args ...any) {
@@ -349,6 +359,14 @@ func (s *sim) refuseNext() bool {
 func (s *sim) land(i int, refuse bool) {
 	a := s.a
 	sw := a.writes[i]
+	if !sw.onDisk {
+		// The write's goroutine (Service.perform): the reservation in the previous IPAM's
+		// store first.
+		if err := s.prevReserve(sw); err != nil {
+			s.refusedByStore(i, err)
+			return
+		}
+	}
 	a.writes = slices.Delete(a.writes, i, i+1)
 	var err error
 	switch {
@@ -360,6 +378,12 @@ func (s *sim) land(i int, refuse bool) {
 		if cerr := a.j.Commit(sw.w.Change); cerr != nil {
 			s.fatalf("journal commit: %v", cerr)
 		}
+	}
+	if err != nil && sw.reserved {
+		s.prevUnreserve(sw.w.Reserve, "its journal write was refused")
+	}
+	if err == nil {
+		s.prevUnreserve(sw.w.Unreserve, "freed")
 	}
 	if err == nil && sw.w.Release != nil {
 		s.logf("host-local's file of %s removed (handed back)", sw.w.Release.Key)
@@ -375,6 +399,10 @@ func (s *sim) land(i int, refuse bool) {
 func (s *sim) commitOnly(i int) {
 	sw := s.a.writes[i]
 	if sw.onDisk {
+		return
+	}
+	if err := s.prevReserve(sw); err != nil {
+		s.refusedByStore(i, err)
 		return
 	}
 	if err := s.a.j.Commit(sw.w.Change); err != nil {
@@ -747,13 +775,17 @@ func (s *sim) term() {
 	}
 	var waits []func() error
 	var ids []uint64
+	var unreserve []*Reserve
 	for _, sw := range a.writes {
 		if sw.onDisk {
 			waits = append(waits, func() error { return nil })
+		} else if err := s.prevReserve(sw); err != nil {
+			waits = append(waits, func() error { return err })
 		} else {
 			waits = append(waits, a.j.Submit(sw.w.Change, sw.w.Lazy))
 		}
 		ids = append(ids, sw.w.ID)
+		unreserve = append(unreserve, sw.w.Unreserve)
 	}
 	a.writes = nil
 	if err := a.j.Close(); err != nil {
@@ -761,6 +793,9 @@ func (s *sim) term() {
 	}
 	for i, wait := range waits {
 		err := wait()
+		if err == nil {
+			s.prevUnreserve(unreserve[i], "freed")
+		}
 		s.logf("write %d at Close: %v", ids[i], err)
 		a.m.Written(ids[i], err, s.now)
 		s.flush()
@@ -938,7 +973,9 @@ func (s *sim) sendAdd(f *simIf, what string) {
 	if !repeat {
 		f.state = ifAdding
 	}
-	id := a.m.Request(s.cniRequest(cniproto.OpAdd, f), s.now)
+	req := s.cniRequest(cniproto.OpAdd, f)
+	s.readPrevious(f, &req)
+	id := a.m.Request(req, s.now)
 	if !repeat {
 		f.req = id
 	}
@@ -1643,6 +1680,7 @@ func (s *sim) check() {
 			s.fatalf("live address %s of %s is not among the controller's grants to the node", f.addr, f.key)
 		}
 	}
+	s.checkPrevious(seen)
 	// LIST covers the live set. An agent that serves no ADD before it reconciled (its journal
 	// was empty, or a hold was under way: openState's offline decision) covers nothing until
 	// then.
@@ -1747,6 +1785,7 @@ func (s *sim) checkExact() {
 	s.t.Helper()
 	st := s.a.m.st
 	s.checkHold()
+	s.checkPreviousStore()
 	byKey := map[ipam.Key]*simIf{}
 	for _, f := range s.ifs {
 		byKey[f.key] = f
@@ -1917,9 +1956,11 @@ func (s *sim) checkHold() {
 func runSim(t testing.TB, seed uint64, steps int, print bool) ([]string, map[string]int) {
 	s := newSim(t, seed)
 	s.print = print
+	s.newSimPrev()
 	dir := filepath.Join(s.base, "agent-1")
 	s.boot(dir)
 	for s.step = 0; s.step < steps; s.step++ {
+		s.prevStep()
 		s.stepOnce()
 		s.check()
 		if s.step%200 == 199 {
@@ -1933,6 +1974,7 @@ func runSim(t testing.TB, seed uint64, steps int, print bool) ([]string, map[str
 			s.deletePod(p, false)
 		}
 	}
+	s.prevEnd()
 	s.settle()
 	if atts := s.a.m.st.Attachments(); len(atts) != 0 {
 		var left []string
@@ -2004,7 +2046,8 @@ func TestSimReachesEveryEvent(t *testing.T) {
 	}
 	want := []string{"add", "add failed", "answer lost", "del", "write refused", "kill", "term", "journal lost", "journal damaged",
 		"collected", "collector pass", "cni gc", "handback", "handback undone", "pod finished", "pod deleted", "del never came",
-		"runtime read known", "runtime read unknown", "network-status written"}
+		"runtime read known", "runtime read unknown", "network-status written",
+		"host-local add", "host-local del", "previous reserved", "previous taken", "previous unreserved"}
 	for _, e := range simEvents {
 		want = append(want, e.name)
 	}
