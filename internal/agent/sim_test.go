@@ -29,11 +29,15 @@ package agent
 //     never come, pods that finish (Succeeded, Failed), are deleted or force-deleted, statuses
 //     the kubelet writes late, a watch that lags, CNI GC, collector passes with the network
 //     namespaces visible, gone or unknown to the agent, the controller granting and taking back
-//     addresses, release rounds, handback and its undo, clock steps.
+//     addresses, release rounds, handback and its undo, clock steps;
+//   - the previous IPAM's concurrent ADDs (sim_previous_test.go): in one seed in two the node
+//     just switched from host-local, whose slowed ADDs take addresses in its own store while
+//     ipwarden's ADDs read it and reserve in it as Service does.
 //
 // After every step an oracle checks the world against the agent (simCheck):
 //
-//   - no address is live for two sandboxes (the runtime's own record of what it was told);
+//   - no address is live for two sandboxes (the runtime's own record of what it was told),
+//     across both IPAMs when the node switched from host-local;
 //   - LIST covers the live set: every live interface's address is in the machine's attachments
 //     under its key, in an attachment rebuilt for its pod, or held by the unattributed hold; and
 //     at each quiet point (every write landed, every DEL the runtime owes delivered, every
