@@ -39,6 +39,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 
 	"github.com/ipwarden/ipwarden/internal/cniproto"
@@ -62,7 +63,7 @@ type simHL struct {
 	cid  string
 	addr netip.Addr
 	due  int // the step its ADD reaches host-local's lock
-	end  int // the step its DEL comes; -1: never (it runs to the end)
+	end  int // the step its DEL comes; -1: never (it runs to the end); at least its due step + 1
 	st   hlState
 }
 
@@ -114,6 +115,17 @@ func (s *sim) prevStep() {
 	p := &s.prev
 	if !p.on {
 		return
+	}
+	if p.rng.IntN(3) == 0 && slices.ContainsFunc(s.a.writes, func(sw *simWrite) bool { return sw.w.Reserve != nil && !sw.reserved }) {
+		// The race itself: a slowed ADD reaches host-local's lock while an ipwarden ADD's write,
+		// planned from an older reading, is still to make its reservation.
+		for _, h := range p.pods {
+			if h.st == hlPending && h.due > s.step {
+				s.logf("host-local ADD %s/eth0 reaches the lock early, with an ipwarden ADD's write in flight", h.cid)
+				h.due = s.step
+				break
+			}
+		}
 	}
 	for _, h := range p.pods {
 		switch {
