@@ -73,6 +73,10 @@ type simPrev struct {
 	dir  string // host-local's directory of the pod network (<dataDir>/podnet)
 	conf []byte // the "previous" object the ADDs carry
 	pods []*simHL
+	// dropAt: from this step on, once every host-local pod is gone, the operator removes
+	// "previous" from the CNI configuration (-1: never); dropped: it did.
+	dropAt  int
+	dropped bool
 }
 
 // newSimPrev decides, from its own generator, whether the node switched from host-local, and
@@ -90,6 +94,10 @@ func (s *sim) newSimPrev() {
 	if err := os.MkdirAll(p.dir, 0o755); err != nil {
 		s.fatalf("%v", err)
 	}
+	p.dropAt = -1
+	if p.rng.IntN(2) == 0 {
+		p.dropAt = 200 + p.rng.IntN(350)
+	}
 	running := p.rng.IntN(3)
 	starting := 1 + p.rng.IntN(5)
 	for i := range running + starting {
@@ -97,7 +105,8 @@ func (s *sim) newSimPrev() {
 		if i >= running {
 			h.due = 1 + p.rng.IntN(150)
 		}
-		if p.rng.IntN(2) == 0 {
+		if p.dropAt >= 0 || p.rng.IntN(2) == 0 {
+			// Where the operator will drop "previous", every host-local pod ends first.
 			h.end = h.due + 1 + p.rng.IntN(300)
 		}
 		p.pods = append(p.pods, h)
@@ -207,11 +216,29 @@ func (s *sim) hlDel(h *simHL) {
 // that switched from host-local, the ADD carries "previous", and the driver reads the store and
 // hands the reading to the state before the ADD reaches the machine.
 func (s *sim) readPrevious(f *simIf, req *cniproto.Request) {
-	if !s.prev.on || f.network != "podnet" {
+	p := &s.prev
+	if !p.on || f.network != "podnet" {
 		return
 	}
-	req.Previous = s.prev.conf
 	a := s.a
+	if !p.dropped && p.dropAt >= 0 && s.step >= p.dropAt &&
+		!slices.ContainsFunc(p.pods, func(h *simHL) bool { return h.st != hlGone }) {
+		p.dropped = true
+		s.counts["previous dropped"]++
+		s.logf("the CNI configuration no longer names previous (host-local's pods are gone)")
+	}
+	if p.dropped {
+		// An ADD without "previous" forgets the network's reading (forgetPrevious).
+		if a.prevSet {
+			a.m.st.ClearPrevious(f.network)
+			a.m.changed()
+			s.flush()
+			a.prevSet, a.prevLast = false, ""
+			s.logf("previous reading of %s forgotten", f.network)
+		}
+		return
+	}
+	req.Previous = p.conf
 	if a.prevKnown == nil {
 		a.prevKnown = map[string]bool{}
 	}
@@ -220,6 +247,7 @@ func (s *sim) readPrevious(f *simIf, req *cniproto.Request) {
 		s.fatalf("read host-local's reservations: %v", err)
 	}
 	a.m.st.SetPrevious(f.network, reserved, true)
+	a.prevSet = true
 	s.flush()
 	if reserved.String() != a.prevLast {
 		a.prevLast = reserved.String()

@@ -217,6 +217,7 @@ type simAgent struct {
 	// its last reading (sim_previous_test.go).
 	prevKnown map[string]bool
 	prevLast  string
+	prevSet   bool // a reading is handed to the state (forgetPrevious's pr.last)
 }
 
 // --- the simulation ----------------------------------------------------------------------------
@@ -2051,7 +2052,7 @@ func TestSimReachesEveryEvent(t *testing.T) {
 	want := []string{"add", "add failed", "answer lost", "del", "write refused", "kill", "term", "journal lost", "journal damaged",
 		"collected", "collector pass", "cni gc", "handback", "handback undone", "pod finished", "pod deleted", "del never came",
 		"runtime read known", "runtime read unknown", "network-status written",
-		"host-local add", "host-local del", "previous reserved", "previous taken", "previous unreserved"}
+		"host-local add", "host-local del", "previous reserved", "previous taken", "previous unreserved", "previous dropped"}
 	for _, e := range simEvents {
 		want = append(want, e.name)
 	}
