@@ -511,6 +511,29 @@ func (m *Machine) dropWaiter(r *mreq) {
 	}
 }
 
+// runtimeShowsUse reports whether the runtime's last reading (held only during the hold after a
+// lost journal) shows a sandbox of a rebuilt attachment's pod, or one with one of its addresses:
+// then no conditional free (the leak collector's, whose pod is gone from the API) releases it. A
+// deleted pod is not a stopped sandbox, and the runtime is the proof that it is not stopped yet; a
+// rebuilt attachment has no network namespace path the collector could look at instead. (The
+// other conditional free, an unanswered ADD's rollback, never concerns a rebuilt attachment.)
+func (m *Machine) runtimeShowsUse(att ipam.Attachment) bool {
+	ev := m.st.Sandboxes()
+	if !ev.Known || !att.Key.IsRebuilt() {
+		return false
+	}
+	if ev.Shows(att.Pod.UID) {
+		return true
+	}
+	uses := ev.Uses()
+	for _, ad := range att.Addresses {
+		if uses.Contains(ad.Addr) {
+			return true
+		}
+	}
+	return false
+}
+
 func (m *Machine) write(owner uint64, ch ipam.Change, lazy, add bool) {
 	w := m.id()
 	m.writes[w] = owner
@@ -520,7 +543,7 @@ func (m *Machine) write(owner uint64, ch ipam.Change, lazy, add bool) {
 // tryDel plans DEL (or conditional free) r.
 func (m *Machine) tryDel(r *mreq) {
 	att, found := m.st.Attachment(r.key)
-	if r.kind == reqFreeIf && found && (m.st.Pending(r.key) || !r.accept(att)) {
+	if r.kind == reqFreeIf && found && (m.st.Pending(r.key) || m.runtimeShowsUse(att) || !r.accept(att)) {
 		m.answer(Answer{ID: r.id})
 		m.finish(r)
 		return

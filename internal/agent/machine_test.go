@@ -1295,3 +1295,41 @@ func TestMachinePreviousReservationOfAnAdoptedAddress(t *testing.T) {
 		t.Fatalf("ADD answered %s", describeAnswer(a))
 	}
 }
+
+// Rule: the leak collector's conditional free of an attachment rebuilt from a pod's reports is
+// refused while the runtime's reading shows a sandbox of that pod, or one with its address: a
+// deleted pod is not a stopped sandbox (the simulation found the collector freeing one after its
+// grace while the runtime still ran it: seed 9456292697644351092).
+func TestMachineCollectorKeepsWhatTheRuntimeShows(t *testing.T) {
+	webRef := ipam.PodRef{Namespace: "ns", Name: "web", UID: "uid-web"}
+	addr9 := netip.MustParseAddr("10.1.0.9")
+	for _, tc := range []struct {
+		name  string
+		ev    ipam.NodeSandboxes
+		freed bool
+	}{
+		{"the runtime shows the pod's sandbox", ipam.NodeSandboxes{Known: true, Sandboxes: []ipam.RuntimeSandbox{{ID: "sb1", Pod: webRef, Ready: false}}}, false},
+		{"the runtime shows another sandbox with the address", ipam.NodeSandboxes{Known: true, Sandboxes: []ipam.RuntimeSandbox{{ID: "sb2",
+			Pod: ipam.PodRef{Namespace: "ns", Name: "other", UID: "uid-other"}, IPs: []netip.Addr{addr9}}}}, false},
+		{"the runtime shows neither", ipam.NodeSandboxes{Known: true}, true},
+		{"no runtime to ask", ipam.NodeSandboxes{}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newMachine(t, MachineConfig{AddressWait: time.Minute}, testV4)
+			h.hold(map[string]string{"v4": "10.1.0.8/30"})
+			pod := ipam.Pod{Ref: webRef, IPs: []netip.Addr{addr9}}
+			id := h.m.Rebuild([]ipam.Pod{pod}, 0, h.now)
+			if a := mustAnswer(t, h.settle(), id); a.Err != nil || a.N != 1 {
+				t.Fatalf("rebuild: %+v", a)
+			}
+			h.m.SetSandboxes(tc.ev, h.now)
+			h.settle()
+			k := ipam.RebuiltKey(webRef.UID)
+			id = h.m.FreeIf(k, func(ipam.Attachment) bool { return true }, h.now)
+			mustAnswer(t, h.settle(), id)
+			if _, kept := h.m.st.Attachment(k); kept == tc.freed {
+				t.Fatalf("attachment kept %v, want freed %v", kept, tc.freed)
+			}
+		})
+	}
+}
