@@ -177,7 +177,29 @@ func TestStaleStatusAfterARecreatedSandbox(t *testing.T) {
 	if _, e := cniIf(t, "DEL", conf, "web-1", "eth0", pa); e != nil {
 		t.Fatal(e)
 	}
+	// LIST waits for every DEL answered before it to be journaled: X is free again (reuse
+	// cooldown 0). Another pod takes it for a while, so the pod's new sandbox gets another.
+	if _, err := ag.list(t); err != nil {
+		t.Fatal(err)
+	}
+	q := createBoundPod(t, node+"-q", node)
+	qa := podArgs(q.Namespace, q.Name, string(q.UID))
+	if r, e := cniIf(t, "ADD", conf, "q-1", "eth0", qa); e != nil || addrOf(t, r.IPs[0].Address) != x {
+		t.Fatalf("the other pod's ADD: %+v %v, want the freed %s", r, e, x)
+	}
 	y := add("web-2")
+	if y == x {
+		t.Fatalf("the new sandbox got the old address %s", x)
+	}
+	if _, e := cniIf(t, "DEL", conf, "q-1", "eth0", qa); e != nil {
+		t.Fatal(e)
+	}
+	if err := k8s.Delete(context.Background(), q, client.GracePeriodSeconds(0)); err != nil { // no longer demand
+		t.Fatal(err)
+	}
+	if _, err := ag.list(t); err != nil {
+		t.Fatal(err)
+	}
 	eventually(t, 30*time.Second, "the node to give the old address back", func() error {
 		if h := held(t, node, node); h.Contains(x) {
 			return fmt.Errorf("the node still holds %s (%s)", x, h)
