@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -80,7 +81,8 @@ func TestTakeoverFromWhereabouts(t *testing.T) {
 		olds = append(olds, oldPod{name: p.Name, uid: string(p.UID), cid: cid, ip: ip})
 		oldIPs[ip] = true
 	}
-	if n := whereaboutsReservations(t); n != 3 {
+	if own, _ := whereaboutsAllocationsIn(t, wbRange); len(own) != 3 {
+		n := len(own)
 		t.Fatalf("Whereabouts holds %d reservations after three ADDs, want 3", n)
 	}
 
@@ -119,7 +121,9 @@ func TestTakeoverFromWhereabouts(t *testing.T) {
 	// ADD never reaches Whereabouts (it allocates nothing), but the agent has written its own
 	// allocation of the new pod's address into Whereabouts' IPPool before it answered, so a
 	// Whereabouts ADD still in flight never picks it.
-	own, mine := whereaboutsAllocations(t)
+	// Only this test's range: the tests share the API server, and another test's Whereabouts
+	// pools may still hold its entries.
+	own, mine := whereaboutsAllocationsIn(t, wbRange)
 	if len(own) != 3 {
 		t.Fatalf("Whereabouts holds %d reservations of its own after ipwarden's ADD, want the old 3: ADD must never reach it", len(own))
 	}
@@ -138,7 +142,8 @@ func TestTakeoverFromWhereabouts(t *testing.T) {
 			t.Fatalf("DEL of old pod %s through ipwarden: %v", o.name, e)
 		}
 	}
-	if n := whereaboutsReservations(t); n != 0 {
+	if own, _ := whereaboutsAllocationsIn(t, wbRange); len(own) != 0 {
+		n := len(own)
 		t.Fatalf("Whereabouts still holds %d reservations after the old pods' DELs", n)
 	}
 	// The new pod ends: the agent removes its allocation once the DEL is journaled.
@@ -146,7 +151,7 @@ func TestTakeoverFromWhereabouts(t *testing.T) {
 		t.Fatalf("DEL of the new pod: %v", e)
 	}
 	eventually(t, 10*time.Second, "ipwarden's allocation to leave Whereabouts' IPPool", func() error {
-		if _, mine := whereaboutsAllocations(t); len(mine) != 0 {
+		if _, mine := whereaboutsAllocationsIn(t, wbRange); len(mine) != 0 {
 			return fmt.Errorf("ipwarden's allocations %+v", mine)
 		}
 		return nil
@@ -173,16 +178,26 @@ func runPlugin(t *testing.T, bin, cniPath, verb, conf, containerID, podArgs stri
 	return out.Bytes(), nil
 }
 
-// whereaboutsReservations counts Whereabouts' own allocations in its IPPool objects (not
-// ipwarden's, package previous: id "ipwarden:<container>").
-func whereaboutsReservations(t *testing.T) int {
-	t.Helper()
-	own, _ := whereaboutsAllocations(t)
-	return len(own)
-}
-
 // whereaboutsAllocations reads the allocations of Whereabouts' IPPools: Whereabouts' own, and
 // ipwarden's (written while the node's configuration names Whereabouts as "previous").
+// whereaboutsAllocationsIn is whereaboutsAllocations within the CIDR prefix.
+func whereaboutsAllocationsIn(t *testing.T, prefix string) (own, ipwardens []localcluster.WhereaboutsReservation) {
+	t.Helper()
+	p := netip.MustParsePrefix(prefix)
+	all, allMine := whereaboutsAllocations(t)
+	for _, r := range all {
+		if p.Contains(r.IP) {
+			own = append(own, r)
+		}
+	}
+	for _, r := range allMine {
+		if p.Contains(r.IP) {
+			ipwardens = append(ipwardens, r)
+		}
+	}
+	return own, ipwardens
+}
+
 func whereaboutsAllocations(t *testing.T) (own, ipwardens []localcluster.WhereaboutsReservation) {
 	t.Helper()
 	for _, p := range whereaboutsPools(t) {
