@@ -5,7 +5,9 @@ package check
 
 import (
 	"fmt"
+	"maps"
 	"net/netip"
+	"slices"
 	"sort"
 	"time"
 
@@ -254,7 +256,7 @@ func Check(in Input) Report {
 				}
 				byNet[network[pool]] = byNet[network[pool]].Union(addr.SetOfAddrs(a))
 			}
-			for _, net := range sortedKeys(byNet) {
+			for _, net := range slices.Sorted(maps.Keys(byNet)) {
 				on := byNet[net]
 				if dup := attached[net].Intersect(on); !dup.IsEmpty() {
 					add(Finding{Kind: AttachedTwice, Addresses: dup.String(), Nodes: []string{node}, Pod: who, Detail: "on two attachments"})
@@ -307,15 +309,6 @@ func holders(owners []ownedSet, s addr.Set) []string {
 			out = append(out, o.node)
 		}
 	}
-	return out
-}
-
-func sortedKeys[V any](m map[string]V) []string {
-	out := make([]string, 0, len(m))
-	for k := range m {
-		out = append(out, k)
-	}
-	sort.Strings(out)
 	return out
 }
 

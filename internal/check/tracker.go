@@ -3,6 +3,8 @@ package check
 import (
 	"context"
 	"fmt"
+	"maps"
+	"slices"
 	"sort"
 	"sync"
 	"time"
@@ -86,7 +88,7 @@ func (t *Tracker) Observe(a *ipwardenv1.NodeIPAllocation, deleted bool) {
 		releasing[t.networks[p.Pool]] = releasing[t.networks[p.Pool]].Union(s)
 	}
 	if prev, ok := t.latest[a.Name]; ok {
-		for _, net := range sortedKeys(prev) {
+		for _, net := range slices.Sorted(maps.Keys(prev)) {
 			if dropped := prev[net].Subtract(now[net]).Subtract(releasing[net]); !dropped.IsEmpty() {
 				t.violations = append(t.violations, fmt.Sprintf("node %s: status dropped %v%s, which its spec does not release (invariant 2)", a.Name, dropped, onNetwork(net)))
 			}
@@ -109,7 +111,7 @@ func (t *Tracker) crossCheck(node string) {
 			if node != "" && a != node && b != node {
 				continue
 			}
-			for _, net := range sortedKeys(t.latest[a]) {
+			for _, net := range slices.Sorted(maps.Keys(t.latest[a])) {
 				if both := t.latest[a][net].Intersect(t.latest[b][net]); !both.IsEmpty() {
 					t.violations = append(t.violations, fmt.Sprintf("%v%s in the statuses of nodes %s and %s at once (invariant 1): %s: %s; %s: %s",
 						both, onNetwork(net), a, b, a, t.seen[a], b, t.seen[b]))

@@ -158,8 +158,15 @@ func Release(dir string, freed []Attachment) ([]netip.Addr, error) {
 	if err != nil {
 		return nil, err
 	}
+	return RemoveFiles(dir, Stale(freed, existing))
+}
+
+// RemoveFiles removes the reservation files of ips from host-local's directory dir (a file
+// already gone is no error) and syncs the directory, so the removals survive a crash. The caller
+// holds host-local's lock (Lock). It returns the addresses whose files it removed.
+func RemoveFiles(dir string, ips []netip.Addr) ([]netip.Addr, error) {
 	var removed []netip.Addr
-	for _, ip := range Stale(freed, existing) {
+	for _, ip := range ips {
 		if err := os.Remove(filepath.Join(dir, ip.String())); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return removed, err
 		}

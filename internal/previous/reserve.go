@@ -202,19 +202,7 @@ func UnreserveHostLocal(ctx context.Context, dir string, freed []Reservation) ([
 	if err != nil {
 		return nil, err
 	}
-	var removed []netip.Addr
-	for _, a := range HostLocalStale(freed, existing) {
-		if err := os.Remove(filepath.Join(dir, a.String())); err != nil && !errors.Is(err, os.ErrNotExist) {
-			return removed, err
-		}
-		removed = append(removed, a)
-	}
-	if len(removed) > 0 {
-		if err := durable.SyncDir(dir); err != nil {
-			return removed, err
-		}
-	}
-	return removed, nil
+	return handback.RemoveFiles(dir, HostLocalStale(freed, existing))
 }
 
 // readFiles reads the files of host-local's directory dir named by rs's addresses (address ->
