@@ -744,11 +744,9 @@ func (s *sim) kill() {
 	s.boot(dir)
 }
 
-// term is SIGTERM, Run's stop: the socket's requests in flight finish (their writes land or are
-// refused), every DEL answered is journaled (WaitReleases), the leak collector stops; the writes
-// still in flight (facts) are handed to the journal, and Close decides them.
-func (s *sim) term() {
-	s.counts["term"]++
+// landRequestWrites lands (or refuses, as the seed says) every write in flight that belongs to a
+// request, until none is left: the socket's requests finish at a stop.
+func (s *sim) landRequestWrites() {
 	a := s.a
 	for i := 0; i < len(a.writes); {
 		owner := a.m.writes[a.writes[i].w.ID]
@@ -759,6 +757,15 @@ func (s *sim) term() {
 		}
 		i++
 	}
+}
+
+// term is SIGTERM, Run's stop: the socket's requests in flight finish (their writes land or are
+// refused), every DEL answered is journaled (WaitReleases), the leak collector stops; the writes
+// still in flight (facts) are handed to the journal, and Close decides them.
+func (s *sim) term() {
+	s.counts["term"]++
+	a := s.a
+	s.landRequestWrites()
 	// ADDs still waiting for addresses or a pod read: their callers go.
 	for _, f := range s.ifs {
 		if f.gen == a.gen && f.state == ifAdding {
@@ -769,15 +776,7 @@ func (s *sim) term() {
 		s.answerRead(0)
 	}
 	s.flush()
-	for i := 0; i < len(a.writes); {
-		owner := a.m.writes[a.writes[i].w.ID]
-		if _, isReq := a.m.reqs[owner]; isReq {
-			s.land(i, s.refuseNext())
-			i = 0
-			continue
-		}
-		i++
-	}
+	s.landRequestWrites()
 	var waits []func() error
 	var ids []uint64
 	var unreserve []*Reserve
