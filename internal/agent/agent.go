@@ -61,12 +61,16 @@
 //
 // # A lost journal
 //
-// If the journal is missing or empty, the addresses of running pods are known only from their
-// status.podIPs. Each such pod (bound to the node, not host-network, not Succeeded/Failed) whose
-// address lies in one of the node's pools gets an attachment keyed by its pod UID
+// If the journal is missing or empty, the addresses of running pods are known from what the node
+// shows: the container runtime's sandboxes (--cri-socket, the pod network only), else the pods'
+// status.podIPs, and Multus' network-status for secondary networks (docs/design.md, "The node
+// forgets"). Each such pod (bound to the node, not host-network, not Succeeded/Failed) whose
+// address lies in one of the node's pools of that network gets an attachment keyed by its pod UID
 // (ipam.RebuiltKey), because its container ID is unknown. Those addresses are never handed out
-// while the record exists. CNI GC never frees a rebuilt record (no runtime can list its
-// container ID); the leak collector frees it by pod UID once the pod is gone. When an ADD later
+// while the record exists, and the rest of the node's holding stays out of use until the hold,
+// network by network, ends. CNI GC never frees a rebuilt record (no runtime can list its
+// container ID); the leak collector frees it by pod UID once the pod is gone and the runtime no
+// longer shows its sandbox. When an ADD later
 // arrives for that pod UID, it is the pod's new sandbox: kubelet has stopped the old one (and its DEL, for a
 // container ID the agent does not know, was a no-op success), so the ADD adopts the recorded
 // addresses of the pools it asks for and the pod keeps its address. The DEL of the old container
@@ -320,7 +324,7 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 	}
 	if start.recovered != nil {
 		svc.nodeEvent(corev1.EventTypeWarning, ReasonJournalRecovered,
-			fmt.Sprintf("the agent's journal was damaged (%s: %s); it was moved to %s and the node's attachments are rebuilt from the pods' status.podIPs",
+			fmt.Sprintf("the agent's journal was damaged (%s: %s); it was moved to %s and the node's attachments are rebuilt from what the node shows (the runtime's sandboxes, the pods' reports)",
 				start.recovered.Reason, cniproto.Truncate(start.recovered.Problem, 300), start.recovered.MovedTo))
 	}
 	svc.setStage("reconciling with the API server")

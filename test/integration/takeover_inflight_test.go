@@ -122,18 +122,7 @@ fi
 printf '%%s\n' "$out"
 exit $rc
 `, prev.typ, marks, prev.bin)
-	if err := os.WriteFile(filepath.Join(cniPath, slow), []byte(wrapper), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	for n, bin := range map[string]string{prev.typ: prev.bin, "ipwarden": cniBinary(t)} {
-		if err := os.Symlink(bin, filepath.Join(cniPath, n)); err != nil {
-			t.Fatal(err)
-		}
-	}
-	netconf := func(ipam map[string]any) string {
-		b, _ := json.Marshal(map[string]any{"cniVersion": "1.0.0", "name": "podnet", "type": "bridge", "ipam": ipam})
-		return string(b)
-	}
+	netconf := slowedPluginDir(t, cniPath, slow, wrapper, prev.typ, prev.bin)
 	oldConf, slowConf := netconf(prev.ipam(prev.typ)), netconf(prev.ipam(slow))
 
 	startController(t, "--pool-settle=60s")
@@ -314,4 +303,23 @@ func whereaboutsReservationList(t *testing.T) []string {
 		out = append(out, r.IP.String())
 	}
 	return out
+}
+
+// slowedPluginDir writes wrapper into cniPath as the plugin slow, beside links to the previous
+// IPAM's plugin (typ, at bin) and ipwarden's, and returns the bridge network configuration
+// around an ipam object.
+func slowedPluginDir(t *testing.T, cniPath, slow, wrapper, typ, bin string) func(ipam map[string]any) string {
+	t.Helper()
+	if err := os.WriteFile(filepath.Join(cniPath, slow), []byte(wrapper), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for n, b := range map[string]string{typ: bin, "ipwarden": cniBinary(t)} {
+		if err := os.Symlink(b, filepath.Join(cniPath, n)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return func(ipam map[string]any) string {
+		b, _ := json.Marshal(map[string]any{"cniVersion": "1.0.0", "name": "podnet", "type": "bridge", "ipam": ipam})
+		return string(b)
+	}
 }

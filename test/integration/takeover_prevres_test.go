@@ -3,7 +3,6 @@ package integration
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"maps"
 	"net/netip"
@@ -131,18 +130,7 @@ if [ "$CNI_COMMAND" = ADD ]; then
 fi
 printf '%%s' "$conf" | %[3]q
 `, prev.typ, marks, prev.bin)
-	if err := os.WriteFile(filepath.Join(cniPath, slow), []byte(wrapper), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	for n, bin := range map[string]string{prev.typ: prev.bin, "ipwarden": cniBinary(t)} {
-		if err := os.Symlink(bin, filepath.Join(cniPath, n)); err != nil {
-			t.Fatal(err)
-		}
-	}
-	netconf := func(ipam map[string]any) string {
-		b, _ := json.Marshal(map[string]any{"cniVersion": "1.0.0", "name": "podnet", "type": "bridge", "ipam": ipam})
-		return string(b)
-	}
+	netconf := slowedPluginDir(t, cniPath, slow, wrapper, prev.typ, prev.bin)
 	oldConf, slowConf := netconf(prev.ipam(prev.typ)), netconf(prev.ipam(slow))
 
 	startController(t, "--pool-settle=60s")
