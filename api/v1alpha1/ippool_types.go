@@ -203,6 +203,20 @@ type IPPoolStatus struct {
 	// +listType=atomic
 	// +optional
 	Sticky []StickyAddress `json:"sticky,omitempty"`
+	// IPAMClaims records the address bound to each IPAMClaim (k8s.cni.cncf.io), by the claim's
+	// UID: no pod but the claim's gets it, and it follows the claim to any node. Written before
+	// the address is granted to a node for the claim; dropped once the claim is gone and no
+	// node reports an attachment for it.
+	// +kubebuilder:validation:MaxItems=4096
+	// +listType=atomic
+	// +optional
+	IPAMClaims []ClaimBinding `json:"ipamClaims,omitempty"`
+	// Shared lists claim addresses a second node holds while the first still does: a live
+	// migration's target (the one case of invariant 1's exception).
+	// +kubebuilder:validation:MaxItems=1024
+	// +listType=atomic
+	// +optional
+	Shared []SharedClaimAddress `json:"shared,omitempty"`
 	// Conditions: Ready, Exhausted, Invalid.
 	// +listType=map
 	// +listMapKey=type
@@ -223,6 +237,37 @@ type StickyAddress struct {
 	// +kubebuilder:validation:Minimum=0
 	// +required
 	Ordinal int32 `json:"ordinal"`
+}
+
+// ClaimBinding is the address bound to one IPAMClaim.
+type ClaimBinding struct {
+	// +required
+	Address IPAddress `json:"address"`
+	// +kubebuilder:validation:MaxLength=63
+	// +required
+	Namespace string `json:"namespace"`
+	// +kubebuilder:validation:MaxLength=253
+	// +required
+	Name string `json:"name"`
+	// UID is the claim's metadata.uid.
+	// +kubebuilder:validation:MaxLength=64
+	// +required
+	UID string `json:"uid"`
+}
+
+// SharedClaimAddress is a claim address granted to a second node for a live migration.
+type SharedClaimAddress struct {
+	// +required
+	Address IPAddress `json:"address"`
+	// UID is the claim's metadata.uid.
+	// +kubebuilder:validation:MaxLength=64
+	// +required
+	UID string `json:"uid"`
+	// Nodes are the two nodes that hold the address.
+	// +kubebuilder:validation:MaxItems=2
+	// +listType=atomic
+	// +required
+	Nodes []string `json:"nodes"`
 }
 
 // IPPool is a range of addresses pods draw from. It is cluster-scoped and of one address family.

@@ -60,6 +60,48 @@ type NodePoolRequest struct {
 	// +listType=atomic
 	// +optional
 	Sticky []StickyAddress `json:"sticky,omitempty"`
+	// IPAMClaims lists the IPAMClaims (k8s.cni.cncf.io/v1alpha1) the node's pods reference on
+	// this pool: each one an attachment on the node uses (attached) and each one a waiting ADD
+	// wants an address for. The controller records the claim's address in the pool's
+	// status.ipamClaims before it grants it, grants it to a second node only for a live
+	// migration, and drops the record only once the claim is gone and no node lists it here.
+	// +kubebuilder:validation:MaxItems=256
+	// +listType=atomic
+	// +optional
+	IPAMClaims []ClaimUse `json:"ipamClaims,omitempty"`
+}
+
+// ClaimUse is one IPAMClaim a node's pod references (docs/design.md, "VM addresses").
+type ClaimUse struct {
+	// Namespace and Name name the claim (always the pod's namespace).
+	// +kubebuilder:validation:MaxLength=63
+	// +required
+	Namespace string `json:"namespace"`
+	// +kubebuilder:validation:MaxLength=253
+	// +required
+	Name string `json:"name"`
+	// UID is the claim's metadata.uid: its identity (a claim re-created under the same name is
+	// another claim).
+	// +kubebuilder:validation:MaxLength=64
+	// +required
+	UID string `json:"uid"`
+	// Pod is the name of the (newest) pod on the node that references the claim.
+	// +kubebuilder:validation:MaxLength=253
+	// +optional
+	Pod string `json:"pod,omitempty"`
+	// Address is, when attached, the address the node's attachment uses; when waiting, the
+	// address the claim's status.ips asks for (an import from another IPAM), or empty: the
+	// controller picks one.
+	// +optional
+	Address IPAddress `json:"address,omitempty"`
+	// Attached says an attachment on the node uses the claim's address (it lives until the
+	// attachment is freed); otherwise an ADD waits for the address.
+	// +optional
+	Attached bool `json:"attached,omitempty"`
+	// MigrationTarget says the pod carries the label kubevirt.io/migrationJobUID: the one case
+	// in which a second node may hold the claim's address while the first still uses it.
+	// +optional
+	MigrationTarget bool `json:"migrationTarget,omitempty"`
 }
 
 // NodeIPAllocationSpec is written only by the node's agent.
@@ -136,6 +178,24 @@ type NodePoolStatus struct {
 	// +listType=atomic
 	// +optional
 	WantedElsewhere []AddressBlock `json:"wantedElsewhere,omitempty"`
+	// ClaimRefused lists the IPAMClaims (spec.pools[].ipamClaims) the controller cannot give
+	// this node an address for, with the reason; the agent fails the ADD with it (CNI code 11).
+	// +kubebuilder:validation:MaxItems=256
+	// +listType=atomic
+	// +optional
+	ClaimRefused []ClaimRefusal `json:"claimRefused,omitempty"`
+}
+
+// ClaimRefusal is an IPAMClaim whose address the controller cannot give a node.
+type ClaimRefusal struct {
+	// UID is the claim's metadata.uid.
+	// +kubebuilder:validation:MaxLength=64
+	// +required
+	UID string `json:"uid"`
+	// Reason says why, such as "IPAMClaim ns/vm-a is attached on node b".
+	// +kubebuilder:validation:MaxLength=256
+	// +required
+	Reason string `json:"reason"`
 }
 
 // RefusedAddress is a wanted address the controller cannot move to the node.
@@ -242,3 +302,18 @@ const (
 // MaxStickyReservations is how many sticky reservations one IPPool's status may hold (the
 // API's maxItems of status.sticky).
 const MaxStickyReservations = 4096
+
+// MaxClaimBindings is how many IPAMClaim bindings one IPPool's status may hold (the API's
+// maxItems of status.ipamClaims).
+const MaxClaimBindings = 4096
+
+// IPAMClaim (k8s.cni.cncf.io/v1alpha1) status conventions, as OVN-Kubernetes writes them.
+const (
+	ClaimConditionIPsAllocated = "IPsAllocated"
+	ClaimReasonAllocated       = "SuccessfulAllocation"
+	ClaimReasonSubnetExhausted = "SubnetExhausted"
+	ClaimReasonAddressConflict = "IPAddressConflict"
+	ClaimReasonNetworkMismatch = "NetworkMismatch"
+	ClaimReasonInternalError   = "InternalError"
+	MigrationTargetLabel       = "kubevirt.io/migrationJobUID"
+)
