@@ -86,7 +86,8 @@ type chaos struct {
 	nodes    []*chaosNode
 	nodesMu  sync.RWMutex
 	seq      atomic.Int64
-	live     map[string]string // address -> pod of running pods
+	live     map[string]string // address -> pod of running pods ("a,b": two pods of one VM, vm_test.go)
+	vmAddr   map[string]string // VM -> its address (vm_test.go)
 	liveMu   sync.Mutex
 	running  map[string]*podRun // pods left running at the end, by name
 	counts   sync.Map           // name -> *atomic.Int64
@@ -171,6 +172,13 @@ func TestChaos(t *testing.T) {
 	defer cancel()
 
 	var wg sync.WaitGroup
+	for i := range chaosVMs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			x.vmLifecycle(ctx, vmName(i))
+		}()
+	}
 	for range *workers {
 		wg.Add(1)
 		go func() {
@@ -285,6 +293,7 @@ func (x *chaos) setup() {
 	for i := 1; i <= 3; i++ {
 		x.nodes = append(x.nodes, x.startNode(ctx, fmt.Sprintf("chaos-%d", i)))
 	}
+	x.setupVMs(ctx)
 	t.Cleanup(func() {
 		if t.Failed() {
 			for _, c := range x.ctrls {
@@ -423,15 +432,7 @@ func (x *chaos) lifecycle(ctx context.Context) {
 		x.deletePod(name)
 		return
 	}
-	x.liveMu.Lock()
-	for _, k := range pr.keys() {
-		if other, ok := x.live[k]; ok {
-			x.inc("live address handed out again")
-			x.problem("address %s handed to %s while %s still runs", k, name, other)
-		}
-		x.live[k] = name
-	}
-	x.liveMu.Unlock()
+	x.holdLive(name, pr.keys())
 	if storage {
 		x.inc("lifecycles with net1")
 	}
@@ -463,11 +464,7 @@ func (x *chaos) lifecycle(ctx context.Context) {
 		x.liveMu.Unlock()
 	}
 	time.Sleep(x.between(0, 300*time.Millisecond)) // the pod runs
-	x.liveMu.Lock()
-	for _, k := range pr.keys() {
-		delete(x.live, k)
-	}
-	x.liveMu.Unlock()
+	x.dropLive(name, pr.keys())
 	switch r := x.intn(100); {
 	case r < 5: // deleted without DEL: leak collection must free it
 		x.inc("pods deleted without DEL")
@@ -922,14 +919,16 @@ func (x *chaos) deleteNode() {
 	for _, p := range pods.Items {
 		x.deletePod(p.Name)
 	}
+	var keys []string
 	x.liveMu.Lock()
-	for ip, pod := range x.live {
-		for _, p := range pods.Items {
-			if p.Name == pod {
-				delete(x.live, ip)
-			}
-		}
+	for k := range x.live {
+		keys = append(keys, k)
 	}
+	x.liveMu.Unlock()
+	for _, p := range pods.Items {
+		x.dropLive(p.Name, keys)
+	}
+	x.liveMu.Lock()
 	for name, pr := range x.running {
 		if pr.node == n {
 			delete(x.running, name)
