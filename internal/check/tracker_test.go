@@ -4,6 +4,8 @@ import (
 	"strings"
 	"testing"
 
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 )
 
@@ -71,7 +73,31 @@ func TestTrackerKeysAddressesByNetwork(t *testing.T) {
 	// Dropping the storage pool's addresses unreleased is reported with its network.
 	none := alloc("n2", "v4", "10.0.0.17")
 	tr.Observe(&none, false)
-	if v := tr.Violations(); len(v) < 2 || !strings.Contains(v[1], "on network storage, which its spec does not release") {
+	if v := tr.Violations(); len(v) < 2 || !strings.Contains(v[0], "on network storage, which its spec does not release") {
 		t.Fatalf("violations %v", v)
+	}
+}
+
+// A live migration's shared grant: one claim address in two nodes' statuses is legal for the
+// pair of nodes a pool's status.shared records, whether the tracker sees the pool's status
+// before or after the nodes'; the same address with a third node is not.
+func TestTrackerSharedGrant(t *testing.T) {
+	tr := NewTracker()
+	tr.Reset([]ipwardenv1.NodeIPAllocation{alloc("n1", "v4", "10.0.0.16/30"), alloc("n2", "v4", "10.0.0.32/30"), alloc("n3", "v4", "10.0.0.40/30")})
+	b := alloc("n2", "v4", "10.0.0.32/30", "10.0.0.17")
+	tr.Observe(&b, false)
+	if v := tr.Violations(); len(v) != 1 || !strings.Contains(v[0], "no shared grant") {
+		t.Fatalf("before the pool's status: %v", v)
+	}
+	pool := &ipwardenv1.IPPool{ObjectMeta: metav1.ObjectMeta{Name: "v4"}, Status: ipwardenv1.IPPoolStatus{
+		Shared: []ipwardenv1.SharedClaimAddress{{Address: "10.0.0.17", UID: "u", Nodes: []string{"n1", "n2"}}}}}
+	tr.ObservePool(pool)
+	if v := tr.Violations(); len(v) != 0 {
+		t.Fatalf("with the shared grant seen: %v", v)
+	}
+	c := alloc("n3", "v4", "10.0.0.40/30", "10.0.0.17")
+	tr.Observe(&c, false)
+	if v := tr.Violations(); len(v) != 2 {
+		t.Fatalf("a third holder: want two violations (with n1 and with n2), got %v", v)
 	}
 }

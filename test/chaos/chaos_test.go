@@ -289,6 +289,7 @@ func (x *chaos) setup() {
 	x.tracker = check.NewTracker()
 	x.tracker.SetPoolNetworks(map[string]string{storagePool: storageNetwork})
 	go x.tracker.Watch(superCtx, wc, nil)
+	go x.tracker.WatchPools(superCtx, wc)
 	localcluster.IPAMOnly()
 	for i := 1; i <= 3; i++ {
 		x.nodes = append(x.nodes, x.startNode(ctx, fmt.Sprintf("chaos-%d", i)))
