@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+	ipamclaimsv1 "github.com/k8snetworkplumbingwg/ipamclaims/pkg/crd/ipamclaims/v1alpha1"
 	"github.com/spf13/cobra"
 	admissionv1 "k8s.io/api/admissionregistration/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -124,6 +125,9 @@ func newScheme() (*runtime.Scheme, error) {
 		return nil, err
 	}
 	if err := ipwardenv1.AddToScheme(s); err != nil {
+		return nil, err
+	}
+	if err := ipamclaimsv1.AddToScheme(s); err != nil { // events on IPAMClaims
 		return nil, err
 	}
 	return s, nil
@@ -244,6 +248,11 @@ func campaign(ctx context.Context, f *controllerFlags, cfg *rest.Config, scheme 
 	}
 	c := controller.New(mgr.GetCache(), mgr.GetAPIReader(), mgr.GetClient(),
 		mgr.GetEventRecorderFor("ipwarden-controller"), metrics, log, opts)
+	claims, err := controller.NewClaimAPI(cfg, func(msg string, kv ...any) { log.Info(msg, kv...) })
+	if err != nil {
+		return err
+	}
+	c.WithClaims(claims)
 	if err := mgr.Add(c); err != nil {
 		return err
 	}
