@@ -539,10 +539,11 @@ func (s *State) endShared(node, pool string, gone addr.Set) {
 // ordinary wherever they are.
 func (s *State) ReleaseClaims(listed map[string]bool) map[string][]string {
 	out := map[string][]string{}
+	used := s.usedClaims()
 	for _, pool := range sortedKeys(s.pools) {
 		p := s.pools[pool]
 		for _, uid := range sortedKeys(p.bindings) {
-			if listed[uid] || s.ClaimUsed(uid) {
+			if listed[uid] || used[uid] {
 				continue
 			}
 			delete(p.bindings, uid)
@@ -557,14 +558,34 @@ func (s *State) ReleaseClaims(listed map[string]bool) map[string][]string {
 // ReleaseCandidates says whether some binding's claim the informer does not know is used by no
 // node: a fresh LIST may release it.
 func (s *State) ReleaseCandidates() bool {
+	var used map[string]bool
 	for _, p := range s.pools {
 		for uid, b := range p.bindings {
-			if !s.ClaimKnown(b.key, uid) && !s.ClaimUsed(uid) {
+			if s.ClaimKnown(b.key, uid) {
+				continue
+			}
+			if used == nil {
+				used = s.usedClaims()
+			}
+			if !used[uid] {
 				return true
 			}
 		}
 	}
 	return false
+}
+
+// usedClaims is the UID of every claim some node's spec lists a use of.
+func (s *State) usedClaims() map[string]bool {
+	out := map[string]bool{}
+	for _, p := range s.pools {
+		for _, uses := range p.uses {
+			for _, u := range uses {
+				out[u.UID] = true
+			}
+		}
+	}
+	return out
 }
 
 // HasBindings says whether any pool records a claim binding.

@@ -139,7 +139,8 @@ func (s *State) StartNodeGone(name string, allocExists bool, now time.Time) *Seq
 	q := &Sequence{s: s, gone: name, now: now}
 	held := s.HeldBy(name)
 	for _, pool := range sortedKeys(held) {
-		s.RecordCooling(pool, held[pool], now.Add(s.CooldownOf(pool)))
+		// A shared grant's address stays with the other node: it does not cool.
+		s.RecordCooling(pool, held[pool].Subtract(s.sharedHeld(s.pool(pool), pool, name, held[pool])), now.Add(s.CooldownOf(pool)))
 		q.steps = append(q.steps, Step{Kind: StepPoolStatus, Pool: pool, Node: name})
 	}
 	if allocExists {
