@@ -74,6 +74,9 @@ type ClaimAnswer struct {
 	Addr    netip.Addr // granted
 	Granted bool
 	Shared  bool
+	// Attached: the answer restates a grant an attached use holds (no pod preferred as owner);
+	// the machine uses it only for a claim it has no answer for yet (after a restart).
+	Attached bool
 	// Code is the claim condition's reason for a refusal (ipwardenv1.ClaimReason*, or one of
 	// the controller's); Reason is the message the node's status and the claim show.
 	Code   string
@@ -289,8 +292,12 @@ func (s *State) answerClaims(v claimsView) claimsOutcome {
 		key := ClaimKey{u.Namespace, u.Name}
 		if u.Attached {
 			s.adoptAttached(p, v.node, u, held)
-			if b := p.bindings[u.UID]; b != nil && !b.durable && held.Contains(b.addr) {
-				out.mustSync = true
+			if b := p.bindings[u.UID]; b != nil && held.Contains(b.addr) {
+				if !b.durable {
+					out.mustSync = true
+				} else if s.ClaimKnown(key, u.UID) {
+					out.answers = append(out.answers, ClaimAnswer{UID: u.UID, Key: key, Pool: v.pool, Addr: b.addr, Granted: true, Attached: true})
+				}
 			}
 			continue
 		}
@@ -507,7 +514,7 @@ func (s *State) keepShared(name, pool string, removed addr.Set) (dropped addr.Se
 		if !g.names(name) || !removed.Contains(g.addr) {
 			continue
 		}
-		if len(s.holdersOf(pool, addr.SetOfAddrs(g.addr), name)) > 0 {
+		if s.othersHave(pool, addr.SetOfAddrs(g.addr), name).Contains(g.addr) {
 			dropped = dropped.Union(addr.SetOfAddrs(g.addr))
 		}
 	}
@@ -661,9 +668,23 @@ func (s *State) sharedHeld(p *poolState, pool, node string, set addr.Set) addr.S
 		if !set.Contains(g.addr) || !g.names(node) {
 			continue
 		}
-		if on := s.nodes[g.other(node)]; on != nil && on.held[pool].Contains(g.addr) {
+		if s.othersHave(pool, addr.SetOfAddrs(g.addr), node).Contains(g.addr) {
 			out = out.Union(addr.SetOfAddrs(g.addr))
 		}
+	}
+	return out
+}
+
+// othersHave is the part of set that a node other than except holds, may hold (a write with no
+// answer) or is being granted by a fill in flight, in pool: a shared address any of them has
+// stays allocated when except gives its copy back.
+func (s *State) othersHave(pool string, set addr.Set, except string) addr.Set {
+	var out addr.Set
+	for name, n := range s.nodes {
+		if name == except {
+			continue
+		}
+		out = out.Union(n.held[pool].Union(n.pending[pool]).Union(n.inflight[pool]).Intersect(set))
 	}
 	return out
 }

@@ -361,3 +361,35 @@ func TestClaimStatusFor(t *testing.T) {
 		t.Fatal("the same answer changes the status")
 	}
 }
+
+// The source gives its copy back while the target's shared grant is still in flight: the
+// address stays allocated (the target is being granted it), neither cooling nor free.
+func TestSharedGiveBackWhileTheGrantIsInFlight(t *testing.T) {
+	st := ipwardenv1.IPPoolStatus{IPAMClaims: []ipwardenv1.ClaimBinding{binding("10.0.0.5", "u1")}}
+	s := claimState(t, "10.0.0.0/28", st, map[string]claimNode{
+		"x": {held: []string{"10.0.0.5"}, uses: []ipwardenv1.ClaimUse{use("u1", true, false, "10.0.0.5")}}}, t0)
+	s.SetClaim(vmKey, KnownClaim{UID: "u1"})
+	target := s.StartFill("y", &ipwardenv1.NodeIPAllocation{Spec: useSpec(0, use("u1", false, true, ""))}, t0)
+	if sh := target.Fill().Pools["p"].Shared.String(); sh != "10.0.0.5" {
+		t.Fatalf("shared %q", sh)
+	}
+	give := ipwardenv1.NodeIPAllocationSpec{Pools: []ipwardenv1.NodePoolRequest{{Pool: "p", Releasing: []ipwardenv1.AddressBlock{"10.0.0.5"}}}}
+	source := s.StartFill("x", &ipwardenv1.NodeIPAllocation{Spec: give}, t0)
+	if d := source.Fill().Pools["p"].Dropped.String(); d != "10.0.0.5" {
+		t.Fatalf("dropped %q", d)
+	}
+	for _, step := range source.Steps() {
+		if step.Kind == StepPoolStatus {
+			t.Fatal("a cooling record for the target's address")
+		}
+		source.Advance(Landed)
+	}
+	for range target.Steps() {
+		target.Advance(Landed)
+	}
+	a := netip.MustParseAddr("10.0.0.5")
+	p := s.pools["p"]
+	if !s.HeldBy("y")["p"].Contains(a) || s.HeldBy("x")["p"].Contains(a) || !p.alloc.Allocated().Contains(a) || p.alloc.Cooling().Contains(a) {
+		t.Fatalf("y %v, x %v, allocated %v, cooling %v", s.HeldBy("y"), s.HeldBy("x"), p.alloc.Allocated(), p.alloc.Cooling())
+	}
+}

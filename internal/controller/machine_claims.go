@@ -77,6 +77,9 @@ func (m *Machine) claimsAnswered(alloc *ipwardenv1.NodeIPAllocation, f *Fill, no
 			if r.obj == nil || string(r.obj.UID) != ans.UID {
 				continue // not this claim: never write another claim's status
 			}
+			if ans.Attached && r.last != nil {
+				continue // the status follows the answers to waiting uses
+			}
 			if !ans.Granted && (r.last == nil || r.last.Reason != ans.Reason) {
 				m.metrics.ClaimRefusals.WithLabelValues(ans.Code).Inc()
 				m.event(r.obj, corev1.EventTypeWarning, ans.Code, "node %s, pod %s: %s", alloc.Name, ans.Pod, ans.Reason)

@@ -1110,3 +1110,59 @@ func TestMachineRestartKeepsClaims(t *testing.T) {
 		t.Fatalf("n holds %v, want %v", w.statusHeldBy("n"), bound)
 	}
 }
+
+// The claim's status: written when it differs from what the record says, after a restart for a
+// claim whose pod is attached too; a refusal keeps the addresses it asks for.
+func TestMachineClaimStatus(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		ips     []string // the claim's status.ips before
+		cond    bool     // the claim already says IPsAllocated True
+		attach  bool     // x's pod is attached (else a pod waits on y for the claim)
+		writes  int
+		wantIPs []string
+		reason  string
+	}{
+		{"attached after a restart, status lost", nil, false, true, 1, []string{"10.0.0.5/28"}, ipwardenv1.ClaimReasonAllocated},
+		{"attached, status right", []string{"10.0.0.5/28"}, true, true, 0, []string{"10.0.0.5/28"}, ipwardenv1.ClaimReasonAllocated},
+		{"an import names another claim's address", []string{"10.0.0.6"}, false, false, 1, []string{"10.0.0.6"}, ipwardenv1.ClaimReasonAddressConflict},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pool := testPool("p", "10.0.0.0/28", time.Minute)
+			if tc.attach {
+				pool.Status.IPAMClaims = []ipwardenv1.ClaimBinding{binding("10.0.0.5", "u1")}
+			} else {
+				pool.Status.IPAMClaims = []ipwardenv1.ClaimBinding{{Address: "10.0.0.6", Namespace: "vms", Name: "other", UID: "u9"}}
+			}
+			w := newWorld(t, Options{}, pool)
+			w.rawPools = true
+			if tc.attach {
+				w.addNode("x", useSpec(1, use("u1", true, false, "10.0.0.5")), "10.0.0.5")
+			} else {
+				w.addNode("y", useSpec(0, use("u1", false, false, "")))
+			}
+			w.addClaim("u1", false)
+			c := w.claims[vmKey]
+			c.Status.IPs = tc.ips
+			if tc.cond {
+				c.Status.OwnerPod = &ipamclaimsv1.OwnerPod{Name: "virt-launcher-u1"}
+				c.Status.Conditions = []metav1.Condition{{Type: ipwardenv1.ClaimConditionIPsAllocated, Status: metav1.ConditionTrue,
+					Reason: ipwardenv1.ClaimReasonAllocated, Message: "ipwarden bound the address to this claim in IPPool p", LastTransitionTime: metav1.NewTime(t0)}}
+			}
+			w.lead("")
+			writes := 0
+			for _, op := range w.run() {
+				if strings.HasPrefix(op, "write IPAMClaim status") {
+					writes++
+				}
+			}
+			if writes != tc.writes {
+				t.Fatalf("%d claim status writes, want %d", writes, tc.writes)
+			}
+			st := w.claims[vmKey].Status
+			if !slices.Equal(st.IPs, tc.wantIPs) || len(st.Conditions) != 1 || st.Conditions[0].Reason != tc.reason {
+				t.Fatalf("status %+v", st)
+			}
+		})
+	}
+}

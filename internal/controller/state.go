@@ -624,10 +624,7 @@ func (s *State) Commit(f *Fill, now time.Time) {
 		if !pf.Removed.IsEmpty() {
 			// A shared address whose other holder gave its copy back meanwhile cools as usual
 			// (its cooling record follows in the pool's next status write).
-			var still addr.Set
-			for _, set := range s.holdersOf(pool, pf.Dropped, f.Node) {
-				still = still.Union(set)
-			}
+			still := s.othersHave(pool, pf.Dropped, f.Node)
 			if lone := pf.Dropped.Subtract(still); !lone.IsEmpty() {
 				s.RecordCooling(pool, lone.Subtract(pf.Returned), now.Add(p.cfg.Cooldown))
 			}
