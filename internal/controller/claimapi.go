@@ -83,7 +83,7 @@ func (a *clientClaimAPI) Watch(ctx context.Context, changed func(*ipamclaimsv1.I
 	}
 	f := claiminformers.NewSharedInformerFactory(a.cs, 0)
 	inf := f.K8s().V1alpha1().IPAMClaims().Informer()
-	_, _ = inf.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
+	reg, err := inf.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
 		AddFunc: func(obj any) {
 			if c, ok := obj.(*ipamclaimsv1.IPAMClaim); ok {
 				changed(c)
@@ -100,8 +100,14 @@ func (a *clientClaimAPI) Watch(ctx context.Context, changed func(*ipamclaimsv1.I
 			}
 		},
 	})
+	if err != nil {
+		a.log("cannot watch IPAMClaims", "error", err.Error())
+		done()
+		return
+	}
 	f.Start(ctx.Done())
-	toolscache.WaitForCacheSync(ctx.Done(), inf.HasSynced)
+	// The handler's own sync: every claim present has reached changed.
+	toolscache.WaitForCacheSync(ctx.Done(), reg.HasSynced)
 	a.log("watching IPAMClaims")
 	done()
 	<-ctx.Done()
