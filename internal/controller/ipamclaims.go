@@ -321,6 +321,12 @@ func (s *State) answerClaims(v claimsView) claimsOutcome {
 		}
 		b := p.bindings[u.UID]
 		if b == nil {
+			if other := s.boundElsewhere(p, u.UID); other != "" {
+				// One address per claim and family on a network: the agent asks in the pool
+				// that records it.
+				refuse(ipwardenv1.ClaimReasonInternalError, fmt.Sprintf("IPAMClaim %s's address is recorded in pool %s, not %s", key, other, v.pool))
+				continue
+			}
 			a, code, reason := s.pickClaimAddress(p, v, u)
 			if reason != "" {
 				if code == "" {
@@ -687,4 +693,15 @@ func (s *State) othersHave(pool string, set addr.Set, except string) addr.Set {
 		out = out.Union(n.held[pool].Union(n.pending[pool]).Union(n.inflight[pool]).Intersect(set))
 	}
 	return out
+}
+
+// boundElsewhere names another pool of p's network and family that records claim uid ("" none).
+func (s *State) boundElsewhere(p *poolState, uid string) string {
+	for _, name := range sortedKeys(s.pools) {
+		q := s.pools[name]
+		if q != p && q.bindings[uid] != nil && q.cfg.Network == p.cfg.Network && q.cfg.Is6 == p.cfg.Is6 {
+			return name
+		}
+	}
+	return ""
 }

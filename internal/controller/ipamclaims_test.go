@@ -393,3 +393,18 @@ func TestSharedGiveBackWhileTheGrantIsInFlight(t *testing.T) {
 		t.Fatalf("y %v, x %v, allocated %v, cooling %v", s.HeldBy("y"), s.HeldBy("x"), p.alloc.Allocated(), p.alloc.Cooling())
 	}
 }
+
+// One address per claim and family on a network: a use in another pool of the network than the
+// one that records the claim is refused, naming that pool.
+func TestClaimRecordedInAnotherPool(t *testing.T) {
+	p, q := testPool("p", "10.0.0.0/28", time.Minute), testPool("q", "10.0.1.0/28", time.Minute)
+	q.Status.IPAMClaims = []ipwardenv1.ClaimBinding{binding("10.0.1.5", "u1")}
+	s := NewState(DefaultExhaustionMarks)
+	s.Rebuild([]ipwardenv1.IPPool{p, q}, nil, t0)
+	s.SetClaim(vmKey, KnownClaim{UID: "u1"})
+	f := s.PlanFill("n", useSpec(0, use("u1", false, false, "")), t0)
+	pf := f.Pools["p"]
+	if !pf.Added.IsEmpty() || len(pf.ClaimRefused) != 1 || pf.ClaimRefused[0].Reason != "IPAMClaim vms/vm-a.net's address is recorded in pool q, not p" {
+		t.Fatalf("added %v, refused %+v", pf.Added, pf.ClaimRefused)
+	}
+}

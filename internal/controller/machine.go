@@ -47,7 +47,10 @@ import (
 //     cooling record and was computed after it was recorded; a pool status conflict re-reads the
 //     pool and retries, at most three times;
 //   - what follows a commit (refills of nodes the pool left short, claimants and wanters of the
-//     returned addresses, holders asked to give back) is queued in the same step as the commit.
+//     returned addresses, holders asked to give back) is queued in the same step as the commit;
+//   - an IPAMClaim's record or shared grant lands in the pool's status before the node status that
+//     grants its address, and the claim's status after both (machine_claims.go); a record is
+//     dropped only after a fresh LIST of the claims lacks it and no node uses it.
 
 // OpKind says what an operation does.
 type OpKind int
