@@ -305,7 +305,7 @@ func (s *State) answerClaims(v claimsView) claimsOutcome {
 		refuse := func(code, reason string) {
 			ans.Code, ans.Reason = code, reason
 			out.answers = append(out.answers, ans)
-			out.refused = append(out.refused, ipwardenv1.ClaimRefusal{UID: u.UID, Reason: reason})
+			out.refused = append(out.refused, ipwardenv1.ClaimRefusal{UID: u.UID, Reason: clip(reason, 256)}) // the API's maxLength
 		}
 		grant := func(a netip.Addr, shared bool) {
 			ans.Addr, ans.Granted, ans.Shared = a, true, shared
@@ -325,6 +325,10 @@ func (s *State) answerClaims(v claimsView) claimsOutcome {
 				// One address per claim and family on a network: the agent asks in the pool
 				// that records it.
 				refuse(ipwardenv1.ClaimReasonInternalError, fmt.Sprintf("IPAMClaim %s's address is recorded in pool %s, not %s", key, other, v.pool))
+				continue
+			}
+			if len(p.bindings) >= ipwardenv1.MaxClaimBindings {
+				refuse(ipwardenv1.ClaimReasonInternalError, fmt.Sprintf("pool %s records %d IPAMClaims, its most", v.pool, ipwardenv1.MaxClaimBindings))
 				continue
 			}
 			a, code, reason := s.pickClaimAddress(p, v, u)
@@ -381,6 +385,8 @@ func (s *State) answerClaims(v claimsView) claimsOutcome {
 				// X holds it but its pods no longer use it: X is asked to give it back
 				// (wantedElsewhere) and the use waits.
 				out.asked = append(out.asked, x)
+			case g == nil && (u.MigrationTarget || att.MigrationTarget) && len(p.shared) >= maxShared:
+				refuse(ipwardenv1.ClaimReasonInternalError, fmt.Sprintf("pool %s has %d live migrations in progress, its most", v.pool, maxShared))
 			case g == nil && (u.MigrationTarget || att.MigrationTarget):
 				if p.shared == nil {
 					p.shared = map[string]*sharedGrant{}
@@ -704,4 +710,15 @@ func (s *State) boundElsewhere(p *poolState, uid string) string {
 		}
 	}
 	return ""
+}
+
+// maxShared is the API's maxItems of an IPPool's status.shared.
+const maxShared = 1024
+
+// clip cuts s to at most n bytes, marking the cut.
+func clip(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n-3] + "..."
 }
