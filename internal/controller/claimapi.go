@@ -34,17 +34,22 @@ const ClaimCRDPoll = 30 * time.Second
 
 // clientClaimAPI is ClaimAPI over the ipamclaims module's typed client and informer.
 type clientClaimAPI struct {
-	cs  claimclient.Interface
-	log func(msg string, kv ...any)
+	cs   claimclient.Interface
+	poll time.Duration
+	log  func(msg string, kv ...any)
 }
 
-// NewClaimAPI returns the IPAMClaim access of a controller on cfg. info logs.
-func NewClaimAPI(cfg *rest.Config, info func(msg string, kv ...any)) (ClaimAPI, error) {
+// NewClaimAPI returns the IPAMClaim access of a controller on cfg, looking for the CRD every poll
+// while it is not installed [ClaimCRDPoll]. info logs.
+func NewClaimAPI(cfg *rest.Config, poll time.Duration, info func(msg string, kv ...any)) (ClaimAPI, error) {
 	cs, err := claimclient.NewForConfig(rest.CopyConfig(cfg))
 	if err != nil {
 		return nil, fmt.Errorf("IPAMClaim client: %w", err)
 	}
-	return &clientClaimAPI{cs: cs, log: info}, nil
+	if poll <= 0 {
+		poll = ClaimCRDPoll
+	}
+	return &clientClaimAPI{cs: cs, poll: poll, log: info}, nil
 }
 
 // installed asks discovery whether the API server serves ipamclaims.
@@ -72,13 +77,13 @@ func (a *clientClaimAPI) Watch(ctx context.Context, changed func(*ipamclaimsv1.I
 	}
 	for !a.installed() {
 		if !closed {
-			a.log("the IPAMClaim CRD (k8s.cni.cncf.io/v1alpha1 ipamclaims) is not installed: pods that reference a claim get no address; looking for it again periodically", "every", ClaimCRDPoll.String())
+			a.log("the IPAMClaim CRD (k8s.cni.cncf.io/v1alpha1 ipamclaims) is not installed: pods that reference a claim get no address; looking for it again periodically", "every", a.poll.String())
 		}
 		done()
 		select {
 		case <-ctx.Done():
 			return
-		case <-time.After(ClaimCRDPoll):
+		case <-time.After(a.poll):
 		}
 	}
 	f := claiminformers.NewSharedInformerFactory(a.cs, 0)

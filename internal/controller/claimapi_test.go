@@ -28,7 +28,7 @@ func TestClaimAPIWatch(t *testing.T) {
 			if tc.installed {
 				cs.Resources = []*metav1.APIResourceList{{GroupVersion: "k8s.cni.cncf.io/v1alpha1", APIResources: []metav1.APIResource{{Name: "ipamclaims", Namespaced: true, Kind: "IPAMClaim"}}}}
 			}
-			api := &clientClaimAPI{cs: cs, log: func(string, ...any) {}}
+			api := &clientClaimAPI{cs: cs, poll: time.Second, log: func(string, ...any) {}}
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
 			var mu sync.Mutex
