@@ -50,14 +50,6 @@ type sharedGrant struct {
 
 func (g *sharedGrant) names(node string) bool { return g.nodes[0] == node || g.nodes[1] == node }
 
-// other is the node of the grant that is not node.
-func (g *sharedGrant) other(node string) string {
-	if g.nodes[0] == node {
-		return g.nodes[1]
-	}
-	return g.nodes[0]
-}
-
 // Claim refusal codes: the claim status condition's reason.
 const (
 	refusedAttached = "AttachedElsewhere"
@@ -206,25 +198,6 @@ func (p *poolState) boundTo(a netip.Addr) (string, *claimBinding) {
 	return "", nil
 }
 
-// sharedAddrs is every address under a shared grant in the pool.
-func (p *poolState) sharedAddrs() addr.Set {
-	var out addr.Set
-	for _, g := range p.shared {
-		out = out.Union(addr.SetOfAddrs(g.addr))
-	}
-	return out
-}
-
-// sharedWith says whether a is under a shared grant naming both nodes.
-func (p *poolState) sharedWith(a netip.Addr, x, y string) bool {
-	for _, g := range p.shared {
-		if g.addr == a && g.names(x) && g.names(y) && x != y {
-			return true
-		}
-	}
-	return false
-}
-
 // usesOf lists every node's use of claim uid in the pool, by node.
 func (p *poolState) usesOf(uid string) map[string][]ipwardenv1.ClaimUse {
 	out := map[string][]ipwardenv1.ClaimUse{}
@@ -245,20 +218,6 @@ func attachedUse(uses []ipwardenv1.ClaimUse) (ipwardenv1.ClaimUse, bool) {
 		}
 	}
 	return ipwardenv1.ClaimUse{}, false
-}
-
-// ClaimUsed says whether any node's spec lists a use of claim uid, in any pool.
-func (s *State) ClaimUsed(uid string) bool {
-	for _, p := range s.pools {
-		for _, uses := range p.uses {
-			for _, u := range uses {
-				if u.UID == uid {
-					return true
-				}
-			}
-		}
-	}
-	return false
 }
 
 // claimsView is what answerClaims needs of one node's fill in one pool.

@@ -867,10 +867,6 @@ func (w *world) deleteClaim() {
 	w.m.ClaimDeleted(vmKey.Namespace, vmKey.Name, w.now)
 }
 
-func withoutClaimStatus(ops []string) []string {
-	return slices.DeleteFunc(slices.Clone(ops), func(s string) bool { return strings.HasPrefix(s, "write IPAMClaim status") })
-}
-
 // Durable first: the pool status write that records a claim's binding lands before the node
 // status write that grants its address, and the claim's status follows both; when the binding's
 // write fails, no node status grants the address and the claim's status is not written.
