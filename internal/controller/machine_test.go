@@ -1162,3 +1162,45 @@ func TestMachineClaimStatus(t *testing.T) {
 		})
 	}
 }
+
+// The claim paths are deterministic: a fresh machine fed the same inputs asks for the same
+// operations (a migration, its give-back, a claim deleted and released).
+func TestMachineClaimReplay(t *testing.T) {
+	pool := testPool("p", "10.0.0.0/28", time.Minute)
+	pool.Status.IPAMClaims = []ipwardenv1.ClaimBinding{binding("10.0.0.5", "u1")}
+	w := newWorld(t, Options{}, pool)
+	w.rawPools = true
+	w.addNode("x", useSpec(1, use("u1", true, false, "10.0.0.5")), "10.0.0.5")
+	w.addNode("y", useSpec(0, use("u1", false, true, "")))
+	w.addClaim("u1", false)
+	w.m.Record()
+	w.lead("")
+	w.run()
+	w.setSpec("x", ipwardenv1.NodeIPAllocationSpec{Pools: []ipwardenv1.NodePoolRequest{{Pool: "p", Releasing: []ipwardenv1.AddressBlock{"10.0.0.5"}}}})
+	w.setSpec("y", useSpec(1, use("u1", true, true, "10.0.0.5")))
+	w.now = w.now.Add(2 * time.Second)
+	w.run()
+	w.deleteClaim()
+	w.setSpec("y", ipwardenv1.NodeIPAllocationSpec{Pools: []ipwardenv1.NodePoolRequest{{Pool: "p", Releasing: []ipwardenv1.AddressBlock{"10.0.0.5"}}}})
+	w.now = w.now.Add(2 * time.Second)
+	w.run()
+	w.now = w.now.Add(2 * time.Second)
+	w.run()
+	if len(w.pools["p"].Status.IPAMClaims) != 0 {
+		t.Fatal("not released")
+	}
+	got, err := Replay(NewMachine(w.m.Options(), NewMetrics(nil), logr.Discard()), w.m.Script())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := SameOps(w.m.Issued(), got); err != nil {
+		t.Fatal(err)
+	}
+	kinds := map[OpKind]bool{}
+	for _, op := range got {
+		kinds[op.Kind] = true
+	}
+	if !kinds[OpClaimStatus] || !kinds[OpListClaims] {
+		t.Fatalf("the script has no claim operations: %v", kinds)
+	}
+}
