@@ -222,11 +222,14 @@ func attachedUse(uses []ipwardenv1.ClaimUse) (ipwardenv1.ClaimUse, bool) {
 
 // claimsView is what answerClaims needs of one node's fill in one pool.
 type claimsView struct {
-	node     string
-	pool     string
-	held     addr.Set // what the node holds and gets in this fill so far
-	settling string   // why no free address may be picked now ("" when it may)
-	now      time.Time
+	node string
+	pool string
+	held addr.Set // what the node holds and gets in this fill so far
+	// releasing is what the node's spec releases: never granted to it again while listed (it
+	// may have forgotten it already), so a claim's address there waits.
+	releasing addr.Set
+	settling  string // why no free address may be picked now ("" when it may)
+	now       time.Time
 }
 
 // claimsOutcome is answerClaims' decision for one node and pool.
@@ -312,6 +315,9 @@ func (s *State) answerClaims(v claimsView) claimsOutcome {
 			continue
 		}
 		a := b.addr
+		if v.releasing.Contains(a) {
+			continue // leaving the node: granted again once its spec no longer releases it
+		}
 		if held.Contains(a) {
 			out.mustSync = out.mustSync || !b.durable
 			grant(a, p.shared[u.UID] != nil)
@@ -385,6 +391,9 @@ func (s *State) pickClaimAddress(p *poolState, v claimsView, u ipwardenv1.ClaimU
 			}
 		}
 	}
+	if ask.IsValid() && v.releasing.Contains(ask) {
+		return netip.Addr{}, "", "the node still releases it"
+	}
 	if ask.IsValid() {
 		conflict := func(why string) (netip.Addr, string, string) {
 			return netip.Addr{}, ipwardenv1.ClaimReasonAddressConflict, fmt.Sprintf("IPAMClaim %s asks for %s, which %s", key, ask, why)
@@ -412,7 +421,7 @@ func (s *State) pickClaimAddress(p *poolState, v claimsView, u ipwardenv1.ClaimU
 	if v.settling != "" {
 		return netip.Addr{}, "", v.settling
 	}
-	withheld := p.alloc.Usable(v.now).Intersect(p.claimedByOthers(v.node).Union(p.wantedByOthers(v.node)).Union(p.boundAddrs()))
+	withheld := p.alloc.Usable(v.now).Intersect(v.releasing.Union(p.claimedByOthers(v.node)).Union(p.wantedByOthers(v.node)).Union(p.boundAddrs()))
 	if !withheld.IsEmpty() {
 		_ = p.alloc.Reserve(withheld)
 		defer func() { _ = p.alloc.Unreserve(withheld) }()

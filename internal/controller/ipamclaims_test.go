@@ -408,3 +408,26 @@ func TestClaimRecordedInAnotherPool(t *testing.T) {
 		t.Fatalf("added %v, refused %+v", pf.Added, pf.ClaimRefused)
 	}
 }
+
+// A claim's address the node still lists as releasing (the old pod's DEL on the node where the
+// VM restarts) is not granted to it until its spec stops releasing it.
+func TestClaimAddressStillReleasing(t *testing.T) {
+	st := ipwardenv1.IPPoolStatus{IPAMClaims: []ipwardenv1.ClaimBinding{binding("10.0.0.5", "u1")}}
+	s := claimState(t, "10.0.0.0/28", st, map[string]claimNode{"n": {held: []string{"10.0.0.5"}}}, t0)
+	s.SetClaim(vmKey, KnownClaim{UID: "u1"})
+	sp := useSpec(0, use("u1", false, false, ""))
+	sp.Pools[0].Releasing = []ipwardenv1.AddressBlock{"10.0.0.5"}
+	q := s.StartFill("n", &ipwardenv1.NodeIPAllocation{Spec: sp}, t0)
+	pf := q.Fill().Pools["p"]
+	if pf.Removed.String() != "10.0.0.5" || !pf.Added.IsEmpty() || len(pf.ClaimAnswers) != 0 {
+		t.Fatalf("removed %v, added %v, answers %+v", pf.Removed, pf.Added, pf.ClaimAnswers)
+	}
+	for range q.Steps() {
+		q.Advance(Landed)
+	}
+	// Cooling now; the next spec no longer releases it: granted out of the cooldown.
+	f := s.PlanFill("n", useSpec(0, use("u1", false, false, "")), t0.Add(time.Second))
+	if f.Pools["p"].Added.String() != "10.0.0.5" {
+		t.Fatalf("added %v", f.Pools["p"].Added)
+	}
+}

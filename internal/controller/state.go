@@ -451,7 +451,7 @@ func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now 
 		f.Conflicts = append(f.Conflicts, conflicts...)
 		f.Conflicts = append(f.Conflicts, s.heldConflicts(name, pool, v.Held)...)
 		moved, refused := s.grantWanted(name, pool, v.Held.Union(granted))
-		cv := claimsView{node: name, pool: pool, held: v.Held.Union(granted).Union(moved), now: now}
+		cv := claimsView{node: name, pool: pool, held: v.Held.Union(granted).Union(moved), releasing: v.Releasing, now: now}
 		switch {
 		case settling:
 			cv.settling = "the controller is settling after it started leading"
