@@ -1125,6 +1125,7 @@ func (m *Machine) afterGone(t *task, now time.Time) {
 	m.metrics.NodesReleased.Inc()
 	m.log.Info("node deleted: its addresses return to their pools after the reuse cooldown", "node", t.node, "addresses", total)
 	m.poolWake = true
+	m.claimCheck = m.claimCheck || m.state.HasBindings() // its claim uses went with it
 	delete(m.tasks, t.node)
 	m.sched.Forget(t.node)
 	m.metrics.SyncDuration.WithLabelValues("node").Observe(now.Sub(t.started).Seconds())
