@@ -21,7 +21,7 @@ require (
 )
 
 require (
-	github.com/k8snetworkplumbingwg/ipamclaims v0.5.1-alpha // indirect
+	github.com/k8snetworkplumbingwg/ipamclaims v0.5.1-alpha
 	github.com/kylelemons/godebug v1.1.0 // indirect
 )
 

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+	ipamclaimsv1 "github.com/k8snetworkplumbingwg/ipamclaims/pkg/crd/ipamclaims/v1alpha1"
 	"github.com/spf13/cobra"
 	admissionv1 "k8s.io/api/admissionregistration/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -51,6 +52,8 @@ type controllerFlags struct {
 	skipLocalFence   bool
 	requireFence     bool
 	opts             controller.Options
+	ipamClaims       bool
+	claimCRDPoll     time.Duration
 	zap              zap.Options
 }
 
@@ -91,6 +94,8 @@ to their pools, and reports pool usage in IPPool status. Run two replicas; one l
 	fs.DurationVar(&f.opts.ResyncPeriod, "resync-period", time.Minute, "period of the full pass that repairs anything an event missed")
 	fs.DurationVar(&f.opts.BackoffBase, "backoff-base", 250*time.Millisecond, "first retry delay of a failing node sync (doubles, with jitter)")
 	fs.DurationVar(&f.opts.BackoffMax, "backoff-max", 2*time.Minute, "longest retry delay of a failing node sync")
+	fs.BoolVar(&f.ipamClaims, "ipamclaims", true, "serve IPAMClaims (k8s.cni.cncf.io/v1alpha1, KubeVirt VMs keeping their addresses): watch them once their CRD is installed and write their status; false: every pod that references a claim gets no address")
+	fs.DurationVar(&f.claimCRDPoll, "ipamclaim-crd-poll", controller.ClaimCRDPoll, "while the IPAMClaim CRD is not installed, look for it this often")
 	fs.DurationVar(&f.opts.AuditPeriod, "audit-period", 10*time.Minute, "period of the audit that compares the controller's record with every NodeIPAllocation status (leaked allocations, addresses held twice)")
 	fs.DurationVar(&f.opts.PoolStatusInterval, "pool-status-interval", time.Second, "coalescing interval of IPPool status writes")
 	fs.Float64Var(&f.opts.Exhaustion.LowPercent, "exhausted-below-percent", controller.DefaultExhaustionMarks.LowPercent, "a pool is marked exhausted when free addresses fall below this share of capacity (or one batch, whichever is more)")
@@ -124,6 +129,9 @@ func newScheme() (*runtime.Scheme, error) {
 		return nil, err
 	}
 	if err := ipwardenv1.AddToScheme(s); err != nil {
+		return nil, err
+	}
+	if err := ipamclaimsv1.AddToScheme(s); err != nil { // events on IPAMClaims
 		return nil, err
 	}
 	return s, nil
@@ -244,6 +252,13 @@ func campaign(ctx context.Context, f *controllerFlags, cfg *rest.Config, scheme 
 	}
 	c := controller.New(mgr.GetCache(), mgr.GetAPIReader(), mgr.GetClient(),
 		mgr.GetEventRecorderFor("ipwarden-controller"), metrics, log, opts)
+	if f.ipamClaims {
+		claims, err := controller.NewClaimAPI(cfg, f.claimCRDPoll, func(msg string, kv ...any) { log.Info(msg, kv...) })
+		if err != nil {
+			return err
+		}
+		c.WithClaims(claims)
+	}
 	if err := mgr.Add(c); err != nil {
 		return err
 	}

@@ -45,6 +45,9 @@ type Attachment struct {
 	// "exists", "unknown" or "unrecorded" ("" from an agent that does not say).
 	Sandbox string
 	Netns   string
+	// Claims are the UIDs of the IPAMClaims the attachment's addresses are bound for (nil when
+	// the agent does not say; empty when it uses none).
+	Claims []string
 }
 
 // Input is one snapshot. List pods before NodeIPAllocations and NodeIPAllocations before Nodes,
@@ -60,6 +63,8 @@ type Input struct {
 	// be too new for the snapshot).
 	Now   time.Time
 	Grace time.Duration
+	// Claims are the IPAMClaims (nil: not read, e.g. the CRD is not installed).
+	Claims []ClaimRef
 }
 
 // Finding is one problem.
@@ -151,6 +156,9 @@ func Check(in Input) Report {
 		}
 	}
 
+	// Addresses bound to IPAMClaims, by network (ipamclaims.go).
+	bound := claimIndex(in, network, add)
+
 	// Who holds what, and twice-held addresses.
 	nodeHeld := map[string]addr.Set{}
 	all := map[string]addr.Set{}     // network -> every address held on it
@@ -169,7 +177,7 @@ func Check(in Input) Report {
 			r.Held += int64(n)
 			// An address is held twice only within one network (IPPool spec.network).
 			net := network[ps.Pool]
-			if dup := all[net].Intersect(s); !dup.IsEmpty() {
+			if dup := all[net].Intersect(s); !dup.IsEmpty() && !sharedHeld(bound[net], owner[net], a.Name, dup) {
 				add(Finding{Kind: HeldTwice, Addresses: dup.String(), Nodes: append(holders(owner[net], dup), a.Name), Pool: ps.Pool,
 					Detail: "held by two nodes"})
 			}
@@ -204,6 +212,7 @@ func Check(in Input) Report {
 	// Running pods: their addresses are held by their node, and no two share one.
 	podUIDs := map[string]bool{}
 	byIP := map[netip.Addr]string{}
+	podsOn := map[netip.Addr]int{}
 	for _, p := range in.Pods {
 		podUIDs[p.UID] = true
 		if !p.Running {
@@ -220,9 +229,18 @@ func Check(in Input) Report {
 				outside = true
 				continue
 			}
+			podsOn[ip]++
 			if other, ok := byIP[ip]; ok {
-				add(Finding{Kind: AttachedTwice, Addresses: ip.String(), Pod: id, Nodes: []string{p.Node},
-					Detail: "also the address of running pod " + other})
+				switch net := podNetwork(bound, ip); {
+				case claimPair(bound, net, ip, podsOn[ip]):
+					// a live migration's source and target
+				case isBound(bound, ip):
+					add(Finding{Kind: ClaimOverShared, Addresses: ip.String(), Pod: id, Nodes: []string{p.Node},
+						Detail: "a claim's address used by a third running pod (also " + other + ")"})
+				case !isBound(bound, ip):
+					add(Finding{Kind: AttachedTwice, Addresses: ip.String(), Pod: id, Nodes: []string{p.Node},
+						Detail: "also the address of running pod " + other})
+				}
 			}
 			byIP[ip] = id
 			if !nodeHeld[p.Node].Contains(ip) {
@@ -237,6 +255,7 @@ func Check(in Input) Report {
 
 	// Agents' attachments.
 	attached := map[string]addr.Set{} // network -> addresses attached on it
+	attachments := map[string]map[netip.Addr]int{}
 	attachedOn := map[string]addr.Set{}
 	nodesAsked := make([]string, 0, len(in.Attachments))
 	for n := range in.Attachments {
@@ -258,9 +277,34 @@ func Check(in Input) Report {
 			}
 			for _, net := range slices.Sorted(maps.Keys(byNet)) {
 				on := byNet[net]
-				if dup := attached[net].Intersect(on); !dup.IsEmpty() {
-					add(Finding{Kind: AttachedTwice, Addresses: dup.String(), Nodes: []string{node}, Pod: who, Detail: "on two attachments"})
+				if attachments[net] == nil {
+					attachments[net] = map[netip.Addr]int{}
 				}
+				for _, a := range on.Addrs(1024) {
+					attachments[net][a]++
+				}
+				if dup := attached[net].Intersect(on); !dup.IsEmpty() {
+					var twice, over addr.Set
+					for _, a := range dup.Addrs(1024) {
+						switch n := attachments[net][a]; {
+						case claimPair(bound, net, a, n):
+						case isBoundOn(bound, net, a):
+							over = over.Union(addr.SetOfAddrs(a))
+						default:
+							twice = twice.Union(addr.SetOfAddrs(a))
+						}
+					}
+					if count(dup) > 1024 {
+						twice = dup
+					}
+					if !twice.IsEmpty() {
+						add(Finding{Kind: AttachedTwice, Addresses: twice.String(), Nodes: []string{node}, Pod: who, Detail: "on two attachments"})
+					}
+					if !over.IsEmpty() {
+						add(Finding{Kind: ClaimOverShared, Addresses: over.String(), Nodes: []string{node}, Pod: who, Detail: "a claim's address on a third attachment"})
+					}
+				}
+				misused(bound, net, at, on, node, who, add)
 				attached[net] = attached[net].Union(on)
 			}
 			attachedOn[node] = attachedOn[node].Union(s)
@@ -294,6 +338,7 @@ func Check(in Input) Report {
 	for _, f := range claimConflicts(in, nodeHeld) {
 		add(f)
 	}
+	claimChecks(in, bound, owner, add)
 	return r
 }
 

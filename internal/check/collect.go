@@ -7,9 +7,11 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
+	"github.com/ipwarden/ipwarden/internal/ipamclaim"
 	"github.com/ipwarden/ipwarden/internal/podinfo"
 )
 
@@ -49,6 +51,16 @@ func Collect(ctx context.Context, c client.Reader) (Input, error) {
 	}
 	for _, n := range nodes.Items {
 		in.Nodes = append(in.Nodes, n.Name)
+	}
+	// IPAMClaims, when the CRD is installed and readable (else their bindings are not checked
+	// against them).
+	claims := &unstructured.UnstructuredList{}
+	claims.SetGroupVersionKind(ipamclaim.GroupVersionResource.GroupVersion().WithKind("IPAMClaimList"))
+	if err := c.List(ctx, claims); err == nil {
+		in.Claims = []ClaimRef{}
+		for _, it := range claims.Items {
+			in.Claims = append(in.Claims, ClaimRef{Namespace: it.GetNamespace(), Name: it.GetName(), UID: string(it.GetUID())})
+		}
 	}
 	return in, nil
 }

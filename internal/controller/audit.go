@@ -108,6 +108,28 @@ func (s *State) Audit(allocs []ipwardenv1.NodeIPAllocation) AuditResult {
 			}
 		}
 	}
+	// A claim address two nodes list under a shared grant naming both is not held twice.
+	for name, p := range s.pools {
+		for _, g := range p.shared {
+			if !r.Twice.Contains(g.addr) {
+				continue
+			}
+			listers := 0
+			for node, pools := range listed {
+				for pool, set := range pools {
+					if networkOf(pool) == networkOf(name) && set.Contains(g.addr) {
+						if !g.names(node) {
+							listers = 3
+						}
+						listers++
+					}
+				}
+			}
+			if listers <= 2 {
+				r.Twice = r.Twice.Subtract(addr.SetOfAddrs(g.addr))
+			}
+		}
+	}
 	// The record against the statuses.
 	for name, n := range s.nodes {
 		for pool, held := range n.held {

@@ -131,6 +131,10 @@ func (s *State) grantWanted(name, pool string, held addr.Set) (granted addr.Set,
 			refuse(want.Intersect(p.claims[other]), "used by a pod on node "+other, "")
 		}
 	}
+	for _, a := range want.Intersect(p.boundAddrs()).Addrs(64) {
+		_, b := p.boundTo(a)
+		refuse(addr.SetOfAddrs(a), "bound to IPAMClaim "+b.key.String(), "")
+	}
 	refuse(want.Subtract(p.cfg.Addresses), "pool "+pool+" does not hand it out (outside its cidrs, excluded, a network, broadcast or gateway address)", "")
 	free := want.Subtract(p.alloc.Allocated())
 	if !free.IsEmpty() && p.alloc.Reserve(free) == nil {

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+	ipamclaimsv1 "github.com/k8snetworkplumbingwg/ipamclaims/pkg/crd/ipamclaims/v1alpha1"
 	appsv1 "k8s.io/api/apps/v1"
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -132,8 +133,19 @@ type Controller struct {
 	fence   *Fence
 	stop    context.CancelCauseFunc // ends Start with ErrFenced
 
-	m     *Machine // owned by Start's goroutine
-	inbox inbox
+	m      *Machine // owned by Start's goroutine
+	inbox  inbox
+	claims ClaimAPI // nil: no IPAMClaims (every claim use is refused)
+}
+
+// claimSyncWait bounds how long the controller waits for the IPAMClaim informer before it leads.
+const claimSyncWait = 30 * time.Second
+
+// WithClaims has the controller read and write IPAMClaims through api (docs/design.md, "VM
+// addresses").
+func (c *Controller) WithClaims(api ClaimAPI) *Controller {
+	c.claims = api
+	return c
 }
 
 // FieldManager is the field manager of every write the controller makes (managedFields shows
@@ -255,6 +267,25 @@ func (c *Controller) watch(ctx context.Context) error {
 	}
 	if !c.cache.WaitForCacheSync(ctx) {
 		return errors.New("caches did not sync")
+	}
+	if c.claims != nil {
+		// The claims present reach the inbox before the machine leads, so its first fills know
+		// them; without the CRD, ready comes at once and the watch starts when it appears.
+		ready := make(chan struct{})
+		go c.claims.Watch(ctx, func(obj *ipamclaimsv1.IPAMClaim) {
+			c.inbox.push(func(m *Machine, now time.Time) { m.ClaimChanged(obj, now) })
+		}, func(ns, name string) {
+			c.inbox.push(func(m *Machine, now time.Time) { m.ClaimDeleted(ns, name, now) })
+		}, ready)
+		select {
+		case <-ready:
+		case <-time.After(claimSyncWait):
+			// Forbidden (RBAC) or an API server slow to list them: lead anyway; claims reach
+			// the machine as the informer delivers them (until then their uses are refused).
+			c.log.Error(nil, "IPAMClaims did not sync; leading without them for now", "waited", claimSyncWait.String())
+		case <-ctx.Done():
+			return nil
+		}
 	}
 	for _, reg := range []struct {
 		inf     cache.Informer
@@ -473,6 +504,8 @@ func (c *Controller) perform(ctx context.Context, op Op) OpResult {
 		if r.Err == nil {
 			r.PodAddrs = PodAddrs(list.Items)
 		}
+	case OpClaimStatus, OpListClaims:
+		c.performClaim(ctx, op, &r)
 	default:
 		r.Err = fmt.Errorf("unknown operation %v", op.Kind)
 	}

@@ -2,6 +2,7 @@ package controller
 
 import (
 	"fmt"
+	"slices"
 	"sort"
 	"time"
 
@@ -12,6 +13,8 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+
+	ipamclaimsv1 "github.com/k8snetworkplumbingwg/ipamclaims/pkg/crd/ipamclaims/v1alpha1"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/addr"
@@ -44,7 +47,10 @@ import (
 //     cooling record and was computed after it was recorded; a pool status conflict re-reads the
 //     pool and retries, at most three times;
 //   - what follows a commit (refills of nodes the pool left short, claimants and wanters of the
-//     returned addresses, holders asked to give back) is queued in the same step as the commit.
+//     returned addresses, holders asked to give back) is queued in the same step as the commit;
+//   - an IPAMClaim's record or shared grant lands in the pool's status before the node status that
+//     grants its address, and the claim's status after both (machine_claims.go); a record is
+//     dropped only after a fresh LIST of the claims lacks it and no node uses it.
 
 // OpKind says what an operation does.
 type OpKind int
@@ -75,11 +81,17 @@ const (
 	// OpListNodePods lists the Pods bound to node Op.Node from the API server; the result is the
 	// addresses its running pods report (OpResult.PodAddrs), for a pool settle (PoolWaits).
 	OpListNodePods
+	// OpClaimStatus writes Op.Claim's status (an IPAMClaim: not fenced, a foreign CRD; the
+	// pool's binding is authoritative).
+	OpClaimStatus
+	// OpListClaims lists every IPAMClaim from the API server; the result is their UIDs
+	// (OpResult.ClaimUIDs), to release the bindings of claims that are gone.
+	OpListClaims
 )
 
 var opKindNames = [...]string{"create NodeIPAllocation", "delete NodeIPAllocation", "patch NodeIPAllocation owner",
 	"write NodeIPAllocation status", "write IPPool status", "read Node", "read NodeIPAllocation", "read IPPool",
-	"read agent Lease", "list NodeIPAllocations", "list the node's Pods"}
+	"read agent Lease", "list NodeIPAllocations", "list the node's Pods", "write IPAMClaim status", "list IPAMClaims"}
 
 func (k OpKind) String() string {
 	if int(k) < len(opKindNames) {
@@ -89,7 +101,7 @@ func (k OpKind) String() string {
 }
 
 // Write says whether the operation writes (the driver checks the fence before each write).
-func (k OpKind) Write() bool { return k <= OpPoolStatus }
+func (k OpKind) Write() bool { return k <= OpPoolStatus || k == OpClaimStatus }
 
 // Op is one read or write for the driver to perform. Objects in it belong to the op: the driver
 // may send them as they are.
@@ -101,7 +113,8 @@ type Op struct {
 	Alloc        *ipwardenv1.NodeIPAllocation
 	Base         *ipwardenv1.NodeIPAllocation // OpPatchOwner: the object before the patch
 	Pool         *ipwardenv1.IPPool
-	ExactVersion bool // OpDeleteAllocation: also require the resourceVersion (an orphan)
+	ExactVersion bool                    // OpDeleteAllocation: also require the resourceVersion (an orphan)
+	Claim        *ipamclaimsv1.IPAMClaim // OpClaimStatus
 }
 
 // OpResult is an operation's outcome, fed back with Done.
@@ -121,6 +134,10 @@ type OpResult struct {
 	// PodAddrs: OpListNodePods's answer, every address in status.podIPs of the node's pods that
 	// may run (not finished, not on the host network).
 	PodAddrs addr.Set
+	// Claim: OpClaimStatus's stored object (optional). ClaimUIDs: OpListClaims's answer, the
+	// UID of every IPAMClaim.
+	Claim     *ipamclaimsv1.IPAMClaim
+	ClaimUIDs map[string]bool
 }
 
 // Event is a Kubernetes event to record about Object.
@@ -183,10 +200,12 @@ type poolRun struct {
 }
 
 type opOwner struct {
-	node  string // a task's op
-	pool  string // a pool write's op
-	audit bool
-	pods  string // a pool settle's read of this node's pods
+	node      string // a task's op
+	pool      string // a pool write's op
+	audit     bool
+	pods      string   // a pool settle's read of this node's pods
+	claim     ClaimKey // a claim's status write
+	claimList bool
 }
 
 // podRead is one read of a node's pods for the pool settles: issued then, answered (done) with
@@ -250,7 +269,11 @@ type Machine struct {
 	nextResync      time.Time
 	nextAudit       time.Time
 	audit           *auditRun
-	schedNext       time.Time // when the scheduler has a node ready next
+	schedNext       time.Time              // when the scheduler has a node ready next
+	claims          map[ClaimKey]*claimRun // IPAMClaims (machine_claims.go)
+	claimList       uint64                 // OpListClaims in flight
+	claimListAgain  bool
+	claimCheck      bool // a binding's claim may be gone and unused: look (checkClaims)
 
 	out Ready
 
@@ -274,7 +297,7 @@ func NewMachine(opts Options, m *Metrics, log logr.Logger) *Machine {
 		pools: map[string]*ipwardenv1.IPPool{}, tasks: map[string]*task{}, poolRuns: map[string]*poolRun{},
 		ops: map[uint64]opOwner{}, agentSeen: map[string]*nodelease.Observer{}, rechecks: map[string]time.Time{}, podReads: map[string]*podRead{},
 		settleProgress: map[string]*settleProgress{},
-		nodeFlags:      map[string][2]bool{}, poolWritten: map[string]time.Time{},
+		nodeFlags:      map[string][2]bool{}, poolWritten: map[string]time.Time{}, claims: map[ClaimKey]*claimRun{},
 	}
 }
 
@@ -348,6 +371,7 @@ func (m *Machine) AllocChanged(obj *ipwardenv1.NodeIPAllocation, now time.Time) 
 	if old == nil || old.Generation != obj.Generation || old.UID != obj.UID ||
 		!equality.Semantic.DeepEqual(old.OwnerReferences, obj.OwnerReferences) {
 		m.nodeMoved(obj.Name, now)
+		m.claimCheck = m.claimCheck || m.state.HasBindings()
 	}
 }
 
@@ -356,6 +380,7 @@ func (m *Machine) AllocDeleted(name string, now time.Time) {
 	m.record(Input{Kind: InAllocDeleted, At: now, Name: name})
 	delete(m.allocs, name)
 	m.nodeMoved(name, now)
+	m.claimCheck = m.claimCheck || m.state.HasBindings()
 }
 
 func (m *Machine) nodeMoved(name string, now time.Time) {
@@ -466,6 +491,9 @@ func (m *Machine) Tick(now time.Time) {
 		m.nextAudit = now.Add(m.opts.AuditPeriod)
 		m.audit = &auditRun{}
 		m.issue(opOwner{audit: true}, Op{Kind: OpListAllocations})
+		if m.state.HasBindings() {
+			m.requestClaimList() // the periodic full read: a claim deletion the watch missed
+		}
 	} else if m.audit != nil && !m.audit.confirmAt.IsZero() && !now.Before(m.audit.confirmAt) {
 		m.audit.confirmAt = time.Time{}
 		m.issue(opOwner{audit: true}, Op{Kind: OpListAllocations})
@@ -486,6 +514,9 @@ func (m *Machine) Ready(now time.Time) Ready {
 	}
 	if m.reportsDirty && !now.Before(m.nextReportCheck) {
 		m.checkReports(now)
+	}
+	if m.claimCheck {
+		m.checkClaims()
 	}
 	m.schedNext = time.Time{}
 	for len(m.tasks) < m.opts.Workers {
@@ -898,9 +929,11 @@ func (m *Machine) runSteps(t *task, now time.Time) {
 	switch t.seq.Result() {
 	case NoChange:
 		m.updateNodeMetrics(t.node, t.alloc.Spec, f)
+		m.claimsAnswered(t.alloc, f, now)
 		m.finish(t, nil, now)
 	case Committed:
 		m.afterFill(t.alloc, f, now)
+		m.claimsAnswered(t.alloc, f, now)
 		m.finish(t, nil, now)
 	case Retry:
 		if t.attempt >= 3 {
@@ -928,6 +961,10 @@ func (m *Machine) Done(r OpResult, now time.Time) {
 		m.auditDone(r, now)
 	case owner.pods != "":
 		m.podsDone(owner.pods, r, now)
+	case owner.claimList:
+		m.claimListDone(r, now)
+	case owner.claim != ClaimKey{}:
+		m.claimStatusDone(owner.claim, r, now)
 	case owner.pool != "":
 		m.poolDone(owner.pool, r, now)
 	default:
@@ -1088,6 +1125,7 @@ func (m *Machine) afterGone(t *task, now time.Time) {
 	m.metrics.NodesReleased.Inc()
 	m.log.Info("node deleted: its addresses return to their pools after the reuse cooldown", "node", t.node, "addresses", total)
 	m.poolWake = true
+	m.claimCheck = m.claimCheck || m.state.HasBindings() // its claim uses went with it
 	delete(m.tasks, t.node)
 	m.sched.Forget(t.node)
 	m.metrics.SyncDuration.WithLabelValues("node").Observe(now.Sub(t.started).Seconds())
@@ -1131,10 +1169,21 @@ func (m *Machine) afterFill(alloc *ipwardenv1.NodeIPAllocation, f *Fill, now tim
 		}
 	}
 	for _, pool := range pools {
-		for _, r := range f.Pools[pool].Refused {
+		pf := f.Pools[pool]
+		for _, r := range pf.Refused {
 			if r.Holder != "" {
 				m.enqueue(r.Holder, now) // its status asks it to give the address back if unused
 			}
+		}
+		// Claims: holders asked to give a claim's address back, and the other node of a shared
+		// grant that began or ended (its wantedElsewhere changes); a returned address may be
+		// a waiting claim's.
+		m.enqueueEach(slices.Clone(pf.AskedBack), now)
+		if set := pf.Shared.Union(pf.Dropped); !set.IsEmpty() {
+			m.enqueueEach(sortedKeys(m.state.holdersOf(pool, set, alloc.Name)), now)
+		}
+		if !pf.Removed.IsEmpty() {
+			m.enqueueEach(m.state.ClaimWaiters(pool), now)
 		}
 	}
 	m.reportConflicts(alloc, f, now)
@@ -1284,6 +1333,7 @@ func (m *Machine) startPoolWrite(pool string, fresh *ipwardenv1.IPPool, now time
 	}
 	m.setPoolMetrics(pool, st)
 	if equality.Semantic.DeepEqual(st, obj.Status) {
+		m.state.MarkClaimsDurable(pool, st) // the stored status carries them already
 		m.poolWriteEnded(pool, Landed, nil, now)
 		return
 	}
@@ -1316,6 +1366,7 @@ func (m *Machine) poolDone(pool string, res OpResult, now time.Time) {
 	}
 	if res.Err == nil {
 		m.poolWritten[pool] = now
+		m.state.MarkClaimsDurable(pool, r.written)
 		if res.Pool != nil && m.pools[pool] != nil {
 			m.pools[pool] = res.Pool // the API server's answer: newer than the informer's copy
 		}
@@ -1381,6 +1432,9 @@ func (m *Machine) setPoolMetrics(name string, st ipwardenv1.IPPoolStatus) {
 	cooling, conflicts := m.state.PoolCounts(name)
 	m.metrics.PoolCooling.WithLabelValues(name).Set(float64(cooling))
 	m.metrics.PoolConflicts.WithLabelValues(name).Set(float64(conflicts))
+	bound, shared := m.state.ClaimCounts(name)
+	m.metrics.PoolClaimed.WithLabelValues(name).Set(float64(bound))
+	m.metrics.ClaimSharedGrants.WithLabelValues(name).Set(float64(shared))
 }
 
 // --- the audit --------------------------------------------------------------------------------
@@ -1454,6 +1508,8 @@ const (
 	InTick
 	InReady
 	InDone
+	InClaimChanged
+	InClaimDeleted
 )
 
 // Input is one call of an input method, as Record keeps it: the objects are the ones the driver
@@ -1471,6 +1527,7 @@ type Input struct {
 	Pools       []ipwardenv1.IPPool
 	Allocs      []ipwardenv1.NodeIPAllocation
 	Stamp       *ipwardenv1.Fence
+	Claim       *ipamclaimsv1.IPAMClaim
 }
 
 // Record starts keeping every input from now on (Script) and every operation acknowledged with
@@ -1520,6 +1577,10 @@ func Replay(m *Machine, script []Input) ([]Op, error) {
 			m.Advance()
 		case InDone:
 			m.Done(in.Result, in.At)
+		case InClaimChanged:
+			m.ClaimChanged(in.Claim, in.At)
+		case InClaimDeleted:
+			m.ClaimDeleted(in.Namespace, in.Name, in.At)
 		}
 	}
 	return m.Issued(), nil
@@ -1550,6 +1611,8 @@ type opWrite struct {
 	Owners       []metav1.OwnerReference
 	AllocStatus  *ipwardenv1.NodeIPAllocationStatus
 	PoolStatus   *ipwardenv1.IPPoolStatus
+	Claim        string
+	ClaimStatus  *ipamclaimsv1.IPAMClaimStatus
 }
 
 func normalOp(op Op) opWrite {
@@ -1566,6 +1629,11 @@ func normalOp(op Op) opWrite {
 		st := op.Pool.Status.DeepCopy()
 		st.Conditions = withoutTransitionTimes(st.Conditions)
 		w.PoolStatus = st
+	}
+	if op.Claim != nil {
+		st := op.Claim.Status.DeepCopy()
+		st.Conditions = withoutTransitionTimes(st.Conditions)
+		w.Claim, w.ClaimStatus = op.Claim.Namespace+"/"+op.Claim.Name, st
 	}
 	return w
 }

@@ -3,6 +3,7 @@ package controller
 import (
 	"errors"
 	"fmt"
+	"net/netip"
 	"slices"
 	"strings"
 	"testing"
@@ -15,6 +16,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
+
+	ipamclaimsv1 "github.com/k8snetworkplumbingwg/ipamclaims/pkg/crd/ipamclaims/v1alpha1"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/addr"
@@ -45,6 +48,7 @@ type world struct {
 	// pass writes it).
 	rawPools bool
 	fenced   error
+	claims   map[ClaimKey]*ipamclaimsv1.IPAMClaim // IPAMClaims (ipamclaims_test.go)
 }
 
 func newWorld(t *testing.T, opts Options, pools ...ipwardenv1.IPPool) *world {
@@ -103,6 +107,9 @@ func (w *world) lead(holder string) {
 	}
 	for _, a := range allocs {
 		w.m.AllocChanged(w.allocs[a.Name], w.now)
+	}
+	for _, k := range sortedClaimKeys(w.claims) {
+		w.m.ClaimChanged(w.claims[k], w.now)
 	}
 }
 
@@ -185,6 +192,9 @@ func opName(op Op) string {
 	if op.PoolName != "" {
 		name = op.PoolName
 	}
+	if op.Claim != nil {
+		name = op.Claim.Namespace + "/" + op.Claim.Name
+	}
 	return strings.TrimSpace(op.Kind.String() + " " + name)
 }
 
@@ -264,6 +274,28 @@ func (w *world) perform(op Op) {
 		}
 	case OpListNodePods:
 		r.PodAddrs = w.pods[op.Node]
+	case OpClaimStatus:
+		k := ClaimKey{op.Claim.Namespace, op.Claim.Name}
+		cur := w.claims[k]
+		if cur == nil || cur.UID != op.Claim.UID {
+			r.Err = apierrors.NewNotFound(gr, k.String())
+			break
+		}
+		if cur.ResourceVersion != op.Claim.ResourceVersion {
+			r.Err = apierrors.NewConflict(gr, k.String(), errors.New("changed"))
+			break
+		}
+		c := cur.DeepCopy()
+		c.Status = op.Claim.Status
+		c.ResourceVersion = w.version()
+		w.claims[k] = c
+		r.Claim = c
+		defer w.m.ClaimChanged(c, w.now)
+	case OpListClaims:
+		r.ClaimUIDs = map[string]bool{}
+		for _, c := range w.claims {
+			r.ClaimUIDs[string(c.UID)] = true
+		}
 	}
 	w.m.Done(r, w.now)
 }
@@ -804,4 +836,371 @@ func counter(t *testing.T, c prometheus.Counter) float64 {
 		t.Fatal(err)
 	}
 	return m.GetCounter().GetValue()
+}
+
+// --- VM addresses (IPAMClaim) -------------------------------------------------------------------
+
+func sortedClaimKeys(m map[ClaimKey]*ipamclaimsv1.IPAMClaim) []ClaimKey {
+	out := make([]ClaimKey, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	slices.SortFunc(out, func(a, b ClaimKey) int { return strings.Compare(a.String(), b.String()) })
+	return out
+}
+
+// addClaim creates the IPAMClaim vmKey with uid (delivered at lead, or now when leading).
+func (w *world) addClaim(uid string, leading bool) {
+	if w.claims == nil {
+		w.claims = map[ClaimKey]*ipamclaimsv1.IPAMClaim{}
+	}
+	c := &ipamclaimsv1.IPAMClaim{ObjectMeta: metav1.ObjectMeta{Namespace: vmKey.Namespace, Name: vmKey.Name, UID: types.UID(uid), ResourceVersion: w.version()},
+		Spec: ipamclaimsv1.IPAMClaimSpec{Network: "net"}}
+	w.claims[vmKey] = c
+	if leading {
+		w.m.ClaimChanged(c, w.now)
+	}
+}
+
+func (w *world) deleteClaim() {
+	delete(w.claims, vmKey)
+	w.m.ClaimDeleted(vmKey.Namespace, vmKey.Name, w.now)
+}
+
+// Durable first: the pool status write that records a claim's binding lands before the node
+// status write that grants its address, and the claim's status follows both; when the binding's
+// write fails, no node status grants the address and the claim's status is not written.
+func TestMachineClaimBindingLandsBeforeTheGrant(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		poolErr  error
+		want     []string
+		granted  bool
+		claimIPs int
+	}{
+		{"landed", nil, []string{"write IPPool status p", "write NodeIPAllocation status n", "write IPAMClaim status vms/vm-a.net"}, true, 1},
+		{"the binding's write is rejected", apierrors.NewInvalid(schema.GroupKind{Kind: "IPPool"}, "p", nil), []string{"write IPPool status p"}, false, 0},
+		{"the binding's write has no answer", errTimeout, []string{"write IPPool status p"}, false, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w := newWorld(t, Options{}, testPool("p", "10.0.0.0/28", time.Minute))
+			w.addNode("n", useSpec(0, use("u1", false, false, "")))
+			w.addClaim("u1", false)
+			w.lead("")
+			w.answer = func(op Op) (error, bool) {
+				if op.Kind == OpPoolStatus && tc.poolErr != nil {
+					return tc.poolErr, true
+				}
+				return nil, false
+			}
+			got := w.run()
+			if tc.poolErr != nil {
+				got = slices.Compact(got) // the retries repeat the pool write
+			}
+			if !slices.Equal(got, tc.want) {
+				t.Fatalf("operations %v, want %v", got, tc.want)
+			}
+			if held := w.statusHeldBy("n"); held.IsEmpty() == tc.granted {
+				t.Fatalf("n holds %v", held)
+			}
+			c := w.claims[vmKey]
+			if len(c.Status.IPs) != tc.claimIPs {
+				t.Fatalf("claim status %+v", c.Status)
+			}
+			if tc.granted {
+				if want := w.statusHeldBy("n").String() + "/28"; c.Status.IPs[0] != want || c.Status.OwnerPod == nil || c.Status.OwnerPod.Name != "virt-launcher-u1" ||
+					c.Status.Conditions[0].Reason != ipwardenv1.ClaimReasonAllocated {
+					t.Fatalf("claim status %+v, want %s", c.Status, want)
+				}
+				if b := w.pools["p"].Status.IPAMClaims; len(b) != 1 || b[0].UID != "u1" {
+					t.Fatalf("pool bindings %+v", b)
+				}
+			}
+		})
+	}
+}
+
+// A live migration: the target's node gets the claim's address only after the shared grant is
+// recorded, the source's node is asked to list it in wantedElsewhere, and when the source gives
+// its copy back the address stays with the target, neither cooling nor free, and the grant ends.
+// A pod of another claim, or a third holder, is refused with the holder named.
+func TestMachineSharedGrant(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		target  ipwardenv1.ClaimUse
+		shared  bool
+		refusal string
+	}{
+		{"a migration target of the same claim", use("u1", false, true, ""), true, ""},
+		{"a second pod without the migration label", use("u1", false, false, ""), false, "IPAMClaim vms/vm-a.net is attached on node x"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pool := testPool("p", "10.0.0.0/28", time.Minute)
+			pool.Status.IPAMClaims = []ipwardenv1.ClaimBinding{binding("10.0.0.5", "u1")}
+			w := newWorld(t, Options{}, pool)
+			w.rawPools = true
+			w.addNode("x", useSpec(1, use("u1", true, false, "10.0.0.5")), "10.0.0.5")
+			w.addNode("y", useSpec(0, tc.target))
+			w.addClaim("u1", false)
+			w.lead("")
+			got := w.run()
+			if !tc.shared {
+				if w.statusHeldBy("y").Contains(netip.MustParseAddr("10.0.0.5")) {
+					t.Fatal("y holds it")
+				}
+				r := w.allocs["y"].Status.Pools[0].ClaimRefused
+				if len(r) != 1 || r[0].Reason != tc.refusal {
+					t.Fatalf("refused %+v", r)
+				}
+				if !slices.Contains(w.eventReasons(), refusedAttached) {
+					t.Fatalf("events %v", w.eventReasons())
+				}
+				return
+			}
+			pw, ny := slices.Index(got, "write IPPool status p"), slices.Index(got, "write NodeIPAllocation status y")
+			if pw < 0 || ny < pw {
+				t.Fatalf("operations %v: the shared grant is not recorded before y's status", got)
+			}
+			if !w.statusHeldBy("y").Contains(netip.MustParseAddr("10.0.0.5")) {
+				t.Fatal("y does not hold it")
+			}
+			for _, n := range []string{"x", "y"} {
+				if we := w.allocs[n].Status.Pools[0].WantedElsewhere; len(we) != 1 || we[0] != "10.0.0.5" {
+					t.Fatalf("%s wantedElsewhere %v", n, we)
+				}
+			}
+			if sh := w.pools["p"].Status.Shared; len(sh) != 1 || !slices.Equal(sh[0].Nodes, []string{"x", "y"}) {
+				t.Fatalf("shared %+v", sh)
+			}
+			// The source's DEL: x gives it back.
+			w.setSpec("x", ipwardenv1.NodeIPAllocationSpec{Pools: []ipwardenv1.NodePoolRequest{{Pool: "p", Releasing: []ipwardenv1.AddressBlock{"10.0.0.5"}}}})
+			w.setSpec("y", useSpec(1, use("u1", true, true, "10.0.0.5")))
+			w.now = w.now.Add(2 * time.Second)
+			w.run()
+			if w.statusHeldBy("x").Contains(netip.MustParseAddr("10.0.0.5")) || !w.statusHeldBy("y").Contains(netip.MustParseAddr("10.0.0.5")) {
+				t.Fatalf("x %v, y %v", w.statusHeldBy("x"), w.statusHeldBy("y"))
+			}
+			if st := w.pools["p"].Status; len(st.Shared) != 0 || len(st.Cooling) != 0 || len(st.IPAMClaims) != 1 {
+				t.Fatalf("pool status %+v", st)
+			}
+			if we := w.allocs["y"].Status.Pools[0].WantedElsewhere; len(we) != 0 {
+				t.Fatalf("y still lists %v in wantedElsewhere", we)
+			}
+			if w.m.State().pools["p"].alloc.Cooling().Contains(netip.MustParseAddr("10.0.0.5")) {
+				t.Fatal("the address y holds cools")
+			}
+		})
+	}
+}
+
+// A claim restarted on another node: the old node's status lists the address in wantedElsewhere
+// once no attachment there uses it, and the new node gets it once it is given back.
+func TestMachineClaimHandBack(t *testing.T) {
+	pool := testPool("p", "10.0.0.0/28", time.Minute)
+	pool.Status.IPAMClaims = []ipwardenv1.ClaimBinding{binding("10.0.0.5", "u1")}
+	w := newWorld(t, Options{}, pool)
+	w.rawPools = true
+	w.addNode("x", useSpec(1), "10.0.0.5") // the VM's old pod is gone; its agent kept the address
+	w.addNode("y", useSpec(0, use("u1", false, false, "")))
+	w.addClaim("u1", false)
+	w.lead("")
+	w.run()
+	if we := w.allocs["x"].Status.Pools[0].WantedElsewhere; len(we) != 1 || we[0] != "10.0.0.5" {
+		t.Fatalf("x wantedElsewhere %v", we)
+	}
+	if !w.statusHeldBy("y").IsEmpty() {
+		t.Fatal("y holds it while x does")
+	}
+	w.setSpec("x", ipwardenv1.NodeIPAllocationSpec{Pools: []ipwardenv1.NodePoolRequest{{Pool: "p", Releasing: []ipwardenv1.AddressBlock{"10.0.0.5"}}}})
+	w.now = w.now.Add(2 * time.Second)
+	w.run()
+	if w.statusHeldBy("y").String() != "10.0.0.5" {
+		t.Fatalf("y holds %v", w.statusHeldBy("y"))
+	}
+}
+
+// Release: a binding goes (one pool status write) only when a fresh list of the claims lacks
+// it and no node lists a use of it; a failed list releases nothing.
+func TestMachineClaimRelease(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		used    bool
+		listErr error
+		deleted bool
+		release bool
+		lists   bool
+	}{
+		{"the claim is gone and unused", false, nil, true, true, true},
+		{"the claim is gone but a node still uses it", true, nil, true, false, false},
+		{"the list fails", false, errTimeout, true, false, true},
+		{"the periodic list finds the claim", false, nil, false, false, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pool := testPool("p", "10.0.0.0/28", time.Minute)
+			pool.Status.IPAMClaims = []ipwardenv1.ClaimBinding{binding("10.0.0.5", "u1")}
+			w := newWorld(t, Options{AuditPeriod: time.Minute}, pool)
+			w.rawPools = true
+			sp := useSpec(1)
+			if tc.used {
+				sp = useSpec(1, use("u1", true, false, "10.0.0.5"))
+			}
+			w.addNode("x", sp, "10.0.0.5")
+			w.addClaim("u1", false)
+			w.lead("")
+			w.run()
+			w.answer = func(op Op) (error, bool) {
+				if op.Kind == OpListClaims && tc.listErr != nil {
+					return tc.listErr, true
+				}
+				return nil, false
+			}
+			start := len(w.done)
+			if tc.deleted {
+				w.deleteClaim()
+			} else {
+				w.now = w.now.Add(time.Minute) // the audit's period
+			}
+			w.run()
+			w.now = w.now.Add(2 * time.Second) // the pool's status writes are paced
+			w.run()
+			got := w.done[start:]
+			if slices.Contains(got, "list IPAMClaims") != tc.lists {
+				t.Fatalf("operations %v", got)
+			}
+			if released := len(w.pools["p"].Status.IPAMClaims) == 0; released != tc.release {
+				t.Fatalf("released %v, want %v", released, tc.release)
+			}
+			if w.statusHeldBy("x").String() != "10.0.0.5" {
+				t.Fatal("the holder lost the address")
+			}
+		})
+	}
+}
+
+// A restarted controller keeps the bindings: a claim's address stays out of ordinary fills even
+// while the pool is full, and goes to the claim's next pod.
+func TestMachineRestartKeepsClaims(t *testing.T) {
+	w := newWorld(t, Options{}, testPool("p", "10.0.0.0/29", 0))
+	w.addNode("n", useSpec(0, use("u1", false, false, "")))
+	w.addClaim("u1", false)
+	w.lead("")
+	w.run()
+	bound := w.statusHeldBy("n")
+	if count(bound) != 1 {
+		t.Fatalf("n holds %v", bound)
+	}
+	// The VM stops: n gives the address back. Then another controller leads.
+	w.setSpec("n", ipwardenv1.NodeIPAllocationSpec{Pools: []ipwardenv1.NodePoolRequest{{Pool: "p", Releasing: []ipwardenv1.AddressBlock{ipwardenv1.AddressBlock(bound.String())}}}})
+	w.run()
+	w.m = NewMachine(w.m.Options(), NewMetrics(nil), logr.Discard())
+	w.rawPools = true
+	w.addNode("o", spec("p", 6))
+	w.lead("")
+	w.run()
+	if w.statusHeldBy("o").Overlaps(bound) {
+		t.Fatalf("o got the claim's address %v", bound)
+	}
+	w.setSpec("n", useSpec(0, use("u1", false, false, "")))
+	w.run()
+	if !w.statusHeldBy("n").Equal(bound) {
+		t.Fatalf("n holds %v, want %v", w.statusHeldBy("n"), bound)
+	}
+}
+
+// The claim's status: written when it differs from what the record says, after a restart for a
+// claim whose pod is attached too; a refusal keeps the addresses it asks for.
+func TestMachineClaimStatus(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		ips     []string // the claim's status.ips before
+		cond    bool     // the claim already says IPsAllocated True
+		attach  bool     // x's pod is attached (else a pod waits on y for the claim)
+		writes  int
+		wantIPs []string
+		reason  string
+	}{
+		{"attached after a restart, status lost", nil, false, true, 1, []string{"10.0.0.5/28"}, ipwardenv1.ClaimReasonAllocated},
+		{"attached, status right", []string{"10.0.0.5/28"}, true, true, 0, []string{"10.0.0.5/28"}, ipwardenv1.ClaimReasonAllocated},
+		{"an import names another claim's address", []string{"10.0.0.6"}, false, false, 1, []string{"10.0.0.6"}, ipwardenv1.ClaimReasonAddressConflict},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pool := testPool("p", "10.0.0.0/28", time.Minute)
+			if tc.attach {
+				pool.Status.IPAMClaims = []ipwardenv1.ClaimBinding{binding("10.0.0.5", "u1")}
+			} else {
+				pool.Status.IPAMClaims = []ipwardenv1.ClaimBinding{{Address: "10.0.0.6", Namespace: "vms", Name: "other", UID: "u9"}}
+			}
+			w := newWorld(t, Options{}, pool)
+			w.rawPools = true
+			if tc.attach {
+				w.addNode("x", useSpec(1, use("u1", true, false, "10.0.0.5")), "10.0.0.5")
+			} else {
+				w.addNode("y", useSpec(0, use("u1", false, false, "")))
+			}
+			w.addClaim("u1", false)
+			c := w.claims[vmKey]
+			c.Status.IPs = tc.ips
+			if tc.cond {
+				c.Status.OwnerPod = &ipamclaimsv1.OwnerPod{Name: "virt-launcher-u1"}
+				c.Status.Conditions = []metav1.Condition{{Type: ipwardenv1.ClaimConditionIPsAllocated, Status: metav1.ConditionTrue,
+					Reason: ipwardenv1.ClaimReasonAllocated, Message: "ipwarden bound the address to this claim in IPPool p", LastTransitionTime: metav1.NewTime(t0)}}
+			}
+			w.lead("")
+			writes := 0
+			for _, op := range w.run() {
+				if strings.HasPrefix(op, "write IPAMClaim status") {
+					writes++
+				}
+			}
+			if writes != tc.writes {
+				t.Fatalf("%d claim status writes, want %d", writes, tc.writes)
+			}
+			st := w.claims[vmKey].Status
+			if !slices.Equal(st.IPs, tc.wantIPs) || len(st.Conditions) != 1 || st.Conditions[0].Reason != tc.reason {
+				t.Fatalf("status %+v", st)
+			}
+		})
+	}
+}
+
+// The claim paths are deterministic: a fresh machine fed the same inputs asks for the same
+// operations (a migration, its give-back, a claim deleted and released).
+func TestMachineClaimReplay(t *testing.T) {
+	pool := testPool("p", "10.0.0.0/28", time.Minute)
+	pool.Status.IPAMClaims = []ipwardenv1.ClaimBinding{binding("10.0.0.5", "u1")}
+	w := newWorld(t, Options{}, pool)
+	w.rawPools = true
+	w.addNode("x", useSpec(1, use("u1", true, false, "10.0.0.5")), "10.0.0.5")
+	w.addNode("y", useSpec(0, use("u1", false, true, "")))
+	w.addClaim("u1", false)
+	w.m.Record()
+	w.lead("")
+	w.run()
+	w.setSpec("x", ipwardenv1.NodeIPAllocationSpec{Pools: []ipwardenv1.NodePoolRequest{{Pool: "p", Releasing: []ipwardenv1.AddressBlock{"10.0.0.5"}}}})
+	w.setSpec("y", useSpec(1, use("u1", true, true, "10.0.0.5")))
+	w.now = w.now.Add(2 * time.Second)
+	w.run()
+	w.deleteClaim()
+	w.setSpec("y", ipwardenv1.NodeIPAllocationSpec{Pools: []ipwardenv1.NodePoolRequest{{Pool: "p", Releasing: []ipwardenv1.AddressBlock{"10.0.0.5"}}}})
+	w.now = w.now.Add(2 * time.Second)
+	w.run()
+	w.now = w.now.Add(2 * time.Second)
+	w.run()
+	if len(w.pools["p"].Status.IPAMClaims) != 0 {
+		t.Fatal("not released")
+	}
+	got, err := Replay(NewMachine(w.m.Options(), NewMetrics(nil), logr.Discard()), w.m.Script())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := SameOps(w.m.Issued(), got); err != nil {
+		t.Fatal(err)
+	}
+	kinds := map[OpKind]bool{}
+	for _, op := range got {
+		kinds[op.Kind] = true
+	}
+	if !kinds[OpClaimStatus] || !kinds[OpListClaims] {
+		t.Fatalf("the script has no claim operations: %v", kinds)
+	}
 }

@@ -52,6 +52,12 @@ type Metrics struct {
 	// PoolUnobserved: per pool waiting for the nodes (poolsettle.go), the nodes that have not
 	// reported what their pods use in its new addresses.
 	PoolUnobserved *prometheus.GaugeVec
+	// PoolClaimed and ClaimSharedGrants: per pool, addresses bound to IPAMClaims and shared
+	// grants in progress (docs/design.md, "VM addresses").
+	PoolClaimed       *prometheus.GaugeVec
+	ClaimSharedGrants *prometheus.GaugeVec
+	// ClaimRefusals counts refused claim uses by the claim condition's reason.
+	ClaimRefusals *prometheus.CounterVec
 }
 
 // NewMetrics creates the metrics and registers them with reg (nil: not registered).
@@ -101,12 +107,19 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Nodes a new or grown pool's free addresses wait for, at most --pool-settle: nodes it selects that have not reported the addresses their running pods use in it (spec.observedPools), and silent nodes it does not select whose pods use its new addresses or have not been read yet."}, []string{"pool"}),
 		Unacked: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "unacknowledged_nodes",
 			Help: "Nodes whose agent has not yet acknowledged this leader (spec.acknowledgedLeader); no node is filled from the free pool until it is 0 or --claim-settle has passed."}),
+		PoolClaimed: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Name: "pool_claimed_addresses",
+			Help: "Pool addresses bound to IPAMClaims (status.ipamClaims): they follow their VM to any node."}, pool),
+		ClaimSharedGrants: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Name: "claim_shared_grants",
+			Help: "Claim addresses two nodes hold for a live migration (status.shared)."}, pool),
+		ClaimRefusals: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "claim_refusals_total",
+			Help: "IPAMClaim uses the controller refused, by reason (the claim's IPsAllocated condition reason)."}, []string{"reason"}),
 	}
 	if reg != nil {
 		reg.MustRegister(m.PoolCapacity, m.PoolAllocated, m.PoolFree, m.PoolCooling, m.PoolExhausted, m.PoolConflicts,
 			m.NodeHeld, m.NodeRequested, m.NodeDeficit, m.NodesInDeficit, m.NodesAtCapacity, m.Nodes,
 			m.Allocations, m.Releases, m.APIWrites, m.SyncDuration, m.SyncErrors, m.QueueDepth, m.AddressesTwice, m.NodesReleased, m.GCCandidates, m.GCCollected, m.GCFailed,
-			m.FencedWrites, m.FencePolicyOK, m.FenceLost, m.FenceUnenforced, m.Epoch, m.ClaimsGranted, m.ClaimConflicts, m.Unacked, m.PoolUnobserved)
+			m.FencedWrites, m.FencePolicyOK, m.FenceLost, m.FenceUnenforced, m.Epoch, m.ClaimsGranted, m.ClaimConflicts, m.Unacked, m.PoolUnobserved,
+			m.PoolClaimed, m.ClaimSharedGrants, m.ClaimRefusals)
 	}
 	return m
 }

@@ -32,6 +32,8 @@ type State struct {
 	// statefulSets: the last view of each StatefulSet seen (ReturnSticky), deleted ones too,
 	// so a node's late report cannot re-record a reservation already returned (sticky.go).
 	statefulSets map[stsKey]sticky.StatefulSet
+	// claims: the IPAMClaims the informer knows (ipamclaims.go).
+	claims map[ClaimKey]KnownClaim
 }
 
 type poolState struct {
@@ -43,15 +45,18 @@ type poolState struct {
 	deleted   bool   // IPPool object is gone; kept while nodes hold its addresses
 	alloc     *addr.Allocator
 	exhausted bool
-	starved   bool                           // a fill fell short since the last status flush
-	cooling   []coolRecord                   // persisted in status.cooling: written before nodes drop the addresses
-	holders   map[string]int                 // node -> addresses held
-	waiting   map[string]bool                // nodes left short because the pool ran out
-	dirty     bool                           // status needs a write
-	claims    map[string]addr.Set            // node -> addresses it claims (spec.pools[].claimed), only nodes with claims
-	wanted    map[string]addr.Set            // node -> addresses its pods ask for by name (spec.pools[].wanted)
-	sticky    map[sticky.Identity]netip.Addr // status.sticky: reserved for StatefulSet pod identities (sticky.go)
-	settle    *poolSettle                    // new addresses waiting for the nodes to observe them (poolsettle.go)
+	starved   bool                             // a fill fell short since the last status flush
+	cooling   []coolRecord                     // persisted in status.cooling: written before nodes drop the addresses
+	holders   map[string]int                   // node -> addresses held
+	waiting   map[string]bool                  // nodes left short because the pool ran out
+	dirty     bool                             // status needs a write
+	claims    map[string]addr.Set              // node -> addresses it claims (spec.pools[].claimed), only nodes with claims
+	wanted    map[string]addr.Set              // node -> addresses its pods ask for by name (spec.pools[].wanted)
+	sticky    map[sticky.Identity]netip.Addr   // status.sticky: reserved for StatefulSet pod identities (sticky.go)
+	settle    *poolSettle                      // new addresses waiting for the nodes to observe them (poolsettle.go)
+	bindings  map[string]*claimBinding         // status.ipamClaims by claim UID (ipamclaims.go)
+	shared    map[string]*sharedGrant          // status.shared by claim UID
+	uses      map[string][]ipwardenv1.ClaimUse // node -> its spec's claim uses in this pool
 }
 
 func (p *poolState) serving() bool { return !p.deleted && p.parseErr == nil && p.overlaps == "" }
@@ -70,6 +75,7 @@ type nodeState struct {
 	claims   map[string]addr.Set // pool -> addresses its pods use that it asked back (spec)
 	wanted   map[string]addr.Set // pool -> addresses its pods ask for by name (spec)
 	labels   labels.Set
+	uses     map[string][]ipwardenv1.ClaimUse // pool -> the claims its pods use or wait for (spec)
 	// requested is spec.pools[].requested per pool, as last planned (for Regrowth).
 	requested map[string]int
 }
@@ -88,6 +94,7 @@ func (s *State) Rebuild(pools []ipwardenv1.IPPool, allocs []ipwardenv1.NodeIPAll
 	s.nodes = map[string]*nodeState{}
 	for i := range pools {
 		s.setPool(&pools[i])
+		s.pools[pools[i].Name].restoreClaims(pools[i].Status)
 	}
 	s.recomputeOverlaps()
 	sort.Slice(allocs, func(i, j int) bool { return allocs[i].Name < allocs[j].Name })
@@ -96,6 +103,7 @@ func (s *State) Rebuild(pools []ipwardenv1.IPPool, allocs []ipwardenv1.NodeIPAll
 		s.SetClaims(a.Name, a.Spec)
 		ns.noteRequests(a.Spec)
 		s.SetWanted(a.Name, a.Spec)
+		s.SetClaimUses(a.Name, a.Spec)
 		defer s.recordSticky(a.Name, a.Spec) // once every holding is loaded
 		for _, ps := range a.Status.Pools {
 			held, err := addr.ParseSet(ps.Addresses)
@@ -105,9 +113,13 @@ func (s *State) Rebuild(pools []ipwardenv1.IPPool, allocs []ipwardenv1.NodeIPAll
 			p := s.pool(ps.Pool)
 			if err := p.alloc.Reserve(held); err != nil {
 				dup := held.Intersect(p.alloc.Allocated())
+				// A claim address under a shared grant naming this node and the node that
+				// holds it already is held by both (a live migration), not twice.
+				both := s.sharedHeld(p, ps.Pool, a.Name, dup)
+				dup = dup.Subtract(both)
 				twice = twice.Union(dup)
 				held = held.Subtract(dup)
-				_ = p.alloc.Reserve(held)
+				_ = p.alloc.Reserve(held.Subtract(both))
 			}
 			ns.held[ps.Pool] = held
 			p.holders[a.Name] = count(held)
@@ -154,7 +166,8 @@ func (s *State) pool(name string) *poolState {
 func (s *State) node(name string) *nodeState {
 	n, ok := s.nodes[name]
 	if !ok {
-		n = &nodeState{held: map[string]addr.Set{}, pending: map[string]addr.Set{}, inflight: map[string]addr.Set{}, claims: map[string]addr.Set{}, wanted: map[string]addr.Set{}, requested: map[string]int{}}
+		n = &nodeState{held: map[string]addr.Set{}, pending: map[string]addr.Set{}, inflight: map[string]addr.Set{}, claims: map[string]addr.Set{}, wanted: map[string]addr.Set{}, requested: map[string]int{},
+			uses: map[string][]ipwardenv1.ClaimUse{}}
 		s.nodes[name] = n
 	}
 	return n
@@ -311,14 +324,29 @@ type PoolFill struct {
 	Detail string
 	// Refused are wanted addresses the controller cannot move to the node, with the reason.
 	Refused []Refusal
-	// WantedElsewhere are addresses the node holds that another node's pod asks for by name.
+	// WantedElsewhere are addresses the node holds that another node's pod asks for by name,
+	// or a claim's address another node waits for, or one under a shared grant.
 	WantedElsewhere addr.Set
+	// Shared is the part of Held granted while another node holds it too (a live migration's
+	// shared grant): not reserved in the allocator again.
+	Shared addr.Set
+	// Dropped is the part of Removed that another node still holds under a shared grant: it
+	// leaves this node without cooling and without returning to the pool.
+	Dropped addr.Set
+	// ClaimAnswers answer the node's waiting claim uses; ClaimRefused is what its status shows.
+	ClaimAnswers []ClaimAnswer
+	ClaimRefused []ipwardenv1.ClaimRefusal
+	// AskedBack are the nodes asked to give a claim's address back (to sync them).
+	AskedBack []string
+	// MustRecord: a binding or shared grant this fill grants is not durable yet; the pool's
+	// status write lands before the node's.
+	MustRecord bool
 }
 
 // Changed says whether the fill changes any holding.
 func (f *Fill) Changed() bool {
 	for _, p := range f.Pools {
-		if !p.Added.IsEmpty() || !p.Removed.IsEmpty() {
+		if !p.Added.IsEmpty() || !p.Removed.IsEmpty() || !p.Shared.IsEmpty() || p.MustRecord {
 			return true
 		}
 	}
@@ -358,10 +386,17 @@ func (s *State) ResolvePending(name string, status ipwardenv1.NodeIPAllocationSt
 		adopted := pend.Intersect(inStatus[pool])
 		n.held[pool] = n.held[pool].Union(adopted)
 		p.holders[name] = count(n.held[pool])
-		_ = p.alloc.Unreserve(pend.Subtract(adopted))
+		var others addr.Set // a shared grant's address: the other node still holds it
+		for _, set := range s.holdersOf(pool, pend.Subtract(adopted), name) {
+			others = others.Union(set)
+		}
+		_ = p.alloc.Unreserve(pend.Subtract(adopted).Subtract(others))
 		p.dirty = true
 	}
 	n.pending = map[string]addr.Set{}
+	for pool := range inStatus {
+		s.endShared(name, pool, addr.Set{})
+	}
 }
 
 // PlanFill decides and reserves one node's fill and take-back for its spec. The reservation
@@ -373,6 +408,7 @@ func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now 
 	s.SetClaims(name, spec)
 	n.noteRequests(spec)
 	s.SetWanted(name, spec)
+	s.SetClaimUses(name, spec)
 	s.recordSticky(name, spec)
 	f := &Fill{Node: name, Pools: map[string]*PoolFill{}}
 	views := map[string]PoolView{}
@@ -385,6 +421,11 @@ func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now 
 		}
 	}
 	cooled := map[string]addr.Set{}
+	for pool := range n.uses {
+		if _, ok := views[pool]; !ok {
+			views[pool] = PoolView{}
+		}
+	}
 	for pool := range n.wanted {
 		if _, ok := views[pool]; !ok {
 			views[pool] = PoolView{}
@@ -410,13 +451,23 @@ func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now 
 		f.Conflicts = append(f.Conflicts, conflicts...)
 		f.Conflicts = append(f.Conflicts, s.heldConflicts(name, pool, v.Held)...)
 		moved, refused := s.grantWanted(name, pool, v.Held.Union(granted))
-		held := v.Held.Union(granted).Union(moved)
+		cv := claimsView{node: name, pool: pool, held: v.Held.Union(granted).Union(moved), releasing: v.Releasing, now: now}
+		switch {
+		case settling:
+			cv.settling = "the controller is settling after it started leading"
+		case p.settlingAt(now):
+			cv.settling = "pool " + pool + " is new or grew and settles"
+		}
+		co := s.answerClaims(cv)
+		held := v.Held.Union(granted).Union(moved).Union(co.granted).Union(co.shared)
 		v.Held = held
 		v.Serving = p.serving() && p.cfg.NodeSelector.Matches(n.labels)
 		plan := Plan(v)
-		pf := &PoolFill{Plan: plan, Added: granted.Union(moved), Granted: granted, Removed: plan.Remove, Returned: plan.Remove.Intersect(cooled[pool]),
-			Held: held.Subtract(plan.Remove), Refused: refused}
-		pf.WantedElsewhere = p.wantedByOthers(name).Intersect(pf.Held)
+		pf := &PoolFill{Plan: plan, Added: granted.Union(moved).Union(co.granted), Granted: granted, Removed: plan.Remove, Returned: plan.Remove.Intersect(cooled[pool]),
+			Held: held.Subtract(plan.Remove), Refused: refused,
+			Shared: co.shared, ClaimAnswers: co.answers, ClaimRefused: co.refused, AskedBack: co.asked, MustRecord: co.mustSync}
+		pf.Dropped = s.keepShared(name, pool, plan.Remove)
+		pf.WantedElsewhere = p.wantedByOthers(name).Union(s.claimWantedElsewhere(name, pool, pf.Held)).Intersect(pf.Held)
 		if plan.Add > 0 && settling {
 			pf.Reason = "the controller is settling after it started leading: claims are served before fills"
 			plan.Add = 0
@@ -430,7 +481,7 @@ func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now 
 			// already have seen it leave and forgotten it; a re-add it reconciles before it
 			// republishes its list would be taken away again while a pod uses it. Never hand
 			// it an address another node's pods use (claimed) either.
-			withheld := p.alloc.Usable(now).Intersect(v.Releasing.Union(p.claimedByOthers(name)).Union(p.wantedByOthers(name)))
+			withheld := p.alloc.Usable(now).Intersect(v.Releasing.Union(p.claimedByOthers(name)).Union(p.wantedByOthers(name)).Union(p.boundAddrs()))
 			if !withheld.IsEmpty() {
 				_ = p.alloc.Reserve(withheld)
 			}
@@ -470,8 +521,8 @@ func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now 
 	sort.Strings(f.Starved)
 	f.Need = NeedOf(plans)
 	for pool, pf := range f.Pools {
-		if !pf.Added.IsEmpty() {
-			n.inflight[pool] = n.inflight[pool].Union(pf.Added)
+		if add := pf.Added.Union(pf.Shared); !add.IsEmpty() {
+			n.inflight[pool] = n.inflight[pool].Union(add)
 		}
 	}
 	return f
@@ -480,7 +531,7 @@ func (s *State) PlanFill(name string, spec ipwardenv1.NodeIPAllocationSpec, now 
 // land ends a fill's in-flight reservation (Commit, Abort).
 func (n *nodeState) land(f *Fill) {
 	for pool, pf := range f.Pools {
-		if rest := n.inflight[pool].Subtract(pf.Added); rest.IsEmpty() {
+		if rest := n.inflight[pool].Subtract(pf.Added).Subtract(pf.Shared); rest.IsEmpty() {
 			delete(n.inflight, pool)
 		} else {
 			n.inflight[pool] = rest
@@ -538,6 +589,7 @@ func (s *State) NeedOfNode(name string, spec ipwardenv1.NodeIPAllocationSpec) Ne
 	s.SetClaims(name, spec)
 	n.noteRequests(spec)
 	s.SetWanted(name, spec)
+	s.SetClaimUses(name, spec)
 	plans := map[string]PoolPlan{}
 	for _, req := range spec.Pools {
 		rel, _ := addr.ParseSet(blocks(req.Releasing))
@@ -552,6 +604,13 @@ func (s *State) NeedOfNode(name string, spec ipwardenv1.NodeIPAllocationSpec) Ne
 	for pool, w := range n.wanted {
 		need.Claims += count(w.Subtract(n.held[pool]))
 	}
+	for _, uses := range n.uses {
+		for _, u := range uses {
+			if !u.Attached {
+				need.Claims++
+			}
+		}
+	}
 	return need
 }
 
@@ -563,8 +622,14 @@ func (s *State) Commit(f *Fill, now time.Time) {
 	for pool, pf := range f.Pools {
 		p := s.pool(pool)
 		if !pf.Removed.IsEmpty() {
-			_ = p.alloc.Free(pf.Removed.Subtract(pf.Returned), now)
-			_ = p.alloc.Return(pf.Returned)
+			// A shared address whose other holder gave its copy back meanwhile cools as usual
+			// (its cooling record follows in the pool's next status write).
+			still := s.othersHave(pool, pf.Dropped, f.Node)
+			if lone := pf.Dropped.Subtract(still); !lone.IsEmpty() {
+				s.RecordCooling(pool, lone.Subtract(pf.Returned), now.Add(p.cfg.Cooldown))
+			}
+			_ = p.alloc.Free(pf.Removed.Subtract(pf.Returned).Subtract(still), now)
+			_ = p.alloc.Return(pf.Returned.Subtract(still))
 		}
 		if pf.Held.IsEmpty() {
 			delete(n.held, pool)
@@ -576,6 +641,7 @@ func (s *State) Commit(f *Fill, now time.Time) {
 		if !pf.Added.IsEmpty() || !pf.Removed.IsEmpty() {
 			p.dirty = true
 		}
+		s.endShared(f.Node, pool, pf.Dropped)
 		if slices.Contains(f.Starved, pool) {
 			p.waiting[f.Node] = true
 		} else {
@@ -594,14 +660,15 @@ func (s *State) Abort(f *Fill, definite bool) {
 	n := s.node(f.Node)
 	n.land(f)
 	for pool, pf := range f.Pools {
-		if pf.Added.IsEmpty() {
+		if pf.Added.IsEmpty() && pf.Shared.IsEmpty() {
 			continue
 		}
 		p := s.pool(pool)
 		if definite {
 			_ = p.alloc.Unreserve(pf.Added)
+			s.endShared(f.Node, pool, addr.Set{}) // a shared grant it did not get ends
 		} else {
-			n.pending[pool] = n.pending[pool].Union(pf.Added)
+			n.pending[pool] = n.pending[pool].Union(pf.Added).Union(pf.Shared)
 		}
 	}
 }
@@ -653,12 +720,22 @@ func (s *State) ReleaseNode(name string, now time.Time) map[string]addr.Set {
 	held := s.HeldBy(name)
 	for pool, set := range held {
 		p := s.pool(pool)
-		_ = p.alloc.Free(set.Intersect(p.alloc.Allocated()), now)
+		// A shared grant's address stays with the other node.
+		_ = p.alloc.Free(set.Intersect(p.alloc.Allocated()).Subtract(s.sharedHeld(p, pool, name, set)), now)
 		delete(p.holders, name)
 		p.dirty = true
 	}
 	for _, p := range s.pools {
 		delete(p.waiting, name)
+		delete(p.uses, name)
+	}
+	for _, p := range s.pools {
+		for uid, g := range p.shared {
+			if g.names(name) {
+				delete(p.shared, uid)
+				p.dirty = true
+			}
+		}
 	}
 	delete(s.nodes, name)
 	return held
@@ -686,7 +763,7 @@ func NodeStatus(prev ipwardenv1.NodeIPAllocationStatus, spec ipwardenv1.NodeIPAl
 		if pf.Reason != "" {
 			reasons = append(reasons, pf.Reason)
 		}
-		if pf.Held.IsEmpty() && len(pf.Refused) == 0 && pf.WantedElsewhere.IsEmpty() {
+		if pf.Held.IsEmpty() && len(pf.Refused) == 0 && pf.WantedElsewhere.IsEmpty() && len(pf.ClaimRefused) == 0 {
 			continue
 		}
 		h := int32(count(pf.Held))
@@ -703,6 +780,7 @@ func NodeStatus(prev ipwardenv1.NodeIPAllocationStatus, spec ipwardenv1.NodeIPAl
 			}
 			ps.WantedElsewhere = append(ps.WantedElsewhere, ipwardenv1.AddressBlock(b))
 		}
+		ps.ClaimRefused = pf.ClaimRefused
 		st.Pools = append(st.Pools, ps)
 		st.Held += h
 	}
@@ -784,6 +862,7 @@ func (s *State) PoolStatus(name string, prev ipwardenv1.IPPoolStatus, generation
 		st.Cooling = append(st.Cooling, ipwardenv1.CoolingBlock{Addresses: c.addrs.Strings(), Until: metav1.NewTime(until)})
 	}
 	st.Sticky = p.stickyStatus()
+	st.IPAMClaims, st.Shared = p.claimStatus()
 	conflicts := p.alloc.Conflicts()
 	for _, c := range PoolConditions(p.parseErr, p.overlaps, p.exhausted, free.Int64Sat(), count(conflicts), generation) {
 		meta.SetStatusCondition(&st.Conditions, c)

@@ -14,7 +14,8 @@ import (
 // and reports each outcome back, as etcd raft's Ready/Advance does: the ordering rules live here,
 // not in the statement order of an IO loop, and `ipwarden simulate` drives the same machine.
 //
-// A node's fill:    [pool status of each pool it releases from (write-ahead cooling record)]
+// A node's fill:    [pool status of each pool it releases from (write-ahead cooling record) or
+//                   whose claim binding or shared grant it relies on and is not durable yet]
 //                   -> node status -> Commit (landed), Abort (rejected: nothing was published),
 //                   Abort keeping the new addresses reserved (unknown: the write may have landed).
 // A deleted node:   [pool status of each pool it held from (cooling record)] -> delete its
@@ -116,9 +117,15 @@ func (s *State) StartFill(name string, alloc *ipwardenv1.NodeIPAllocation, now t
 		return q
 	}
 	for _, pool := range sortedKeys(f.Pools) {
-		// Addresses the node gave back cooled (releasingCooled) need no cooling record.
-		if cool := f.Pools[pool].Removed.Subtract(f.Pools[pool].Returned); !cool.IsEmpty() {
+		// Addresses the node gave back cooled (releasingCooled) need no cooling record, nor do
+		// those another node still holds under a shared grant (Dropped). A claim binding or
+		// shared grant the fill relies on is recorded before the node's status grants it.
+		pf := f.Pools[pool]
+		cool := pf.Removed.Subtract(pf.Returned).Subtract(pf.Dropped)
+		if !cool.IsEmpty() {
 			s.RecordCooling(pool, cool, now.Add(s.CooldownOf(pool)))
+		}
+		if !cool.IsEmpty() || pf.MustRecord {
 			q.steps = append(q.steps, Step{Kind: StepPoolStatus, Pool: pool, Node: name})
 		}
 	}
@@ -132,7 +139,8 @@ func (s *State) StartNodeGone(name string, allocExists bool, now time.Time) *Seq
 	q := &Sequence{s: s, gone: name, now: now}
 	held := s.HeldBy(name)
 	for _, pool := range sortedKeys(held) {
-		s.RecordCooling(pool, held[pool], now.Add(s.CooldownOf(pool)))
+		// A shared grant's address stays with the other node: it does not cool.
+		s.RecordCooling(pool, held[pool].Subtract(s.sharedHeld(s.pool(pool), pool, name, held[pool])), now.Add(s.CooldownOf(pool)))
 		q.steps = append(q.steps, Step{Kind: StepPoolStatus, Pool: pool, Node: name})
 	}
 	if allocExists {
