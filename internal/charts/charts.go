@@ -1,0 +1,178 @@
+// Package charts draws the pictures `make demo` and `make bench` write next to their text
+// reports: line and point charts of named series, drawn by gonum.org/v1/plot as SVG a browser
+// opens. The callers build a Chart from their report's own numbers (the same values the text
+// prints), so a test can compare the plotted series with the report.
+package charts
+
+import (
+	"bytes"
+	"encoding/xml"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"gonum.org/v1/plot"
+	"gonum.org/v1/plot/plotter"
+	"gonum.org/v1/plot/plotutil"
+	"gonum.org/v1/plot/vg"
+	"gonum.org/v1/plot/vg/draw"
+)
+
+// Point is one value of a series.
+type Point struct{ X, Y float64 }
+
+// Series is one named line (or set of points) of a chart.
+type Series struct {
+	Name   string
+	Points []Point
+	// Dots draws the points alone, without a line between them.
+	Dots bool
+	// Dashed draws the line dashed (a second measure of the same thing, such as in use beside
+	// held); Color, when set, picks the colour of another series (its index), so the two pair up.
+	Dashed bool
+	Color  int
+}
+
+// Chart is one picture: a title, the axes' labels and the series.
+type Chart struct {
+	// File is the name the chart is written under (e.g. "cni-latency.svg").
+	File           string
+	Title          string
+	XLabel, YLabel string
+	Series         []Series
+}
+
+// Size of every chart, in points (a browser shows 1 pt as 1.33 px).
+const (
+	width  = 7.5 * vg.Inch
+	height = 4.5 * vg.Inch
+)
+
+// WriteSVG draws c as one SVG document.
+func (c Chart) WriteSVG(w io.Writer) error { return c.write(w, "svg") }
+
+// write draws c in format (svg; png for a look at it in a test).
+func (c Chart) write(w io.Writer, format string) error {
+	p := plot.New()
+	p.Title.Text = c.Title
+	p.X.Label.Text = c.XLabel
+	p.Y.Label.Text = c.YLabel
+	p.Add(plotter.NewGrid())
+	p.Legend.Top = true
+	for i, s := range c.Series {
+		xys := make(plotter.XYs, len(s.Points))
+		for j, pt := range s.Points {
+			xys[j] = plotter.XY{X: pt.X, Y: pt.Y}
+		}
+		col := plotutil.Color(i)
+		if s.Color > 0 || s.Dashed {
+			col = plotutil.Color(s.Color)
+		}
+		if s.Dots {
+			sc, err := plotter.NewScatter(xys)
+			if err != nil {
+				return fmt.Errorf("%s: %s: %w", c.Title, s.Name, err)
+			}
+			sc.GlyphStyle.Color = col
+			sc.GlyphStyle.Radius = vg.Points(2)
+			sc.GlyphStyle.Shape = draw.CircleGlyph{}
+			p.Add(sc)
+			p.Legend.Add(s.Name, sc)
+			continue
+		}
+		l, err := plotter.NewLine(xys)
+		if err != nil {
+			return fmt.Errorf("%s: %s: %w", c.Title, s.Name, err)
+		}
+		l.LineStyle.Color = col
+		l.LineStyle.Width = vg.Points(1.5)
+		if s.Dashed {
+			l.LineStyle.Dashes = []vg.Length{vg.Points(5), vg.Points(3)}
+		}
+		p.Add(l)
+		p.Legend.Add(s.Name, l)
+	}
+	// Room above the highest value for the legend, which sits at the top.
+	if p.Y.Max > p.Y.Min {
+		p.Y.Max += 0.25 * (p.Y.Max - p.Y.Min)
+	}
+	wt, err := p.WriterTo(width, height, format)
+	if err != nil {
+		return err
+	}
+	_, err = wt.WriteTo(w)
+	return err
+}
+
+// Write writes every chart into dir under its File name and returns the paths written.
+func Write(dir string, cs []Chart) ([]string, error) {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, err
+	}
+	var paths []string
+	for _, c := range cs {
+		path := filepath.Join(dir, c.File)
+		f, err := os.Create(path)
+		if err != nil {
+			return paths, err
+		}
+		err = c.WriteSVG(f)
+		if cerr := f.Close(); err == nil {
+			err = cerr
+		}
+		if err != nil {
+			return paths, fmt.Errorf("%s: %w", path, err)
+		}
+		paths = append(paths, path)
+	}
+	return paths, nil
+}
+
+// CDF is the distribution of values as a series: each value (sorted) against the share of
+// values at or below it, so the curve at 0.5 and 0.99 reads the p50 and p99.
+func CDF(name string, sorted []float64) Series {
+	s := Series{Name: name, Points: make([]Point, len(sorted))}
+	for i, v := range sorted {
+		s.Points[i] = Point{X: v, Y: float64(i+1) / float64(len(sorted))}
+	}
+	return s
+}
+
+// Texts parses an SVG document and returns its root element's name and every text it shows
+// (title, axis and tick labels, legend), for tests that check a picture says what its report
+// says; an error if the document is not well-formed XML.
+func Texts(svg []byte) (root string, texts []string, err error) {
+	dec := xml.NewDecoder(bytes.NewReader(svg))
+	depth, inText := 0, false
+	for {
+		tok, err := dec.Token()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			return "", nil, fmt.Errorf("the SVG does not parse: %w", err)
+		}
+		switch tok := tok.(type) {
+		case xml.StartElement:
+			if depth == 0 {
+				root = tok.Name.Local
+			}
+			depth++
+			inText = tok.Name.Local == "text"
+		case xml.EndElement:
+			depth--
+			inText = false
+		case xml.CharData:
+			if s := strings.TrimSpace(string(tok)); inText && s != "" {
+				texts = append(texts, s)
+			}
+		}
+	}
+	if depth != 0 || root == "" {
+		return "", nil, fmt.Errorf("the SVG ends at depth %d, root %q", depth, root)
+	}
+	return root, texts, nil
+}
