@@ -10,8 +10,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 
 	"gonum.org/v1/plot"
@@ -99,6 +101,7 @@ func (c Chart) write(w io.Writer, format string) error {
 	if p.Y.Max > p.Y.Min {
 		p.Y.Max += 0.25 * (p.Y.Max - p.Y.Min)
 	}
+	p.X.Tick.Marker, p.Y.Tick.Marker = niceTicks{}, niceTicks{}
 	wt, err := p.WriterTo(width, height, format)
 	if err != nil {
 		return err
@@ -129,6 +132,40 @@ func Write(dir string, cs []Chart) ([]string, error) {
 		paths = append(paths, path)
 	}
 	return paths, nil
+}
+
+// niceTicks labels an axis at about six round values (1, 2 or 5 times a power of ten), printed
+// as short as they are (250, 0.5), with unlabelled minor ticks between.
+type niceTicks struct{}
+
+func (niceTicks) Ticks(lo, hi float64) []plot.Tick {
+	if !(hi > lo) || math.IsInf(hi-lo, 0) {
+		return []plot.Tick{{Value: lo, Label: label(lo)}}
+	}
+	raw := (hi - lo) / 6
+	pow := math.Pow(10, math.Floor(math.Log10(raw)))
+	step := 10 * pow
+	for _, m := range []float64{1, 2, 5} {
+		if m*pow >= raw {
+			step = m * pow
+			break
+		}
+	}
+	var ticks []plot.Tick
+	for v := math.Ceil(lo/step) * step; v <= hi+step*1e-9; v += step {
+		ticks = append(ticks, plot.Tick{Value: v, Label: label(v)})
+		if minor := v + step/2; minor < hi {
+			ticks = append(ticks, plot.Tick{Value: minor})
+		}
+	}
+	return ticks
+}
+
+func label(v float64) string {
+	if math.Abs(v) < 1e-12 {
+		v = 0
+	}
+	return strconv.FormatFloat(math.Round(v*1e6)/1e6, 'f', -1, 64)
 }
 
 // CDF is the distribution of values as a series: each value (sorted) against the share of

@@ -66,3 +66,24 @@ func TestCDF(t *testing.T) {
 		}
 	}
 }
+
+func TestNiceTicks(t *testing.T) {
+	var labels []string
+	for _, tk := range (niceTicks{}).Ticks(0, 312.5) {
+		if tk.Label != "" {
+			labels = append(labels, tk.Label)
+		}
+	}
+	if got := strings.Join(labels, " "); got != "0 100 200 300" {
+		t.Errorf("labels %q", got)
+	}
+	labels = labels[:0]
+	for _, tk := range (niceTicks{}).Ticks(0.2, 1) {
+		if tk.Label != "" {
+			labels = append(labels, tk.Label)
+		}
+	}
+	if got := strings.Join(labels, " "); got != "0.2 0.4 0.6 0.8 1" {
+		t.Errorf("labels %q", got)
+	}
+}
