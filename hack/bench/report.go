@@ -80,7 +80,7 @@ func (r *report) charts() []charts.Chart {
 	if len(r.cni) > 0 {
 		c := charts.Chart{File: "cni-latency.svg",
 			Title:  "CNI ADD+DEL pair time, ipwarden against host-local (make bench, cni)",
-			XLabel: "ADD+DEL pair (ms)", YLabel: "share of pairs at or below"}
+			XLabel: "ADD+DEL pair (ms, logarithmic)", YLabel: "share of pairs at or below", LogX: true}
 		for _, name := range []string{"ipwarden", "host-local"} {
 			d := slices.Clone(r.cni[name])
 			slices.Sort(d)

@@ -45,6 +45,8 @@ type Chart struct {
 	Title          string
 	XLabel, YLabel string
 	Series         []Series
+	// LogX puts the X axis on a logarithmic scale (a latency distribution with a long tail).
+	LogX bool
 }
 
 // Size of every chart, in points (a browser shows 1 pt as 1.33 px).
@@ -102,6 +104,9 @@ func (c Chart) write(w io.Writer, format string) error {
 		p.Y.Max += 0.25 * (p.Y.Max - p.Y.Min)
 	}
 	p.X.Tick.Marker, p.Y.Tick.Marker = niceTicks{}, niceTicks{}
+	if c.LogX && p.X.Min > 0 {
+		p.X.Scale, p.X.Tick.Marker = plot.LogScale{}, logTicks{}
+	}
 	wt, err := p.WriterTo(width, height, format)
 	if err != nil {
 		return err
@@ -156,6 +161,27 @@ func (niceTicks) Ticks(lo, hi float64) []plot.Tick {
 		ticks = append(ticks, plot.Tick{Value: v, Label: label(v)})
 		if minor := v + step/2; minor < hi {
 			ticks = append(ticks, plot.Tick{Value: minor})
+		}
+	}
+	return ticks
+}
+
+// logTicks labels a logarithmic axis at 1, 2 and 5 times each power of ten in range.
+type logTicks struct{}
+
+func (logTicks) Ticks(lo, hi float64) []plot.Tick {
+	var ticks []plot.Tick
+	for pow := math.Pow(10, math.Floor(math.Log10(lo))); pow <= hi; pow *= 10 {
+		for m := 1.0; m < 10; m++ {
+			v := m * pow
+			if v < lo || v > hi {
+				continue
+			}
+			t := plot.Tick{Value: v}
+			if m == 1 || m == 2 || m == 5 {
+				t.Label = label(v)
+			}
+			ticks = append(ticks, t)
 		}
 	}
 	return ticks

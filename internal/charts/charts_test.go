@@ -18,7 +18,7 @@ func TestWriteDrawsEveryChart(t *testing.T) {
 				{Name: "node-a in use", Dashed: true, Points: []Point{{0, 0}, {1, 40}}},
 				{Name: "node-b held", Color: 1, Points: []Point{{0, 16}, {1, 16}}},
 			}},
-		{File: "c.svg", Title: "CNI ADD+DEL", XLabel: "ms", YLabel: "share",
+		{File: "c.svg", Title: "CNI ADD+DEL", XLabel: "ms", YLabel: "share", LogX: true,
 			Series: []Series{CDF("ipwarden", []float64{1, 2, 3}), CDF("host-local", []float64{1, 1.5, 2})}},
 	}
 	paths, err := Write(filepath.Join(dir, "out"), cs)
@@ -84,6 +84,18 @@ func TestNiceTicks(t *testing.T) {
 		}
 	}
 	if got := strings.Join(labels, " "); got != "0.2 0.4 0.6 0.8 1" {
+		t.Errorf("labels %q", got)
+	}
+}
+
+func TestLogTicks(t *testing.T) {
+	var labels []string
+	for _, tk := range (logTicks{}).Ticks(3, 300) {
+		if tk.Label != "" {
+			labels = append(labels, tk.Label)
+		}
+	}
+	if got := strings.Join(labels, " "); got != "5 10 20 50 100 200" {
 		t.Errorf("labels %q", got)
 	}
 }
