@@ -3,8 +3,6 @@ package main
 import (
 	"bytes"
 	"fmt"
-	"os"
-	"path/filepath"
 	"runtime"
 	"slices"
 	"sort"
@@ -118,17 +116,11 @@ func (r *report) charts() []charts.Chart {
 
 // write puts the text report and the pictures into dir and says where.
 func (r *report) write(dir string) error {
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return err
-	}
-	if err := os.WriteFile(filepath.Join(dir, "report.txt"), []byte(r.text()), 0o644); err != nil {
-		return err
-	}
-	paths, err := charts.Write(dir, r.charts())
+	paths, err := charts.WriteReport(dir, r.text(), r.charts())
 	if err != nil {
 		return err
 	}
-	fmt.Printf("\nreport and pictures: %s\n", filepath.Join(dir, "report.txt"))
+	fmt.Printf("\nreport and pictures:\n")
 	for _, p := range paths {
 		fmt.Printf("  %s\n", p)
 	}

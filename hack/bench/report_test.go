@@ -1,7 +1,6 @@
 package main
 
 import (
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -87,25 +86,8 @@ func TestBenchReportWritesTextAndPictures(t *testing.T) {
 	if err := rep.write(dir); err != nil {
 		t.Fatal(err)
 	}
-	b, err := os.ReadFile(filepath.Join(dir, "report.txt"))
-	if err != nil || string(b) != rep.text() {
-		t.Fatalf("report.txt: %v\n%s", err, b)
-	}
-	for _, c := range rep.charts() {
-		svg, err := os.ReadFile(filepath.Join(dir, c.File))
-		if err != nil {
-			t.Fatal(err)
-		}
-		root, texts, err := charts.Texts(svg)
-		if err != nil || root != "svg" {
-			t.Fatalf("%s: root %q, %v", c.File, root, err)
-		}
-		all := strings.Join(texts, "\n")
-		for _, s := range c.Series {
-			if !strings.Contains(all, s.Name) {
-				t.Errorf("%s: no legend %q in %q", c.File, s.Name, texts)
-			}
-		}
+	if err := charts.CheckReport(dir, rep.text(), rep.charts()); err != nil {
+		t.Fatal(err)
 	}
 	// Sections that did not run draw nothing.
 	if cs := (&report{}).charts(); len(cs) != 0 {

@@ -3,9 +3,8 @@ package main
 import (
 	"bytes"
 	"fmt"
-	"os"
-	"path/filepath"
-	"sort"
+	"maps"
+	"slices"
 	"time"
 
 	"github.com/ipwarden/ipwarden/internal/charts"
@@ -59,7 +58,7 @@ func (r demoReport) text() string {
 	p("  (the deleted node's agent not counted): %.2f per pod start over the whole scenario; see each phase above", (r.ControllerWrites+r.AgentWrites)/float64(max(r.Started, 1)))
 	p("  for where they go (Whereabouts and Calico write at least once per pod)")
 	p("  IP wait over %d ADDs: p50 %s, p99 %s", len(r.Waits), quantile(r.Waits, 0.5), quantile(r.Waits, 0.99))
-	for _, n := range sortedKeys(r.Burst) {
+	for _, n := range slices.Sorted(maps.Keys(r.Burst)) {
 		var w []time.Duration
 		for _, a := range r.Burst[n] {
 			w = append(w, a.Wait)
@@ -72,15 +71,6 @@ func (r demoReport) text() string {
 	return b.String()
 }
 
-func sortedKeys[V any](m map[string]V) []string {
-	out := make([]string, 0, len(m))
-	for k := range m {
-		out = append(out, k)
-	}
-	sort.Strings(out)
-	return out
-}
-
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
 
 // charts are the demo's pictures: each burst ADD's IP wait over the burst, by node; and every
@@ -88,7 +78,7 @@ func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond)
 func (r demoReport) charts() []charts.Chart {
 	burst := charts.Chart{File: "burst-ip-wait.svg", Title: "IP wait of each ADD over the burst, by node (make demo)",
 		XLabel: "ADD sent, after the burst's first (ms)", YLabel: "IP wait: the ADD's answer (ms)"}
-	for _, n := range sortedKeys(r.Burst) {
+	for _, n := range slices.Sorted(maps.Keys(r.Burst)) {
 		s := charts.Series{Name: n, Dots: true}
 		for _, a := range r.Burst[n] {
 			s.Points = append(s.Points, charts.Point{X: ms(a.At), Y: ms(a.Wait)})
@@ -101,7 +91,7 @@ func (r demoReport) charts() []charts.Chart {
 	for _, h := range r.Holdings {
 		byNode[h.Node] = append(byNode[h.Node], h)
 	}
-	for i, n := range sortedKeys(byNode) {
+	for i, n := range slices.Sorted(maps.Keys(byNode)) {
 		hs, in := charts.Series{Name: n + " held", Color: i}, charts.Series{Name: n + " in use", Color: i, Dashed: true}
 		for _, h := range byNode[n] {
 			x := h.At.Seconds()
@@ -115,17 +105,11 @@ func (r demoReport) charts() []charts.Chart {
 
 // write puts report.txt and the pictures into dir and says where.
 func (r demoReport) write(dir string) error {
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return err
-	}
-	if err := os.WriteFile(filepath.Join(dir, "report.txt"), []byte(r.text()), 0o644); err != nil {
-		return err
-	}
-	paths, err := charts.Write(dir, r.charts())
+	paths, err := charts.WriteReport(dir, r.text(), r.charts())
 	if err != nil {
 		return err
 	}
-	say("  report and pictures: %s", filepath.Join(dir, "report.txt"))
+	say("  report and pictures:")
 	for _, p := range paths {
 		say("    %s", p)
 	}

@@ -115,12 +115,20 @@ func (c Chart) write(w io.Writer, format string) error {
 	return err
 }
 
-// Write writes every chart into dir under its File name and returns the paths written.
-func Write(dir string, cs []Chart) ([]string, error) {
+// ReportFile is the name of the text report beside the pictures.
+const ReportFile = "report.txt"
+
+// WriteReport writes a text report into dir as ReportFile and every chart beside it under its
+// File name, and returns the paths written, the report first.
+func WriteReport(dir, text string, cs []Chart) ([]string, error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, err
 	}
-	var paths []string
+	report := filepath.Join(dir, ReportFile)
+	if err := os.WriteFile(report, []byte(text), 0o644); err != nil {
+		return nil, err
+	}
+	paths := []string{report}
 	for _, c := range cs {
 		path := filepath.Join(dir, c.File)
 		f, err := os.Create(path)
@@ -202,6 +210,47 @@ func CDF(name string, sorted []float64) Series {
 		s.Points[i] = Point{X: v, Y: float64(i+1) / float64(len(sorted))}
 	}
 	return s
+}
+
+// CheckReport says what is wrong, if anything, with what WriteReport left in dir for text and
+// cs: ReportFile must hold text, and each chart's file must parse as SVG and show the chart's
+// title and every series' name.
+func CheckReport(dir, text string, cs []Chart) error {
+	b, err := os.ReadFile(filepath.Join(dir, ReportFile))
+	if err != nil {
+		return err
+	}
+	if string(b) != text {
+		return fmt.Errorf("%s holds\n%s\nnot the report\n%s", ReportFile, b, text)
+	}
+	for _, c := range cs {
+		svg, err := os.ReadFile(filepath.Join(dir, c.File))
+		if err != nil {
+			return err
+		}
+		root, texts, err := Texts(svg)
+		if err != nil {
+			return fmt.Errorf("%s: %w", c.File, err)
+		}
+		if root != "svg" {
+			return fmt.Errorf("%s: root element %q", c.File, root)
+		}
+		all := strings.Join(texts, "\n")
+		for _, want := range append([]string{c.Title, c.XLabel, c.YLabel}, c.names()...) {
+			if !strings.Contains(all, want) {
+				return fmt.Errorf("%s shows no %q; its texts: %q", c.File, want, texts)
+			}
+		}
+	}
+	return nil
+}
+
+func (c Chart) names() []string {
+	var out []string
+	for _, s := range c.Series {
+		out = append(out, s.Name)
+	}
+	return out
 }
 
 // Texts parses an SVG document and returns its root element's name and every text it shows

@@ -1,10 +1,11 @@
 package charts
 
 import (
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"gonum.org/v1/plot"
 )
 
 func TestWriteDrawsEveryChart(t *testing.T) {
@@ -21,40 +22,25 @@ func TestWriteDrawsEveryChart(t *testing.T) {
 		{File: "c.svg", Title: "CNI ADD+DEL", XLabel: "ms", YLabel: "share", LogX: true,
 			Series: []Series{CDF("ipwarden", []float64{1, 2, 3}), CDF("host-local", []float64{1, 1.5, 2})}},
 	}
-	paths, err := Write(filepath.Join(dir, "out"), cs)
+	out := filepath.Join(dir, "out")
+	paths, err := WriteReport(out, "the report\n", cs)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(paths) != len(cs) {
+	if len(paths) != 1+len(cs) || paths[0] != filepath.Join(out, ReportFile) {
 		t.Fatalf("wrote %v", paths)
 	}
-	for i, p := range paths {
-		b, err := os.ReadFile(p)
-		if err != nil {
-			t.Fatal(err)
-		}
-		root, texts, err := Texts(b)
-		if err != nil {
-			t.Fatalf("%s: %v", p, err)
-		}
-		if root != "svg" {
-			t.Errorf("%s: root element %q", p, root)
-		}
-		all := strings.Join(texts, "\n")
-		for _, want := range append([]string{cs[i].Title, cs[i].XLabel, cs[i].YLabel}, names(cs[i])...) {
-			if !strings.Contains(all, want) {
-				t.Errorf("%s shows no %q; its texts: %q", p, want, texts)
-			}
-		}
+	if err := CheckReport(out, "the report\n", cs); err != nil {
+		t.Fatal(err)
 	}
-}
-
-func names(c Chart) []string {
-	var out []string
-	for _, s := range c.Series {
-		out = append(out, s.Name)
+	if err := CheckReport(out, "another report\n", cs); err == nil {
+		t.Error("CheckReport took another text")
 	}
-	return out
+	renamed := append([]Chart(nil), cs...)
+	renamed[0].Series = []Series{{Name: "node-b", Dots: true}}
+	if err := CheckReport(out, "the report\n", renamed); err == nil {
+		t.Error("CheckReport took a picture without its series' name")
+	}
 }
 
 func TestCDF(t *testing.T) {
@@ -67,35 +53,28 @@ func TestCDF(t *testing.T) {
 	}
 }
 
-func TestNiceTicks(t *testing.T) {
-	var labels []string
-	for _, tk := range (niceTicks{}).Ticks(0, 312.5) {
+// labels are the labelled ticks' labels, space-separated.
+func labels(ticks []plot.Tick) string {
+	var out []string
+	for _, tk := range ticks {
 		if tk.Label != "" {
-			labels = append(labels, tk.Label)
+			out = append(out, tk.Label)
 		}
 	}
-	if got := strings.Join(labels, " "); got != "0 100 200 300" {
+	return strings.Join(out, " ")
+}
+
+func TestNiceTicks(t *testing.T) {
+	if got := labels((niceTicks{}).Ticks(0, 312.5)); got != "0 100 200 300" {
 		t.Errorf("labels %q", got)
 	}
-	labels = labels[:0]
-	for _, tk := range (niceTicks{}).Ticks(0.2, 1) {
-		if tk.Label != "" {
-			labels = append(labels, tk.Label)
-		}
-	}
-	if got := strings.Join(labels, " "); got != "0.2 0.4 0.6 0.8 1" {
+	if got := labels((niceTicks{}).Ticks(0.2, 1)); got != "0.2 0.4 0.6 0.8 1" {
 		t.Errorf("labels %q", got)
 	}
 }
 
 func TestLogTicks(t *testing.T) {
-	var labels []string
-	for _, tk := range (logTicks{}).Ticks(3, 300) {
-		if tk.Label != "" {
-			labels = append(labels, tk.Label)
-		}
-	}
-	if got := strings.Join(labels, " "); got != "5 10 20 50 100 200" {
+	if got := labels((logTicks{}).Ticks(3, 300)); got != "5 10 20 50 100 200" {
 		t.Errorf("labels %q", got)
 	}
 }
