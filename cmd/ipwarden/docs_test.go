@@ -55,6 +55,34 @@ func TestDocsNameRealCommands(t *testing.T) {
 	}
 }
 
+// TestREADMETestCommandIsCIs keeps the README's test command the one CI runs: the last command
+// of .ci/run (after it installs what a fresh machine lacks) is the command README.md's table
+// gives for the whole test suite.
+func TestREADMETestCommandIsCIs(t *testing.T) {
+	root := filepath.Join("..", "..")
+	ci, err := os.ReadFile(filepath.Join(root, ".ci", "run"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	last := ""
+	for _, line := range strings.Split(string(ci), "\n") {
+		if l := strings.TrimSpace(line); l != "" && !strings.HasPrefix(l, "#") {
+			last = l
+		}
+	}
+	readme, err := os.ReadFile(filepath.Join(root, "README.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	row := regexp.MustCompile("(?m)^\\| the whole test suite[^|]*\\| `([^`]+)` \\|").FindSubmatch(readme)
+	if row == nil {
+		t.Fatal("README.md has no row \"the whole test suite\" with its command in its table")
+	}
+	if string(row[1]) != last {
+		t.Errorf("README.md gives %q for the whole test suite; .ci/run runs %q", row[1], last)
+	}
+}
+
 // TestDocProblems shows what the docs check catches and what it leaves alone.
 func TestDocProblems(t *testing.T) {
 	targets := map[string]bool{"test": true, "demo": true, "bench-scale": true}
