@@ -68,7 +68,7 @@ type config struct {
 func badConfig(field, format string, args ...any) *types.Error {
 	return types.NewError(types.ErrInvalidNetworkConfig,
 		fmt.Sprintf("ipwarden-cni: network configuration field %q: %s", field, fmt.Sprintf(format, args...)),
-		"fix the CNI network configuration (see the ipwarden README, \"CNI configuration\")")
+		"fix the CNI network configuration (see ipwarden's docs/configuration.md, \"The CNI plugin\")")
 }
 
 // parseConfig reads the network configuration: pools and socket from the "ipam" section, else

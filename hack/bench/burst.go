@@ -18,7 +18,7 @@ import (
 
 // burstBench starts pods 0 to 110 (kubelet's default maximum) at once on a cold node with batch
 // 16: every ADD must succeed, IP wait p99 < 1 s, and API writes per pod stay near 1/batch.
-func burstBench(ctx context.Context, env *benchEnv, pods int) ([]figure, error) {
+func burstBench(ctx context.Context, env *benchEnv, pods int, rep *report) ([]figure, error) {
 	if err := createPool(ctx, env.c, "bench-burst", "10.254.0.0/16", ipwardenv1.Scaling{BatchSize: 16, BufferPercent: 50, MaxPerNode: 250}, 30*time.Second); err != nil {
 		return nil, err
 	}
@@ -54,11 +54,14 @@ func burstBench(ctx context.Context, env *benchEnv, pods int) ([]figure, error) 
 	}
 	wg.Wait()
 	waits := make([]time.Duration, pods)
+	sent := make([]time.Duration, pods)
+	first := time.Now()
 	for i := range pods {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			t0 := time.Now()
+			sent[i] = t0.Sub(first)
 			if err := net.addPod(ctx, fmt.Sprintf("burst%03d", i), "default", fmt.Sprintf("burst-%03d", i), uids[i]); err != nil {
 				errs <- fmt.Errorf("pod %d: %w", i, err)
 				return
@@ -95,11 +98,14 @@ func burstBench(ctx context.Context, env *benchEnv, pods int) ([]figure, error) 
 	writes := localcluster.ScrapeSum("http://"+env.ctrlMetrics+"/metrics", "ipwarden_controller_api_writes_total") - ctrlBefore +
 		localcluster.ScrapeSum("http://"+n.metrics+"/metrics", "ipwarden_agent_spec_writes_total") - agentBefore
 	ok := waits[:0:0]
-	for _, w := range waits {
+	adds := make([]burstADD, pods)
+	for i, w := range waits {
 		if w > 0 {
 			ok = append(ok, w)
 		}
+		adds[i] = burstADD{at: sent[i], wait: w}
 	}
+	rep.burst = map[string][]burstADD{n.name: adds}
 	// The agent's own view of the wait: how long ADDs waited for the controller to give the
 	// node addresses, apart from the plugin's exec and the socket under load (an ADD that found
 	// a free address still observes its few microseconds of locking, hence the 1 ms bucket).

@@ -52,7 +52,7 @@ func startNode(ctx context.Context, env *benchEnv, name, pool string, extra ...s
 // plugin, driven the same way (libcni, IPAM-only network config) in the same run: runs
 // repetitions of pairs pairs per plugin each, judged on the median of the runs' ratios
 // (cnirepeat.go).
-func cniBench(ctx context.Context, env *benchEnv, runs, pairs int, window time.Duration) ([]figure, error) {
+func cniBench(ctx context.Context, env *benchEnv, runs, pairs int, window time.Duration, rep *report) ([]figure, error) {
 	if runs < 1 || pairs < 1 {
 		return nil, fmt.Errorf("-cni-runs %d and -pairs %d: both must be at least 1", runs, pairs)
 	}
@@ -124,7 +124,8 @@ func cniBench(ctx context.Context, env *benchEnv, runs, pairs int, window time.D
 			lat[name] = append(lat[name], d...)
 		}
 	}
-	figs = append(figs, cniVerdict(results, 0, cniP50Goal, pairs), cniVerdict(results, 1, cniP99Goal, pairs))
+	figs = append(figs, cniVerdict(results, 0, cniP50Goal, pairs), cniVerdict(results, 1, cniP99Goal, pairs), cniPooled(lat))
+	rep.cni = lat
 	// Where ipwarden's time goes: the agent's own handling (journal included) per ADD and DEL.
 	for _, op := range []string{"ADD", "DEL"} {
 		sum := localcluster.ScrapeSum("http://"+n.metrics+"/metrics", `ipwarden_agent_cni_request_duration_seconds_sum{op="`+op+`"}`)

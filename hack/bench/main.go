@@ -12,10 +12,8 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"syscall"
-	"text/tabwriter"
 	"time"
 
 	k8sruntime "k8s.io/apimachinery/pkg/runtime"
@@ -119,6 +117,7 @@ func run(args []string) error {
 	fs.DurationVar(&churn.cooldown, "churn-cooldown", 30*time.Second, "churn bench: the pool's reuseCooldown")
 	equalLimit := fs.Duration("equal-deadline", 3*time.Minute, "equal bench: how long a pod's ADD is retried on CNI error 11")
 	fs.BoolVar(&keepDirs, "keep", false, "keep each bench's scratch directory (logs of the control plane, controller and agents)")
+	outDir := fs.String("output-dir", "", "where to write report.txt and the pictures (SVG) beside it; default _out/bench under the repository")
 	fs.BoolVar(&traceChanges, "trace", false, "equal bench: print every change of the pool status and the nodes' requests and holdings")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -135,6 +134,10 @@ func run(args []string) error {
 	if err != nil {
 		return err
 	}
+	if *outDir == "" {
+		*outDir = filepath.Join(root, "_out", "bench")
+	}
+	rep := &report{}
 	sections := []struct {
 		name  string
 		run   func() ([]figure, error)
@@ -154,7 +157,7 @@ func run(args []string) error {
 				return nil, err
 			}
 			defer env.close()
-			return cniBench(ctx, env, *cniRunCount, *pairs, *window)
+			return cniBench(ctx, env, *cniRunCount, *pairs, *window, rep)
 		}, false},
 		{"burst", func() ([]figure, error) {
 			env, err := newEnv(ctx, root, bins, true)
@@ -162,7 +165,7 @@ func run(args []string) error {
 				return nil, err
 			}
 			defer env.close()
-			return burstBench(ctx, env, *pods)
+			return burstBench(ctx, env, *pods, rep)
 		}, false},
 		{"churn", func() ([]figure, error) {
 			env, err := newEnv(ctx, root, bins, true)
@@ -191,7 +194,6 @@ func run(args []string) error {
 			return b.run(ctx)
 		}, false},
 	}
-	var all []figure
 	ran := false
 	for _, s := range sections {
 		if (what != "all" || s.alone) && what != s.name {
@@ -205,27 +207,17 @@ func run(args []string) error {
 			return fmt.Errorf("%s: %w", s.name, err)
 		}
 		fmt.Printf("   (%s)\n", time.Since(t0).Round(time.Second))
-		all = append(all, figs...)
+		rep.figures = append(rep.figures, figs...)
 	}
 	if !ran {
 		return fmt.Errorf("unknown bench %q: use all, cni, burst, churn, equal, controller or scale", what)
 	}
-	fmt.Printf("\nipwarden bench: %d CPUs, %s/%s, %s, everything on loopback of this machine\n", runtime.NumCPU(), runtime.GOOS, runtime.GOARCH, time.Now().UTC().Format("2006-01-02"))
-	tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "FIGURE\tVALUE\tGOAL\tMET")
-	failed := 0
-	for _, f := range all {
-		met := "yes"
-		if !f.ok {
-			met = "NO"
-			failed++
-		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", f.name, f.value, f.goal, met)
-	}
-	if err := tw.Flush(); err != nil {
+	rep.date = time.Now()
+	fmt.Print("\n" + rep.text())
+	if err := rep.write(*outDir); err != nil {
 		return err
 	}
-	if failed > 0 {
+	if failed := rep.failed(); failed > 0 {
 		return fmt.Errorf("%d figures miss their goal", failed)
 	}
 	return nil

@@ -33,6 +33,7 @@ func main() {
 	keep := flag.Bool("keep", false, "leave everything running at the end until Ctrl-C, to look around with kubectl")
 	nodes := flag.Int("nodes", 3, "demo nodes (one agent each)")
 	burst := flag.Int("burst", 40, "pods started at once on the first node")
+	outDir := flag.String("output-dir", "", "where to write report.txt and the pictures (SVG) beside it; default _out/demo under the repository")
 	flag.Parse()
 	if *nodes < 3 {
 		fmt.Fprintln(os.Stderr, "demo: --nodes must be at least 3 (the scenario deletes one and exhausts another)")
@@ -40,7 +41,7 @@ func main() {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	d := &demo{nodeCount: *nodes, burst: *burst}
+	d := &demo{nodeCount: *nodes, burst: *burst, outDir: *outDir}
 	err := d.run(ctx, *keep)
 	d.cleanup()
 	if err != nil {
@@ -63,6 +64,13 @@ type demo struct {
 	mu               sync.Mutex
 	started          int
 	ctrlMetrics      string
+	outDir           string
+	// start is when the nodes started; holdings are their addresses sampled since (sample).
+	start    time.Time
+	holdings []holding
+	// burstStart is set while the burst runs: each of its ADDs is kept in burstADDs by node.
+	burstStart time.Time
+	burstADDs  map[string][]addSample
 }
 
 type node struct {
@@ -143,12 +151,22 @@ func (d *demo) run(ctx context.Context, keep bool) error {
 		d.nodes = append(d.nodes, n)
 	}
 	say("%d Nodes, two controller processes (one leads, one stands by) and %d agent processes running; each node holds:", d.nodeCount, d.nodeCount)
+	d.start = time.Now()
+	stopSampling := d.sample(ctx, append([]*node(nil), d.nodes...), 500*time.Millisecond)
+	defer stopSampling()
 	d.printNodes(ctx)
 
 	step(fmt.Sprintf("burst: %d pods start at once on %s", d.burst, d.nodes[0].name))
 	t0 := time.Now()
 	writes0 := d.apiWrites()
-	if err := d.startPods(ctx, d.nodes[0], d.burst); err != nil {
+	d.mu.Lock()
+	d.burstStart, d.burstADDs = t0, map[string][]addSample{}
+	d.mu.Unlock()
+	err = d.startPods(ctx, d.nodes[0], d.burst)
+	d.mu.Lock()
+	d.burstStart = time.Time{}
+	d.mu.Unlock()
+	if err != nil {
 		return err
 	}
 	say("%d pods running after %s; IP wait p50 %s, p99 %s", d.burst, time.Since(t0).Round(time.Millisecond),
@@ -311,6 +329,7 @@ func (d *demo) run(ctx context.Context, keep bool) error {
 	say("API writes during exhaustion and recovery: %.0f for %d pod starts (one address per request while exhausted)",
 		d.apiWrites()-exhaustWrites, d.started-exhaustStarts)
 
+	stopSampling()
 	if err := d.report(ctx); err != nil {
 		return err
 	}
@@ -389,6 +408,9 @@ func (d *demo) startPods(ctx context.Context, n *node, count int) error {
 		go func() {
 			defer wg.Done()
 			t0 := time.Now()
+			d.mu.Lock()
+			burstStart := d.burstStart
+			d.mu.Unlock()
 			ips, err := n.net.Add(ctx, p.Pod)
 			if err != nil {
 				_ = d.kube.deletePod(ctx, name)
@@ -403,6 +425,9 @@ func (d *demo) startPods(ctx context.Context, n *node, count int) error {
 			}
 			d.mu.Lock()
 			d.waits = append(d.waits, wait)
+			if !burstStart.IsZero() {
+				d.burstADDs[n.name] = append(d.burstADDs[n.name], addSample{At: t0.Sub(burstStart), Wait: wait})
+			}
 			n.pods[name] = p
 			d.mu.Unlock()
 		}()
@@ -461,38 +486,69 @@ func (d *demo) printNodes(ctx context.Context) {
 
 func (d *demo) report(ctx context.Context) error {
 	step("report")
-	fmt.Printf("  %-8s %6s %6s %8s\n", "NODE", "PODS", "HELD", "IN USE")
+	r := demoReport{Started: d.started, Waits: d.waits, ControllerWrites: d.controllerWrites()}
 	for _, n := range d.nodes {
 		ps, err := poolStatus(n.socket)
 		if err != nil {
 			return err
 		}
-		fmt.Printf("  %-8s %6d %6d %8d\n", n.name, len(n.pods), ps.Held, ps.InUse)
+		r.Nodes = append(r.Nodes, nodeRow{Name: n.name, Pods: len(n.pods), Held: ps.Held, InUse: ps.InUse})
+		// The table's reading is each node's last point in the picture.
+		d.holdings = append(d.holdings, holding{At: time.Since(d.start), Node: n.name, Held: ps.Held, InUse: ps.InUse})
+		r.AgentWrites += localcluster.ScrapeSum("http://"+n.metrics+"/metrics", "ipwarden_agent_spec_writes_total")
+		r.Collected += localcluster.ScrapeSum("http://"+n.metrics+"/metrics", "ipwarden_agent_gc_collected_total")
 	}
-	writes := d.controllerWrites()
-	var specWrites, collected float64
-	for _, n := range d.nodes {
-		specWrites += localcluster.ScrapeSum("http://"+n.metrics+"/metrics", "ipwarden_agent_spec_writes_total")
-		collected += localcluster.ScrapeSum("http://"+n.metrics+"/metrics", "ipwarden_agent_gc_collected_total")
-	}
-	say("  pods started: %d; API writes: %.0f by the controller (node and pool status), %.0f by agents", d.started, writes, specWrites)
-	say("  (the deleted node's agent not counted): %.2f per pod start over the whole scenario; see each phase above", (writes+specWrites)/float64(d.started))
-	say("  for where they go (Whereabouts and Calico write at least once per pod)")
-	say("  IP wait over %d ADDs: p50 %s, p99 %s", len(d.waits), quantile(d.waits, 0.5), quantile(d.waits, 0.99))
-	say("  leaked addresses collected by the agents: %.0f", collected)
-	r, err := d.check(ctx)
+	r.Burst, r.Holdings = d.burstADDs, d.holdings
+	c, err := d.check(ctx)
 	if err != nil {
 		return err
 	}
-	if !r.OK() {
-		for _, f := range r.Findings {
+	if !c.OK() {
+		for _, f := range c.Findings {
 			say("  PROBLEM %s %s %v %s", f.Kind, f.Addresses, f.Nodes, f.Detail)
 		}
-		return fmt.Errorf("the invariant check found %d problems", len(r.Findings))
+		return fmt.Errorf("the invariant check found %d problems", len(c.Findings))
 	}
-	say("  invariants checked (ipwarden check with the agents' attachments): %d addresses held by %d nodes,", r.Held, r.Nodes)
-	say("  %d running pods, %d attachments: none held twice, none outside its pool, none leaked", r.RunningPods, r.Attachments)
-	return nil
+	r.Held, r.CheckedNodes, r.RunningPods, r.Attachments = c.Held, c.Nodes, c.RunningPods, c.Attachments
+	fmt.Print(r.text())
+	dir := d.outDir
+	if dir == "" {
+		dir = filepath.Join(d.root, "_out", "demo")
+	}
+	return r.write(dir)
+}
+
+// sample reads every node's holding of the demo pool every interval until the returned stop is
+// called (more than once is fine); a node that does not answer (deleted) is skipped.
+func (d *demo) sample(ctx context.Context, nodes []*node, interval time.Duration) (stop func()) {
+	done := make(chan struct{})
+	finished := make(chan struct{})
+	go func() {
+		defer close(finished)
+		t := time.NewTicker(interval)
+		defer t.Stop()
+		for {
+			for _, n := range nodes {
+				if ps, err := poolStatus(n.socket); err == nil {
+					d.mu.Lock()
+					d.holdings = append(d.holdings, holding{At: time.Since(d.start), Node: n.name, Held: ps.Held, InUse: ps.InUse})
+					d.mu.Unlock()
+				}
+			}
+			select {
+			case <-done:
+				return
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+		}
+	}()
+	var once sync.Once
+	return func() {
+		once.Do(func() { close(done) })
+		<-finished
+	}
 }
 
 // apiWrites is what the controller and the live agents have written to the API server so far.

@@ -82,7 +82,7 @@ func (s *Service) readPrevious(ctx context.Context, req cniproto.Request) *cnipr
 	src, err := previous.Parse(req.Previous, req.Network)
 	if err != nil {
 		return errResp(cniproto.CodeInvalidConfig, fmt.Sprintf("ipwarden: the network configuration's \"previous\" object: %v", err),
-			"fix the CNI network configuration (see the ipwarden README, \"CNI configuration\")")
+			"fix the CNI network configuration (see ipwarden's docs/configuration.md, \"The CNI plugin\")")
 	}
 	pr.mu.Lock()
 	defer pr.mu.Unlock()
