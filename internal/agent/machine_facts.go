@@ -81,6 +81,14 @@ func (m *Machine) SetRefused(refused map[string]map[netip.Addr]string, now time.
 	m.changed()
 }
 
+// SetClaimRefused takes the IPAMClaims (by UID) the controller refuses the node, per pool, with
+// its reasons (status.pools[].claimRefused): a waiting ADD of one fails now.
+func (m *Machine) SetClaimRefused(refused map[string]map[string]string, now time.Time) {
+	m.now = now
+	m.st.SetClaimRefused(refused)
+	m.changed()
+}
+
 // SetWantedElsewhere takes the held addresses other nodes' pods ask for by name; the pool
 // monitor gives back those no attachment uses.
 func (m *Machine) SetWantedElsewhere(w map[string]addr.Set) {

@@ -27,6 +27,9 @@ type AddRequest struct {
 	// Previous is the previous IPAM's store the attachment's addresses are reserved in before
 	// the ADD is answered (recorded in the attachment); nil for none.
 	Previous *PreviousStore
+	// ClaimArg is the configuration's args.cni "ipam-claim-reference" (claim.go): the claim
+	// the attachment references, ahead of the pod's annotations.
+	ClaimArg string
 }
 
 // PrimaryIfName is the interface a runtime gives the pod network's attachment (CNI_IFNAME).

@@ -55,6 +55,11 @@ type PodMeta struct {
 	Claim        *ClaimRef
 	ClaimIPs     []netip.Addr
 	ClaimProblem string
+	// NetworkAnnotations are the pod's annotations that may reference an IPAMClaim (package
+	// ipamclaim), and MigrationTarget its kubevirt.io/migrationJobUID label: what the driver
+	// reads the claim from.
+	NetworkAnnotations map[string]string
+	MigrationTarget    bool
 }
 
 // PoolChoiceError is a pod's choice of pools that the agent refuses (CNI code 7): a malformed

@@ -441,7 +441,7 @@ func SpecWorthWriting(published, desired []PoolRequest) bool {
 	for _, d := range desired {
 		p, ok := byPool[d.Pool]
 		if !ok || p.Requested != d.Requested || !p.Claimed.Equal(d.Claimed) || !p.Wanted.Equal(d.Wanted) ||
-			!slices.Equal(p.Sticky, d.Sticky) ||
+			!slices.Equal(p.Sticky, d.Sticky) || !slices.Equal(p.Claims, d.Claims) ||
 			!p.Releasing.ContainsSet(d.Releasing) || !p.ReleasingCooled.ContainsSet(d.ReleasingCooled) {
 			return true
 		}
