@@ -91,7 +91,7 @@ func TestRoundTrip(t *testing.T) {
 			Key: ipam.Key{ContainerID: "vm", IfName: "eth0"}, Network: "net",
 			Pod:       ipam.PodRef{Namespace: "ns", Name: "virt-launcher-a", UID: "u3"},
 			Addresses: []ipam.Address{{Pool: "v4", Addr: netip.MustParseAddr("10.0.0.10")}}, Created: t0,
-			Claim:     &ipam.ClaimRef{Namespace: "ns", Name: "vm-a", UID: "c1", MigrationTarget: true},
+			Claim: &ipam.ClaimRef{Namespace: "ns", Name: "vm-a", UID: "c1", MigrationTarget: true},
 		}}, PutConfigPools: &configPools},
 		{PutCooling: []ipam.Cooling{{Pool: "v4", Addr: netip.MustParseAddr("10.0.0.3"), FreedAt: t0}},
 			PutReleasing: []ipam.Releasing{{Pool: "v4", Addr: netip.MustParseAddr("10.0.0.15"), Since: t0}}},
