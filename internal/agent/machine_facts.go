@@ -105,6 +105,7 @@ type Round struct {
 	Stats       []ipam.PoolStats
 	Attachments int
 	Handback    *ipam.HandbackMark // the handback mark, nil when none
+	Claims      ipam.ClaimStats    // attachments bound to IPAMClaims, addresses two of them share
 }
 
 // roundApplied is what a pool monitor round reads once its release is applied.
@@ -121,6 +122,7 @@ func roundApplied(m *Machine, p ipam.Plan, a *Answer, stats bool) {
 	}
 	if stats {
 		a.Round.Stats, a.Round.Attachments, a.Round.Handback = m.st.Stats(m.now), m.st.NumAttachments(), m.st.HandedBack()
+		a.Round.Claims = m.st.ClaimCounts()
 	}
 }
 

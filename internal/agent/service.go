@@ -1066,11 +1066,15 @@ func (s *Service) list() *cniproto.Response {
 				}
 			}
 			r := result(a, cfgs)
-			resp.Attachments = append(resp.Attachments, cniproto.Attachment{
+			la := cniproto.Attachment{
 				ContainerID: a.Key.ContainerID, IfName: a.Key.IfName, Network: a.Network,
 				Pod: cniproto.Pod{Namespace: a.Pod.Namespace, Name: a.Pod.Name, UID: a.Pod.UID},
 				IPs: r.IPs, Created: a.Created, Rebuilt: a.Rebuilt, Conflicts: conflicts, Netns: a.Netns,
-			})
+			}
+			if c := a.Claim; c != nil {
+				la.Claim = &cniproto.Claim{Namespace: c.Namespace, Name: c.Name, UID: c.UID, MigrationTarget: c.MigrationTarget}
+			}
+			resp.Attachments = append(resp.Attachments, la)
 		}
 		resp.Hold = holdStatus(m)
 		if hb := m.st.HandedBack(); hb != nil {

@@ -217,6 +217,18 @@ type Attachment struct {
 	Sandbox string `json:"sandbox,omitempty"`
 	// Conflicts lists addresses of the attachment that the node no longer holds.
 	Conflicts []string `json:"conflicts,omitempty"`
+	// Claim is the IPAMClaim whose address the attachment holds (docs/design.md, "VM
+	// addresses"); nil when none.
+	Claim *Claim `json:"claim,omitempty"`
+}
+
+// Claim is an IPAMClaim an attachment references, as LIST reports it.
+type Claim struct {
+	Namespace string `json:"namespace"`
+	Name      string `json:"name"`
+	UID       string `json:"uid"`
+	// MigrationTarget: the pod is a live migration's target (kubevirt.io/migrationJobUID).
+	MigrationTarget bool `json:"migrationTarget,omitempty"`
 }
 
 // PoolStatus is one pool as LIST and STATUS report it.
