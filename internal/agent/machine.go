@@ -415,6 +415,9 @@ func (m *Machine) PodRead(id uint64, meta ipam.PodMeta, err error, now time.Time
 			return
 		}
 		m.log.Info("cannot read the pod's annotations; its earlier sandbox's addresses are handed back", "pod", r.add.Pod.Namespace+"/"+r.add.Pod.Name, "error", err.Error())
+		// A VM pod's earlier sandbox had its IPAMClaim on this interface: the new one has the
+		// same claim (never an ordinary address).
+		meta = ipam.PodMeta{Claim: m.st.EarlierClaim(r.add.Pod.UID, r.key.IfName)}
 	}
 	r.add.Meta = meta
 	m.tryAdd(r)
@@ -509,7 +512,7 @@ func (m *Machine) tryAdd(r *mreq) {
 	// The answer waits for the journal write: an address a runtime was told is on disk first.
 	r.stage, r.att, r.plan = stageWriting, att, ipam.AddPlan{Key: r.key, Change: ch}
 	m.write(r.id, ch, false, true)
-	m.rd.Writes[len(m.rd.Writes)-1].Reserve = reserveOf(att, rebuilt)
+	m.rd.Writes[len(m.rd.Writes)-1].Reserve = m.withoutShared(reserveOf(att, rebuilt))
 }
 
 // dropWaiter removes r's demand from the state, if it registered one.
@@ -592,7 +595,7 @@ func (m *Machine) tryDel(r *mreq) {
 	if m.st.HandedBack() != nil {
 		m.rd.Writes[len(m.rd.Writes)-1].Release = &att
 	}
-	m.rd.Writes[len(m.rd.Writes)-1].Unreserve = reserveOf(att, addr.Set{})
+	m.rd.Writes[len(m.rd.Writes)-1].Unreserve = m.withoutShared(reserveOf(att, addr.Set{}))
 }
 
 // Written is the outcome of journal write id.

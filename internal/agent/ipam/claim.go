@@ -315,3 +315,15 @@ func (p *poolState) unshare(a netip.Addr, k Key) bool {
 	}
 	return true
 }
+
+// EarlierClaim returns the IPAMClaim of the pod's attachment on ifname (its earlier sandbox's),
+// nil when it has none: an ADD whose pod cannot be read serves the same claim.
+func (s *State) EarlierClaim(uid, ifname string) *ClaimRef {
+	for _, k := range s.PodAttachments(uid) {
+		if a := s.atts[k]; a != nil && k.IfName == ifname && a.Claim != nil {
+			c := *a.Claim
+			return &c
+		}
+	}
+	return nil
+}
