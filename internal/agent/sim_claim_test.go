@@ -301,14 +301,15 @@ func (s *sim) boundUID(a netip.Addr) string {
 	return ""
 }
 
-// claimFile: host-local's file of a claim attachment's address may name another interface the
-// agent answered for the same claim UID (a live migration's first holder reserved it).
+// claimFile: host-local's file of a claim attachment's address may name another interface of a
+// pod of the same claim (a live migration's first holder reserved it; its answer may never have
+// reached the runtime).
 func (s *sim) claimFile(att ipam.Attachment, got string) bool {
 	if att.Claim == nil {
 		return false
 	}
 	for _, f := range s.ifs {
-		if f.claimUID == att.Claim.UID && got == previous.OwnHostLocalContent(f.key.ContainerID, f.key.IfName) {
+		if f.sb.pod.claim == att.Claim.Name && got == previous.OwnHostLocalContent(f.key.ContainerID, f.key.IfName) {
 			return true
 		}
 	}

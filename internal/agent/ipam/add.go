@@ -197,8 +197,9 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 	for i, name := range pools {
 		if ph != nil {
 			if j := slices.IndexFunc(ph.Addresses, func(a Address) bool { return a.Pool == name }); j >= 0 {
-				if b, ok := s.pools[name].claims[uidOf(claim)]; claim == nil || (ok && b.Addr == ph.Addresses[j].Addr) {
-					// A claim's attachment adopts only the claim's own address.
+				if b, ok := s.pools[name].claims[uidOf(claim)]; claim == nil || (ok && b.Addr == ph.Addresses[j].Addr && !s.prevAll.Contains(b.Addr)) {
+					// A claim's attachment adopts only the claim's own address, and not while
+					// the previous IPAM reserves it (a stale report's: it waits).
 					picks[i], adopted[i] = ph.Addresses[j], true
 					continue
 				}
