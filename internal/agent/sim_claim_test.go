@@ -315,3 +315,18 @@ func (s *sim) claimFile(att ipam.Attachment, got string) bool {
 	}
 	return false
 }
+
+// claimCovered: a live migration's address, after a lost journal, is recorded (rebuilt from
+// the reports) for one of its two pods: in use on the node while either runs.
+func (s *sim) claimCovered(f *simIf, has func(ipam.Attachment) bool) bool {
+	if f.claimUID == "" {
+		return false
+	}
+	for _, att := range s.a.m.st.Attachments() {
+		if p := s.podByUID(att.Pod.UID); p != nil && p.claim == f.sb.pod.claim && has(att) {
+			s.counts["live migration's address recorded for the other pod"]++
+			return true
+		}
+	}
+	return false
+}

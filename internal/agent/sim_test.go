@@ -1763,6 +1763,9 @@ func (s *sim) covered(f *simIf) bool {
 			return true
 		}
 	}
+	if s.claimCovered(f, has) {
+		return true
+	}
 	if st.Unattributed(poolOf(f.addr)).Contains(f.addr) {
 		return true
 	}
