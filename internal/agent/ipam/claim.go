@@ -327,3 +327,32 @@ func (s *State) EarlierClaim(uid, ifname string) *ClaimRef {
 	}
 	return nil
 }
+
+// unboundClaimWaits reports whether a claim ADD waits in pool for its binding.
+func (s *State) unboundClaimWaits(pool string) bool {
+	for _, w := range s.waiters {
+		for _, c := range w.claims {
+			if c.Pool == pool && !c.Bound {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// claimHeldBack is what pool holds back for claims that wait for their binding: the addresses
+// its holding gained since one started waiting. The binding (the IPPool's status) and the grant
+// (the NodeIPAllocation's) reach the agent through two watches in no set order: a grant seen
+// first must not go to an ordinary ADD. Once no claim waits for a binding here, they are
+// ordinary again.
+func (s *State) claimHeldBack(pool string) addr.Set {
+	p := s.pools[pool]
+	if p == nil || p.claimHeld.IsEmpty() {
+		return addr.Set{}
+	}
+	if !s.unboundClaimWaits(pool) {
+		p.claimHeld = addr.Set{}
+		return addr.Set{}
+	}
+	return p.claimHeld
+}

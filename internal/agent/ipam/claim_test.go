@@ -256,3 +256,32 @@ func TestClaimAbortLeavesTheHolder(t *testing.T) {
 		t.Fatalf("holders %v after the abort, want src", hs)
 	}
 }
+
+// TestClaimGrantSeenBeforeItsBinding: the grant (the node's status) may reach the agent before
+// the binding (the pool's status): while a claim ADD waits for its binding, what the holding
+// gains goes to no ordinary ADD; once the binding lands the claim takes its address and the rest
+// is ordinary again.
+func TestClaimGrantSeenBeforeItsBinding(t *testing.T) {
+	h := newHarness(t, claimPool())
+	h.hold("v4", "10.0.0.8")
+	h.mustAdd("a") // 10.0.0.8
+	if _, err := h.addClaim("vm", "uid-vm", claimA); !errors.As(err, new(*ShortError)) {
+		t.Fatalf("claim ADD without a binding: %v", err)
+	}
+	h.s.AddWaiter(key("vm"), "uid-vm", []string{"v4"})
+	h.s.SetWaiterClaims(key("vm"), []ClaimWait{{Pool: "v4", Claim: claimA}})
+	h.hold("v4", "10.0.0.8/30") // the grant: 9 (the claim's) and 10, 11 (a batch)
+	if _, err := h.add("b"); !errors.As(err, new(*ShortError)) {
+		t.Fatalf("an ordinary ADD while the claim waits for its binding: %v, want short", err)
+	}
+	if plan := h.s.Release(h.now); !plan.Marked["v4"].IsEmpty() {
+		t.Fatalf("gave back %v while the claim waits for its binding", plan.Marked["v4"])
+	}
+	h.commit(h.s.SetPools([]Pool{claimPool(ClaimBinding{Namespace: "ns", Name: "vm-a", UID: claimA.UID, Addr: ip("10.0.0.9")})}, []string{"v4"}))
+	if a, err := h.addClaim("vm", "uid-vm", claimA); err != nil || a.Addresses[0].Addr != ip("10.0.0.9") {
+		t.Fatalf("claim ADD once bound: %+v, %v", a, err)
+	}
+	if got := h.mustAdd("b"); got[0] != "10.0.0.10" {
+		t.Fatalf("ordinary ADD after the claim was served: %v, want 10.0.0.10", got)
+	}
+}

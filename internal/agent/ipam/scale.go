@@ -157,9 +157,10 @@ func (s *State) Release(now time.Time) ReleasePlan {
 		holding := p.held.Subtract(p.relSet)
 		// Static addresses pods here ask for are never given back (static.go).
 		free := holding.Subtract(p.inUseSet()).Subtract(p.unattributed).Subtract(s.wanted(name)).
-			Subtract(p.lost).             // an older agent's reservations ahead: of unknown owner (lost.go)
-			Subtract(s.prevAll).          // reserved by the previous IPAM (previous.go)
-			Subtract(s.claimWanted(name)) // a claim ADD here waits to hold it (claim.go)
+			Subtract(p.lost).               // an older agent's reservations ahead: of unknown owner (lost.go)
+			Subtract(s.prevAll).            // reserved by the previous IPAM (previous.go)
+			Subtract(s.claimWanted(name)).  // a claim ADD here waits to hold it (claim.go)
+			Subtract(s.claimHeldBack(name)) // perhaps a waiting claim's, its binding not seen yet
 		// Addresses bound to IPAMClaims follow their claims: given back only when another node
 		// asks for them (below), never to meet the target (claim.go).
 		bound := free.Intersect(s.claimBound(name))

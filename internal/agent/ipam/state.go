@@ -109,6 +109,10 @@ type poolState struct {
 	// second is the second attachment of a claim's address during a live migration (claim.go):
 	// inUse names the first.
 	second map[netip.Addr]Key
+	// claimHeld: addresses the holding gained while a claim ADD waited here for its binding,
+	// kept from ordinary ADDs and give-backs until no claim waits for a binding (claim.go).
+	// Memory only.
+	claimHeld addr.Set
 }
 
 // setConfig sets the pool's configuration and what it lets the node hand out.

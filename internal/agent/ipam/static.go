@@ -133,7 +133,8 @@ func (s *State) SetWantedElsewhere(m map[string]addr.Set) { s.elsewhere = m }
 // reserved is what pool must not hand out to an ordinary ADD: static addresses wanted here or
 // elsewhere, sticky reservations, addresses bound to IPAMClaims (claim.go).
 func (s *State) reserved(pool string) addr.Set {
-	return s.wanted(pool).Union(s.elsewhere[pool]).Union(s.stickyReserved(pool)).Union(s.prevAll).Union(s.claimBound(pool))
+	return s.wanted(pool).Union(s.elsewhere[pool]).Union(s.stickyReserved(pool)).Union(s.prevAll).Union(s.claimBound(pool)).
+		Union(s.claimHeldBack(pool))
 }
 
 // SetRefused records the wanted addresses the controller refused, per pool, with its reasons
