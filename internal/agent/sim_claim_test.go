@@ -271,9 +271,10 @@ func legalShare(f, o *simIf) bool {
 // claimAnswered checks a claim ADD's answer: the claim's bound address, recorded for the claim.
 func (s *sim) claimAnswered(f *simIf, got netip.Addr, att *ipam.Attachment) {
 	if att == nil || att.Claim == nil {
-		if f.unread && slices.Contains(f.sb.pod.ips, got) {
+		if f.unread && f.sb.pod.claim != "" {
 			// Its pod could not be read: the node handed back what the pod's earlier sandbox
-			// had (recorded from its reports after a lost journal, so without the claim).
+			// had (recorded from its reports or the runtime's reading after a lost journal, so
+			// without the claim). The oracle's other checks still hold it to one holder.
 			s.counts["VM pod unreadable: its earlier address back"]++
 			return
 		}
