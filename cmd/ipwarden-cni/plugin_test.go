@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"github.com/containernetworking/cni/pkg/skel"
 	"net"
 	"os"
 	"os/exec"
@@ -33,6 +34,8 @@ func TestParseConfig(t *testing.T) {
 		{"pools twice", `{"name":"n","pools":["a","a"]}`, nil, "", `names pool "a" twice`},
 		{"socket relative", `{"name":"n","ipam":{"type":"ipwarden","socket":"agent.sock"}}`, nil, "", `"ipam.socket"`},
 		{"socket not a string", `{"name":"n","socket":5}`, nil, "", `"socket"`},
+		{"claim reference not a string", `{"name":"n","args":{"cni":{"ipam-claim-reference":5}}}`, nil, "", `"args.cni.ipam-claim-reference"`},
+		{"args of another shape", `{"name":"n","args":"x"}`, nil, cniproto.DefaultSocket, ""},
 		{"previous in ipam", `{"cniVersion":"1.1.0","name":"n","type":"bridge","ipam":{"type":"ipwarden","previous":{"type":"host-local","ranges":[[{"subnet":"10.85.0.0/16"}]]}}}`, nil, cniproto.DefaultSocket, ""},
 		{"previous at the top level", `{"cniVersion":"1.1.0","name":"n","type":"ipwarden","previous":{"type":"whereabouts"}}`, nil, cniproto.DefaultSocket, ""},
 		{"previous null", `{"name":"n","ipam":{"type":"ipwarden","previous":null}}`, nil, cniproto.DefaultSocket, ""},
@@ -352,4 +355,17 @@ func FuzzParseConfig(f *testing.F) {
 			t.Fatalf("accepted previous %s of type %q", c.Previous, c.PreviousType)
 		}
 	})
+}
+
+// TestParseConfigClaimReference: args.cni "ipam-claim-reference" (Multus' cni-args) reaches the
+// agent's request as the attachment's claim reference.
+func TestParseConfigClaimReference(t *testing.T) {
+	c, err := parseConfig([]byte(`{"cniVersion":"1.1.0","name":"n","type":"ipwarden","args":{"cni":{"ipam-claim-reference":"vm-a.net1"}}}`))
+	if err != nil || c.ClaimReference != "vm-a.net1" {
+		t.Fatalf("parseConfig: %+v, %v", c, err)
+	}
+	req := request(cniproto.OpAdd, &skel.CmdArgs{ContainerID: "c", IfName: "net1"}, c)
+	if req.IPAMClaimReference != "vm-a.net1" {
+		t.Fatalf("request %+v lacks the claim reference", req)
+	}
 }

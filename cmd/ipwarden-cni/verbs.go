@@ -62,6 +62,9 @@ type config struct {
 	Previous json.RawMessage
 	// PreviousType is Previous's "type": the plugin's name on CNI_PATH.
 	PreviousType string
+	// ClaimReference is args.cni "ipam-claim-reference": the IPAMClaim the attachment
+	// references (Multus copies it from the network-selection element's cni-args).
+	ClaimReference string
 }
 
 // badConfig is a CNI "invalid network configuration" error naming the field.
@@ -87,6 +90,7 @@ func parseConfig(stdin []byte) (*config, error) {
 		AllowNonK8s json.RawMessage            `json:"allowNonKubernetes"`
 		Network     json.RawMessage            `json:"network"`
 		Previous    json.RawMessage            `json:"previous"`
+		Args        json.RawMessage            `json:"args"`
 	}
 	if err := json.Unmarshal(stdin, &raw); err != nil {
 		return nil, badConfig("ipam", "must be an object: %v", err)
@@ -139,6 +143,15 @@ func parseConfig(stdin []byte) (*config, error) {
 	if len(previous) > 0 && string(previous) != "null" {
 		if err := c.parsePrevious(previous, previousField); err != nil {
 			return nil, err
+		}
+	}
+	var args struct {
+		CNI map[string]json.RawMessage `json:"cni"`
+	}
+	_ = json.Unmarshal(raw.Args, &args) // "args" belongs to the runtime's conventions: only our key is checked
+	if ref, ok := args.CNI["ipam-claim-reference"]; ok && string(ref) != "null" {
+		if err := json.Unmarshal(ref, &c.ClaimReference); err != nil || len(c.ClaimReference) > 253 {
+			return nil, badConfig("args.cni.ipam-claim-reference", "must be the name of an IPAMClaim in the pod's namespace, not %s", cniproto.Truncate(string(ref), 100))
 		}
 	}
 	present := func(m json.RawMessage) bool { return len(m) > 0 && string(m) != "null" }
@@ -247,6 +260,8 @@ func request(op cniproto.Op, args *skel.CmdArgs, c *config) cniproto.Request {
 		Pools:       c.Pools,
 		PoolNetwork: c.Network,
 		Pod:         podFromArgs(args.Args),
+		// The IPAMClaim the configuration names, ahead of the pod's annotations.
+		IPAMClaimReference: c.ClaimReference,
 		// The agent refuses an ADD without pod identity unless the configuration allows it.
 		NonKubernetes: c.AllowNonKubernetes,
 	}

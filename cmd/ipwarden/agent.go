@@ -262,6 +262,12 @@ func printList(w io.Writer, resp *cniproto.Response) error {
 		if len(a.Conflicts) > 0 {
 			note = strings.TrimSpace(note + " conflict: not held " + strings.Join(a.Conflicts, ","))
 		}
+		if c := a.Claim; c != nil {
+			note = strings.TrimSpace(note + " IPAMClaim " + c.Namespace + "/" + c.Name)
+			if c.MigrationTarget {
+				note += " (migration target)"
+			}
+		}
 		cid := a.ContainerID
 		if len(cid) > 16 && !strings.Contains(cid, ":") {
 			cid = cid[:16]

@@ -53,3 +53,22 @@ func TestPrintListShowsTheHandback(t *testing.T) {
 		t.Fatalf("a handback shown without one:\n%s", b.String())
 	}
 }
+
+// `ipwarden agent list` shows the IPAMClaim of each attachment that has one.
+func TestPrintListShowsClaims(t *testing.T) {
+	resp := &cniproto.Response{Node: "n1", Attachments: []cniproto.Attachment{
+		{ContainerID: "src", IfName: "eth0", Pod: cniproto.Pod{Namespace: "ns", Name: "virt-launcher-a"}, IPs: []cniproto.IP{{Address: "10.1.0.9/16"}},
+			Claim: &cniproto.Claim{Namespace: "ns", Name: "vm-a", UID: "u1"}},
+		{ContainerID: "tgt", IfName: "eth0", Pod: cniproto.Pod{Namespace: "ns", Name: "virt-launcher-b"}, IPs: []cniproto.IP{{Address: "10.1.0.9/16"}},
+			Claim: &cniproto.Claim{Namespace: "ns", Name: "vm-a", UID: "u1", MigrationTarget: true}},
+	}}
+	var b bytes.Buffer
+	if err := printList(&b, resp); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"IPAMClaim ns/vm-a\n", "IPAMClaim ns/vm-a (migration target)"} {
+		if !strings.Contains(b.String(), want) {
+			t.Fatalf("output lacks %q:\n%s", want, b.String())
+		}
+	}
+}

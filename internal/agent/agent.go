@@ -277,6 +277,12 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 				svc.SetEvents(events.NewRecorder(eventScheme(cfg.Scheme), corev1.EventSource{Component: "ipwarden-agent", Host: cfg.Node}), kube.NodeRef)
 				svc.SetPodLookup(kube.GetPod)
 				svc.SetPodMeta(kube.PodMeta)
+				if claims, err := newClaimReader(cfg.RestConfig, log.WithName("ipamclaims")); err == nil {
+					svc.SetClaimReader(claims.Read)
+					go claims.run(ctx)
+				} else {
+					log.Error(err, "cannot create the IPAMClaim client; ADDs of pods that reference an IPAMClaim fail")
+				}
 				svc.SetWhereaboutsLister(kube.ListWhereaboutsPools)
 				svc.SetWhereaboutsEditor(kube.EditWhereaboutsPools)
 				collector = NewCollector(svc, kube, CollectorOptions{Grace: cfg.GCGrace, FullCheckInterval: cfg.GCFullCheckInterval,

@@ -1,11 +1,13 @@
 package agent
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"net/netip"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -26,6 +28,7 @@ import (
 	"github.com/ipwarden/ipwarden/internal/addr"
 	"github.com/ipwarden/ipwarden/internal/agent/gc"
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
+	"github.com/ipwarden/ipwarden/internal/ipamclaim"
 	"github.com/ipwarden/ipwarden/internal/ippool"
 	"github.com/ipwarden/ipwarden/internal/podinfo"
 	"github.com/ipwarden/ipwarden/internal/sticky"
@@ -318,6 +321,7 @@ func (k *Kube) Push(ctx context.Context) ([]ipam.Pod, error) {
 			pc.Reserved = append(pc.Reserved, ipam.StickyUse{Identity: sticky.Identity{Namespace: e.Namespace, StatefulSet: e.StatefulSet, Ordinal: int(e.Ordinal)}, Addr: a})
 		}
 		slices.SortFunc(pc.Reserved, func(a, b ipam.StickyUse) int { return a.Addr.Compare(b.Addr) })
+		pc.Claims = claimBindings(p.Status.IPAMClaims)
 		pools = append(pools, pc)
 		if spec.Selects(nodeLabels) && (len(k.only) == 0 || slices.Contains(k.only, p.Name)) {
 			served = append(served, p.Name)
@@ -395,8 +399,15 @@ func (k *Kube) setRecord(nipa *ipwardenv1.NodeIPAllocation, fresh bool) error {
 	}
 	holdings := map[string]addr.Set{}
 	refused := map[string]map[netip.Addr]string{}
+	claimRefused := map[string]map[string]string{}
 	elsewhere := map[string]addr.Set{}
 	for _, ps := range nipa.Status.Pools {
+		for _, r := range ps.ClaimRefused {
+			if claimRefused[ps.Pool] == nil {
+				claimRefused[ps.Pool] = map[string]string{}
+			}
+			claimRefused[ps.Pool][r.UID] = r.Reason
+		}
 		if len(ps.WantedElsewhere) > 0 {
 			blocks := make([]string, len(ps.WantedElsewhere))
 			for i, b := range ps.WantedElsewhere {
@@ -423,6 +434,7 @@ func (k *Kube) setRecord(nipa *ipwardenv1.NodeIPAllocation, fresh bool) error {
 		holdings[ps.Pool] = s
 	}
 	k.svc.SetRefused(refused)
+	k.svc.SetClaimRefused(claimRefused)
 	k.svc.SetWantedElsewhere(elsewhere)
 	return k.svc.SetHoldings(holdings, rec)
 }
@@ -683,6 +695,17 @@ func specPools(reqs []ipam.PoolRequest) []ipwardenv1.NodePoolRequest {
 			pr.Sticky = append(pr.Sticky, ipwardenv1.StickyAddress{Address: ipwardenv1.IPAddress(u.Addr.String()),
 				Namespace: u.Identity.Namespace, StatefulSet: u.Identity.StatefulSet, Ordinal: int32(u.Identity.Ordinal)})
 		}
+		for i, u := range r.Claims {
+			if i == ipam.MaxClaimUses {
+				break
+			}
+			cu := ipwardenv1.ClaimUse{Namespace: u.Claim.Namespace, Name: u.Claim.Name, UID: u.Claim.UID, Pod: u.Pod,
+				Attached: u.Attached, MigrationTarget: u.Claim.MigrationTarget}
+			if u.Addr.IsValid() {
+				cu.Address = ipwardenv1.IPAddress(u.Addr.String())
+			}
+			pr.IPAMClaims = append(pr.IPAMClaims, cu)
+		}
 		out = append(out, pr)
 	}
 	return out
@@ -708,7 +731,7 @@ func poolsEqual(a, b []ipwardenv1.NodePoolRequest) bool {
 	return slices.EqualFunc(a, b, func(x, y ipwardenv1.NodePoolRequest) bool {
 		return x.Pool == y.Pool && x.Requested == y.Requested && slices.Equal(x.Releasing, y.Releasing) &&
 			slices.Equal(x.ReleasingCooled, y.ReleasingCooled) && slices.Equal(x.Claimed, y.Claimed) &&
-			slices.Equal(x.Wanted, y.Wanted) && slices.Equal(x.Sticky, y.Sticky)
+			slices.Equal(x.Wanted, y.Wanted) && slices.Equal(x.Sticky, y.Sticky) && slices.Equal(x.IPAMClaims, y.IPAMClaims)
 	})
 }
 
@@ -736,8 +759,35 @@ func requestsOf(pools []ipwardenv1.NodePoolRequest) []ipam.PoolRequest {
 			r.Sticky = append(r.Sticky, ipam.StickyUse{Addr: a,
 				Identity: sticky.Identity{Namespace: u.Namespace, StatefulSet: u.StatefulSet, Ordinal: int(u.Ordinal)}})
 		}
+		for _, u := range p.IPAMClaims {
+			cu := ipam.ClaimUse{Claim: ipam.ClaimRef{Namespace: u.Namespace, Name: u.Name, UID: u.UID, MigrationTarget: u.MigrationTarget},
+				Pod: u.Pod, Attached: u.Attached}
+			if u.Address != "" {
+				a, err := netip.ParseAddr(string(u.Address))
+				if err != nil {
+					continue
+				}
+				cu.Addr = a
+			}
+			r.Claims = append(r.Claims, cu)
+		}
 		out = append(out, r)
 	}
+	return out
+}
+
+// claimBindings reads a pool's status.ipamClaims, sorted by address (entries that do not parse
+// are left out: the controller wrote them, so none should).
+func claimBindings(bs []ipwardenv1.ClaimBinding) []ipam.ClaimBinding {
+	var out []ipam.ClaimBinding
+	for _, b := range bs {
+		a, err := netip.ParseAddr(string(b.Address))
+		if err != nil || b.UID == "" {
+			continue
+		}
+		out = append(out, ipam.ClaimBinding{Namespace: b.Namespace, Name: b.Name, UID: b.UID, Addr: a})
+	}
+	slices.SortFunc(out, func(a, b ipam.ClaimBinding) int { return cmp.Or(a.Addr.Compare(b.Addr), strings.Compare(a.UID, b.UID)) })
 	return out
 }
 
@@ -798,6 +848,7 @@ func (k *Kube) PodMeta(ctx context.Context, namespace, name, uid string) (ipam.P
 		v := podinfo.Of(&pod)
 		meta.Pools, meta.IPAddresses = v.Pools, v.IPAddresses
 		meta.Identity, meta.Sticky = identityOf(v), v.Sticky
+		meta.NetworkAnnotations, meta.MigrationTarget = claimAnnotations(pod.Annotations), ipamclaim.MigrationTarget(pod.Labels)
 	} else {
 		m := &metav1.PartialObjectMetadata{}
 		m.SetGroupVersionKind(corev1.SchemeGroupVersion.WithKind("Pod"))
@@ -807,6 +858,7 @@ func (k *Kube) PodMeta(ctx context.Context, namespace, name, uid string) (ipam.P
 			v := podinfo.Of(&corev1.Pod{ObjectMeta: m.ObjectMeta})
 			meta.Pools, meta.IPAddresses = v.Pools, v.IPAddresses
 			meta.Identity, meta.Sticky = identityOf(v), v.Sticky
+			meta.NetworkAnnotations, meta.MigrationTarget = claimAnnotations(m.Annotations), ipamclaim.MigrationTarget(m.Labels)
 		case podNotFound(err, name):
 		default:
 			return meta, fmt.Errorf("read pod %s/%s: %w", namespace, name, err)

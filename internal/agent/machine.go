@@ -136,10 +136,14 @@ type Write struct {
 	Unreserve *Reserve
 }
 
-// PodRead asks the driver for a pod's annotations and namespace (for pool choice).
+// PodRead asks the driver for a pod's annotations and namespace (for pool choice), and for the
+// IPAMClaim the attachment references (IfName, Network and ClaimArg locate the reference;
+// claim.go).
 type PodRead struct {
 	ID                   uint64
 	Namespace, Name, UID string
+	IfName, Network      string
+	ClaimArg             string
 }
 
 // NodeEvent is a Kubernetes event on the node's NodeIPAllocation.
@@ -312,7 +316,7 @@ func (m *Machine) Request(req cniproto.Request, now time.Time) uint64 {
 		r.kind = reqAdd
 		r.add = ipam.AddRequest{Key: r.key, Network: req.Network, Netns: req.Netns, Pools: req.Pools, PoolNetwork: req.PoolNetwork,
 			Pod:      ipam.PodRef{Namespace: req.Pod.Namespace, Name: req.Pod.Name, UID: req.Pod.UID},
-			Previous: previousStore(req.Previous, req.Network)}
+			Previous: previousStore(req.Previous, req.Network), ClaimArg: req.IPAMClaimReference}
 	case cniproto.OpDel:
 		r.kind = reqDel
 	default:
@@ -377,7 +381,8 @@ func (m *Machine) run(r *mreq) {
 		_, known := m.st.Attachment(r.key)
 		if m.cfg.ReadsPods && !known && r.add.Pod.Namespace != "" && r.add.Pod.Name != "" {
 			r.stage = stageReading
-			m.rd.Reads = append(m.rd.Reads, PodRead{ID: r.id, Namespace: r.add.Pod.Namespace, Name: r.add.Pod.Name, UID: r.add.Pod.UID})
+			m.rd.Reads = append(m.rd.Reads, PodRead{ID: r.id, Namespace: r.add.Pod.Namespace, Name: r.add.Pod.Name, UID: r.add.Pod.UID,
+				IfName: r.key.IfName, Network: r.add.Network, ClaimArg: r.add.ClaimArg})
 			return
 		}
 		m.tryAdd(r)
@@ -401,7 +406,7 @@ func (m *Machine) PodRead(id uint64, meta ipam.PodMeta, err error, now time.Time
 		// static and sticky addresses. A pod whose earlier sandbox this node served gets its
 		// addresses back without them (the node keeps serving restarted sandboxes through an
 		// outage); any other waits for the API server: the runtime retries.
-		if adopts := r.add.Pod.UID != "" && m.st.HasPod(r.add.Pod.UID); !adopts {
+		if adopts := r.add.Pod.UID != "" && m.st.HasPod(r.add.Pod.UID); !adopts || r.add.ClaimArg != "" {
 			m.metrics.PodUnknown.Inc()
 			m.reply(r, errResp(cniproto.CodeTryAgainLater,
 				fmt.Sprintf("ipwarden: the agent on node %s cannot read pod %s/%s's annotations: its watch has not seen the pod and the API server did not answer: %s",
@@ -410,6 +415,9 @@ func (m *Machine) PodRead(id uint64, meta ipam.PodMeta, err error, now time.Time
 			return
 		}
 		m.log.Info("cannot read the pod's annotations; its earlier sandbox's addresses are handed back", "pod", r.add.Pod.Namespace+"/"+r.add.Pod.Name, "error", err.Error())
+		// A VM pod's earlier sandbox had its IPAMClaim on this interface: the new one has the
+		// same claim (never an ordinary address).
+		meta = ipam.PodMeta{Claim: m.st.EarlierClaim(r.add.Pod.UID, r.key.IfName)}
 	}
 	r.add.Meta = meta
 	m.tryAdd(r)
@@ -463,11 +471,16 @@ func (m *Machine) tryAdd(r *mreq) {
 		if !r.waiter {
 			pools, _ := m.st.ResolvePools(r.add)
 			m.st.AddWaiter(r.key, r.add.Pod.UID, pools, short.Wanted...)
+			m.st.SetWaiterClaims(r.key, short.Claims)
 			r.waiter = true
 			if on, _ := m.st.Hold(); on && m.evaluateHold() {
 				// A pod with an ADD here settles the hold, which ended: try again at once.
 				m.changed()
 			}
+		} else if len(short.Claims) > 0 {
+			// A claim's wait changes as its binding and grant land (the node lists it in its
+			// spec until it is served).
+			m.st.SetWaiterClaims(r.key, short.Claims)
 		}
 		return
 	}
@@ -499,7 +512,7 @@ func (m *Machine) tryAdd(r *mreq) {
 	// The answer waits for the journal write: an address a runtime was told is on disk first.
 	r.stage, r.att, r.plan = stageWriting, att, ipam.AddPlan{Key: r.key, Change: ch}
 	m.write(r.id, ch, false, true)
-	m.rd.Writes[len(m.rd.Writes)-1].Reserve = reserveOf(att, rebuilt)
+	m.rd.Writes[len(m.rd.Writes)-1].Reserve = m.withoutShared(reserveOf(att, rebuilt))
 }
 
 // dropWaiter removes r's demand from the state, if it registered one.
@@ -582,7 +595,7 @@ func (m *Machine) tryDel(r *mreq) {
 	if m.st.HandedBack() != nil {
 		m.rd.Writes[len(m.rd.Writes)-1].Release = &att
 	}
-	m.rd.Writes[len(m.rd.Writes)-1].Unreserve = reserveOf(att, addr.Set{})
+	m.rd.Writes[len(m.rd.Writes)-1].Unreserve = m.withoutShared(reserveOf(att, addr.Set{}))
 }
 
 // Written is the outcome of journal write id.
@@ -863,6 +876,17 @@ func (m *Machine) shortMessage(short *ipam.ShortError, now time.Time) string {
 	}
 	for _, w := range short.Wanted {
 		parts = append(parts, fmt.Sprintf("static address %s of pool %s: the controller has not moved it to this node yet (is ipwarden controller running?)", w.Addr, w.Pool))
+	}
+	if len(short.Pools) == 0 && len(short.Wanted) == 0 && len(short.Claims) > 0 {
+		// A claim's ADD waits for the controller's record and grant, never for a free address.
+		var cs []string
+		for _, c := range short.Claims {
+			cs = append(cs, ipam.ClaimWaitMessage(c))
+		}
+		return "ipwarden: " + strings.Join(cs, "; ") + " on node " + m.cfg.Node + " (is ipwarden controller running?)"
+	}
+	for _, c := range short.Claims {
+		parts = append(parts, ipam.ClaimWaitMessage(c))
 	}
 	return "ipwarden: no free address on node " + m.cfg.Node + ": " + strings.Join(parts, "; ")
 }

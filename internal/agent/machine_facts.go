@@ -81,6 +81,14 @@ func (m *Machine) SetRefused(refused map[string]map[netip.Addr]string, now time.
 	m.changed()
 }
 
+// SetClaimRefused takes the IPAMClaims (by UID) the controller refuses the node, per pool, with
+// its reasons (status.pools[].claimRefused): a waiting ADD of one fails now.
+func (m *Machine) SetClaimRefused(refused map[string]map[string]string, now time.Time) {
+	m.now = now
+	m.st.SetClaimRefused(refused)
+	m.changed()
+}
+
 // SetWantedElsewhere takes the held addresses other nodes' pods ask for by name; the pool
 // monitor gives back those no attachment uses.
 func (m *Machine) SetWantedElsewhere(w map[string]addr.Set) {
@@ -97,6 +105,7 @@ type Round struct {
 	Stats       []ipam.PoolStats
 	Attachments int
 	Handback    *ipam.HandbackMark // the handback mark, nil when none
+	Claims      ipam.ClaimStats    // attachments bound to IPAMClaims, addresses two of them share
 }
 
 // roundApplied is what a pool monitor round reads once its release is applied.
@@ -113,6 +122,7 @@ func roundApplied(m *Machine, p ipam.Plan, a *Answer, stats bool) {
 	}
 	if stats {
 		a.Round.Stats, a.Round.Attachments, a.Round.Handback = m.st.Stats(m.now), m.st.NumAttachments(), m.st.HandedBack()
+		a.Round.Claims = m.st.ClaimCounts()
 	}
 }
 

@@ -77,6 +77,33 @@ func reserveOf(att ipam.Attachment, adopted addr.Set) *Reserve {
 	return rv
 }
 
+// withoutShared leaves out of rv the addresses two attachments hold (an IPAMClaim's during a
+// live migration): the first holder's reservation in the previous IPAM's store covers the
+// second, and a free of either leaves it for the other. (The file may outlive both, naming a
+// gone container: it only keeps the previous IPAM off a claim's address.)
+func (m *Machine) withoutShared(rv *Reserve) *Reserve {
+	if rv == nil {
+		return nil
+	}
+	kept := rv.Reservations[:0:0]
+	for _, r := range rv.Reservations {
+		shared := false
+		for _, pool := range m.st.Served() {
+			if len(m.st.Holders(pool, r.Addr)) > 1 {
+				shared = true
+			}
+		}
+		if !shared {
+			kept = append(kept, r)
+		}
+	}
+	if len(kept) == 0 {
+		return nil
+	}
+	rv.Reservations = kept
+	return rv
+}
+
 // rebuiltAddrs are the addresses of pod uid's attachments rebuilt from its status: an ADD of the
 // pod adopts those of the pools it asks for.
 func (m *Machine) rebuiltAddrs(uid string) addr.Set {

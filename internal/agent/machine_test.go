@@ -605,7 +605,7 @@ func TestMachineAddReadsAnUnknownPod(t *testing.T) {
 			rd := h.ready()
 			wantReads := []PodRead(nil)
 			if tc.wantRead {
-				wantReads = []PodRead{{ID: id, Namespace: "ns", Name: "pod-c1", UID: "uid-c1"}}
+				wantReads = []PodRead{{ID: id, Namespace: "ns", Name: "pod-c1", UID: "uid-c1", IfName: "eth0", Network: "net"}}
 			}
 			if !slices.Equal(rd.Reads, wantReads) {
 				t.Fatalf("reads %+v, want %+v", rd.Reads, wantReads)

@@ -32,13 +32,17 @@ type Metrics struct {
 	// RuntimeReads counts the readings of the container runtime's pod sandboxes, by result.
 	RuntimeReads *prometheus.CounterVec
 
-	Attachments  prometheus.Gauge
-	OpDuration   *prometheus.HistogramVec
-	IPWait       prometheus.Histogram
-	JournalWrite prometheus.Histogram
-	Errors       *prometheus.CounterVec
-	SpecWrites   *prometheus.CounterVec
-	Conflicts    prometheus.Counter
+	Attachments prometheus.Gauge
+	// ClaimAttachments: attachments bound to IPAMClaims; ClaimShared: claim addresses two of
+	// the node's attachments share (a live migration on the node).
+	ClaimAttachments prometheus.Gauge
+	ClaimShared      prometheus.Gauge
+	OpDuration       *prometheus.HistogramVec
+	IPWait           prometheus.Histogram
+	JournalWrite     prometheus.Histogram
+	Errors           *prometheus.CounterVec
+	SpecWrites       *prometheus.CounterVec
+	Conflicts        prometheus.Counter
 	// RecordRewinds counts reads of the node's NodeIPAllocation older than its own last write.
 	RecordRewinds prometheus.Counter
 	// RecordRecreated counts re-creations of the node's NodeIPAllocation by the agent.
@@ -146,6 +150,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Addresses the node holds or uses that the pool's current spec no longer covers (a shrunk pool, a new exclusion): never handed out, released as they are freed."}, pool),
 
 		Attachments: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "attachments", Help: "CNI attachments the node's journal records."}),
+		ClaimAttachments: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "claim_attachments",
+			Help: "CNI attachments on the node whose pod references an IPAMClaim: their addresses are the claims' (docs/design.md, \"VM addresses\")."}),
+		ClaimShared: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "claim_shared_attachments",
+			Help: "IPAMClaim addresses two of the node's attachments use at once: live migrations in progress on the node (a migration target beside its source)."}),
 		OpDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: ns, Name: "cni_request_duration_seconds",
 			Help: "Time the agent took to answer a CNI request (journal write and any wait for addresses included).", Buckets: latency}, []string{"op"}),
 		IPWait: prometheus.NewHistogram(prometheus.HistogramOpts{Namespace: ns, Name: "ip_wait_seconds",
@@ -202,7 +210,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	if reg != nil {
 		reg.MustRegister(m.AddressesExhausted)
 		reg.MustRegister(m.Held, m.InUse, m.Free, m.Cooling, m.Releasing, m.Requested, m.Conflict, m.Outside, m.Adopted,
-			m.Attachments, m.OpDuration, m.IPWait, m.JournalWrite, m.Errors, m.SpecWrites, m.Conflicts, m.RecordRewinds, m.RecordRecreated, m.LeaderAcks,
+			m.Attachments, m.ClaimAttachments, m.ClaimShared, m.OpDuration, m.IPWait, m.JournalWrite, m.Errors, m.SpecWrites, m.Conflicts, m.RecordRewinds, m.RecordRecreated, m.LeaderAcks,
 			m.GCCandidates, m.GCCollected, m.GCKept, m.GCFailed, m.GCDryRun, m.GCDeleteToFree, m.GCFullChecks, m.GCQueueDepth,
 			m.Unattributed, m.JournalRecovered, m.HoldActive, m.HandedBack, m.Conns, m.Busy, m.BadRequests, m.AbandonedAdds, m.ReleasesInFlight, m.PodUnknown, m.JournalRefused,
 			m.GCSandboxHeld, m.GCSandboxOutlived, m.PreviousReserved, m.PreviousReads, m.PreviousWrites, m.RuntimeReads)

@@ -148,6 +148,8 @@ func (m *Monitor) Round(ctx context.Context) error {
 	m.nextCooled = r.NextCooled
 	m.nextRelease = r.NextRelease
 	m.metrics.setPools(r.Stats, r.Attachments)
+	m.metrics.ClaimAttachments.Set(float64(r.Claims.Attachments))
+	m.metrics.ClaimShared.Set(float64(r.Claims.Shared))
 	if !m.svc.publishesSpec() {
 		return nil // another agent holds the node's Lease: it publishes the node's request
 	}

@@ -153,6 +153,9 @@ type hooks struct {
 	lookup func(context.Context, gc.Name) gc.Lookup
 	// podMeta reads a pod's annotations and namespace for pool choice (Kube.PodMeta).
 	podMeta func(ctx context.Context, namespace, name, uid string) (ipam.PodMeta, error)
+	// claim reads an IPAMClaim an ADD's pod references (claimReader.Read); nil: none can be
+	// read, and such an ADD fails.
+	claim func(ctx context.Context, namespace, name string) (ClaimObject, error)
 	// recheck re-checks the node's Lease for ADDs past its permit (NodeLease.recheck;
 	// Ready.Recheck).
 	recheck func(context.Context)
@@ -344,6 +347,9 @@ func (s *Service) readPod(ctx context.Context, r PodRead) {
 	if f := s.getHooks().podMeta; f != nil {
 		rctx, cancel := context.WithTimeout(ctx, podMetaTimeout)
 		meta, err = f(rctx, r.Namespace, r.Name, r.UID)
+		if err == nil {
+			meta = claimMeta(rctx, r, meta, s.getHooks().claim)
+		}
 		cancel()
 	}
 	s.step(func(m *Machine, now time.Time) { m.PodRead(r.ID, meta, err, now) })
@@ -546,10 +552,20 @@ func (s *Service) SetRefused(refused map[string]map[netip.Addr]string) {
 	s.step(func(m *Machine, now time.Time) { m.SetRefused(refused, now) })
 }
 
+// SetClaimRefused hands the service the IPAMClaims the controller refuses the node, per pool.
+func (s *Service) SetClaimRefused(refused map[string]map[string]string) {
+	s.step(func(m *Machine, now time.Time) { m.SetClaimRefused(refused, now) })
+}
+
 // SetWantedElsewhere hands the service the held addresses other nodes' pods ask for by name;
 // the pool monitor gives back those no attachment uses.
 func (s *Service) SetWantedElsewhere(w map[string]addr.Set) {
 	s.read(func(m *Machine) { m.SetWantedElsewhere(w) })
+}
+
+// SetClaimReader sets how an ADD reads the IPAMClaim its pod references (claimReader.Read).
+func (s *Service) SetClaimReader(f func(ctx context.Context, namespace, name string) (ClaimObject, error)) {
+	s.setHook(func(h *hooks) { h.claim = f })
 }
 
 // SetPodMeta sets how an ADD reads its pod's annotations and namespace (Kube.PodMeta).
@@ -812,7 +828,11 @@ func addError(err error) *cniproto.Response {
 	var pc *ipam.PoolChoiceError
 	var su *ipam.StaticUnavailableError
 	var hb *ipam.HandedBackError
+	var cl *ipam.ClaimError
 	switch {
+	case errors.As(err, &cl):
+		return errResp(cniproto.CodeTryAgainLater, "ipwarden: "+cl.Error(),
+			"nothing was handed out: a pod that references an IPAMClaim gets only the claim's address (docs/design.md, \"VM addresses\"); the runtime retries")
 	case errors.As(err, &hb):
 		return errResp(cniproto.CodeHandedBack, "ipwarden: "+hb.Error(),
 			"nothing was handed out; this refusal lasts until the handback is undone, retrying does not help")
@@ -1046,11 +1066,15 @@ func (s *Service) list() *cniproto.Response {
 				}
 			}
 			r := result(a, cfgs)
-			resp.Attachments = append(resp.Attachments, cniproto.Attachment{
+			la := cniproto.Attachment{
 				ContainerID: a.Key.ContainerID, IfName: a.Key.IfName, Network: a.Network,
 				Pod: cniproto.Pod{Namespace: a.Pod.Namespace, Name: a.Pod.Name, UID: a.Pod.UID},
 				IPs: r.IPs, Created: a.Created, Rebuilt: a.Rebuilt, Conflicts: conflicts, Netns: a.Netns,
-			})
+			}
+			if c := a.Claim; c != nil {
+				la.Claim = &cniproto.Claim{Namespace: c.Namespace, Name: c.Name, UID: c.UID, MigrationTarget: c.MigrationTarget}
+			}
+			resp.Attachments = append(resp.Attachments, la)
 		}
 		resp.Hold = holdStatus(m)
 		if hb := m.st.HandedBack(); hb != nil {

@@ -130,6 +130,10 @@ type simPod struct {
 	goneAt  time.Time // when it left the API server, or finished
 	storage bool      // its networks annotation names the storage network: every sandbox has net1
 	sbs     []*simSandbox
+	// claim names the IPAMClaim its eth0 references (a VM pod; sim_claim_test.go), target its
+	// label kubevirt.io/migrationJobUID.
+	claim  string
+	target bool
 }
 
 // ifState is the runtime's view of one interface of a sandbox.
@@ -155,6 +159,13 @@ type simIf struct {
 	addr    netip.Addr // what the runtime was told (ifLive, and after)
 	req     uint64     // the request in flight (ifAdding, ifDeleting), on agent gen
 	gen     int
+	// claimUID and target: the agent answered it with an attachment of that IPAMClaim UID, for a
+	// migration target or not (sim_claim_test.go).
+	claimUID string
+	target   bool
+	// unread: its ADD's pod read failed (the node served the pod's earlier sandbox: its
+	// addresses come back without the pod's annotations, a claim's included).
+	unread bool
 	// forgotten: the journal that recorded its answer was lost or damaged since. A runtime calls
 	// ADD once per sandbox interface; a repeated ADD models CNI's idempotency, which the agent
 	// keeps from its journal: after the journal is gone the node has no record of which address
@@ -253,6 +264,8 @@ type sim struct {
 	// prev: the previous IPAM (host-local) the node switched from, in one seed in two
 	// (sim_previous_test.go).
 	prev simPrev
+	// claims: IPAMClaims and the controller's bindings (sim_claim_test.go).
+	claims simClaims
 }
 
 func (s *sim) logf(format string, args ...any) {
@@ -274,7 +287,8 @@ func (s *sim) fatalf(format string, args ...any) {
 func newSim(t testing.TB, seed uint64) *sim {
 	s := &sim{t: t, seed: seed, rng: rand.New(rand.NewPCG(seed, 0x5eed)), base: t.TempDir(), netnsDir: t.TempDir(),
 		now: time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC), counts: map[string]int{},
-		grants: map[string]addr.Set{"pod": {}, "st": {}}, resting: map[netip.Addr]time.Time{}}
+		grants: map[string]addr.Set{"pod": {}, "st": {}}, resting: map[netip.Addr]time.Time{},
+		claims: simClaims{bindings: map[string]netip.Addr{}, names: map[string]string{}, refused: map[string]string{}}}
 	s.multus = !s.chance(3)
 	return s
 }
@@ -453,10 +467,19 @@ func (s *sim) answerRead(i int) {
 	r := s.a.reads[i]
 	s.a.reads = slices.Delete(s.a.reads, i, i+1)
 	var err error
-	if p := s.podByUID(r.UID); p == nil || !p.inAPI || s.apiAway {
+	var meta ipam.PodMeta
+	p := s.podByUID(r.UID)
+	if p == nil || !p.inAPI || s.apiAway {
 		err = errors.New("pods \"" + r.Name + "\" not found")
+		for _, f := range s.ifs {
+			if f.req == r.ID && f.gen == s.a.gen && f.state == ifAdding {
+				f.unread = true
+			}
+		}
+	} else if p.claim != "" && r.IfName == "eth0" {
+		meta = s.claimPodMeta(r, p)
 	}
-	s.a.m.PodRead(r.ID, ipam.PodMeta{}, err, s.now)
+	s.a.m.PodRead(r.ID, meta, err, s.now)
 	s.flush()
 }
 
@@ -517,10 +540,11 @@ func (s *sim) reconcile() {
 		return
 	}
 	a.m.gate.setLease(true, "", s.now.Add(24*time.Hour))
-	if ans, ok := s.await(a.m.SetPools(simPools, []string{"pod", "st"}, s.now)); !ok || ans.Err != nil {
+	if ans, ok := s.await(a.m.SetPools(s.simPoolsNow(), []string{"pod", "st"}, s.now)); !ok || ans.Err != nil {
 		s.logf("reconcile: pools refused; catchUp retries")
 		return
 	}
+	a.m.SetClaimRefused(s.claimRefusals(), s.now)
 	if ans, ok := s.await(a.m.SetHoldings(s.cloneGrants(), RecordOf{}, s.now)); !ok || ans.Err != nil {
 		s.logf("reconcile: holdings refused; catchUp retries")
 		return
@@ -1022,9 +1046,18 @@ func (s *sim) addAnswered(f *simIf, ans Answer, repeat bool) {
 		s.stopSandbox(f.sb, false) // for the runtime the ADD failed: it tears the sandbox down
 		return
 	}
+	if f.key.IfName == "eth0" {
+		s.claimAnswered(f, got, ans.Att)
+	}
+	holders := 0
 	for _, o := range s.ifs {
 		if o != f && (o.state == ifLive || o.state == ifDeleting) && o.addr == got {
-			s.fatalf("ADD %s (pod %s) answered %s, which live sandbox %s (pod %s) was told", f.key, f.sb.pod.ref.Name, got, o.key, o.sb.pod.ref.Name)
+			holders++
+			if !legalShare(f, o) || holders > 1 {
+				s.fatalf("ADD %s (pod %s, claim %q target %v) answered %s, which live sandbox %s (pod %s, claim %q target %v) was told",
+					f.key, f.sb.pod.ref.Name, f.claimUID, f.target, got, o.key, o.sb.pod.ref.Name, o.claimUID, o.target)
+			}
+			s.counts["claim address shared (live migration)"]++
 		}
 	}
 	f.state, f.addr = ifLive, got
@@ -1086,6 +1119,11 @@ func (s *sim) newSandbox() {
 			storage: s.chance(3)}
 		s.pods = append(s.pods, pod)
 	}
+	s.startSandbox(pod)
+}
+
+// startSandbox starts a sandbox of pod (its earlier sandbox stops).
+func (s *sim) startSandbox(pod *simPod) {
 	for _, old := range pod.sbs {
 		s.stopSandbox(old, false)
 	}
@@ -1392,8 +1430,9 @@ func (s *sim) controllerSync() {
 		s.grants[req.Pool] = held
 	}
 	s.published = nil
+	pushed := s.claimController()
 	s.logf("controller: grants pod %s, st %s", s.grants["pod"], s.grants["st"])
-	if s.a.synced && !s.apiAway {
+	if pushed && s.a.synced && !s.apiAway {
 		s.expect(s.a.m.SetHoldings(s.cloneGrants(), RecordOf{}, s.now), func(Answer) {})
 	}
 }
@@ -1406,6 +1445,7 @@ func (s *sim) releaseRound() {
 	s.expect(s.a.m.ReleaseRound(s.now, false), func(ans Answer) {
 		if ans.Err == nil && ans.Round != nil {
 			s.published = ans.Round.Spec
+			s.claims.lastSpec = ans.Round.Spec
 			s.logf("monitor published the spec")
 		}
 	})
@@ -1610,6 +1650,8 @@ var simEvents = []simEvent{
 		}
 	}},
 	{"handback undone", 1, (*sim).undoHandback},
+	{"VM pod", 5, (*sim).newVMPod},
+	{"IPAMClaim deleted", 1, (*sim).claimDeleted},
 }
 
 func (s *sim) pickIf(st ifState) *simIf {
@@ -1675,9 +1717,15 @@ func (s *sim) check() {
 	s.t.Helper()
 	live := s.liveIfs()
 	seen := map[netip.Addr]*simIf{}
+	shared := map[netip.Addr]bool{}
 	for _, f := range live {
 		if o := seen[f.addr]; o != nil {
-			s.fatalf("address %s is live for two sandboxes: %s (pod %s) and %s (pod %s)", f.addr, o.key, o.sb.pod.ref.Name, f.key, f.sb.pod.ref.Name)
+			if !legalShare(f, o) || shared[f.addr] {
+				s.fatalf("address %s is live for two sandboxes: %s (pod %s, claim %q target %v) and %s (pod %s, claim %q target %v)",
+					f.addr, o.key, o.sb.pod.ref.Name, o.claimUID, o.target, f.key, f.sb.pod.ref.Name, f.claimUID, f.target)
+			}
+			shared[f.addr] = true // a live migration's two sides: a third fails above
+			continue
 		}
 		seen[f.addr] = f
 		if !s.grants[poolOf(f.addr)].Contains(f.addr) {
@@ -1714,6 +1762,9 @@ func (s *sim) covered(f *simIf) bool {
 		if att, ok := st.Attachment(k); ok && k.IsRebuilt() && has(att) {
 			return true
 		}
+	}
+	if s.claimCovered(f, has) {
+		return true
 	}
 	if st.Unattributed(poolOf(f.addr)).Contains(f.addr) {
 		return true
@@ -1851,7 +1902,11 @@ func (s *sim) checkRebuilt(att ipam.Attachment) {
 	live := s.liveIfs()
 	for _, ad := range att.Addresses {
 		net := poolNetwork(ad.Pool)
-		if i := slices.IndexFunc(live, func(f *simIf) bool { return f.sb.pod != p && f.addr == ad.Addr }); i >= 0 {
+		// (A live migration's two pods share the claim's address: after a lost journal it is
+		// recorded for one of them, and stays in use while either runs.)
+		if i := slices.IndexFunc(live, func(f *simIf) bool {
+			return f.sb.pod != p && f.addr == ad.Addr && !(p.claim != "" && f.sb.pod.claim == p.claim && f.claimUID != "")
+		}); i >= 0 {
 			s.fatalf("at a quiet point LIST has rebuilt attachment %s (pod %s, %s) whose %s sandbox %s of pod %s uses (runtime known %v)",
 				att.Key, att.Pod.Name, fmtAddrs(att.Addresses), ad.Addr, live[i].key, live[i].sb.pod.ref.Name, s.a.m.st.Sandboxes().Known)
 		}
@@ -2051,7 +2106,8 @@ func TestSimReachesEveryEvent(t *testing.T) {
 	want := []string{"add", "add failed", "answer lost", "del", "write refused", "kill", "term", "journal lost", "journal damaged",
 		"collected", "collector pass", "cni gc", "handback", "handback undone", "pod finished", "pod deleted", "del never came",
 		"runtime read known", "runtime read unknown", "network-status written",
-		"host-local add", "host-local del", "previous reserved", "previous taken", "previous unreserved", "previous dropped"}
+		"host-local add", "host-local del", "previous reserved", "previous taken", "previous unreserved", "previous dropped",
+		"claim ADD", "claim address shared (live migration)", "VM pod: migration target", "VM pod: restart", "IPAMClaim re-created"}
 	for _, e := range simEvents {
 		want = append(want, e.name)
 	}
@@ -2060,6 +2116,8 @@ func TestSimReachesEveryEvent(t *testing.T) {
 			t.Errorf("no %q in seeds 1-12: %v", k, total)
 		}
 	}
+	t.Logf("claim ADDs %d, shared %d, migration targets %d, restarts %d", total["claim ADD"], total["claim address shared (live migration)"],
+		total["VM pod: migration target"], total["VM pod: restart"])
 }
 
 // TestSimReplays: two runs of one seed produce the identical event log.

@@ -119,6 +119,10 @@ type Request struct {
 	// previous) before the ADD picks, and keeps those addresses out of use. At most
 	// MaxPrevious bytes.
 	Previous json.RawMessage `json:"previous,omitempty"`
+	// IPAMClaimReference is the configuration's args.cni "ipam-claim-reference" (Multus copies
+	// it from a network-selection element's cni-args): the IPAMClaim the attachment references,
+	// ahead of the pod's annotations (docs/design.md, "VM addresses").
+	IPAMClaimReference string `json:"ipamClaimReference,omitempty"`
 	// PrevAddresses are the addresses of CHECK's prevResult (CIDR notation).
 	PrevAddresses []string `json:"prevAddresses,omitempty"`
 	// Handback is HANDBACK's request.
@@ -213,6 +217,18 @@ type Attachment struct {
 	Sandbox string `json:"sandbox,omitempty"`
 	// Conflicts lists addresses of the attachment that the node no longer holds.
 	Conflicts []string `json:"conflicts,omitempty"`
+	// Claim is the IPAMClaim whose address the attachment holds (docs/design.md, "VM
+	// addresses"); nil when none.
+	Claim *Claim `json:"claim,omitempty"`
+}
+
+// Claim is an IPAMClaim an attachment references, as LIST reports it.
+type Claim struct {
+	Namespace string `json:"namespace"`
+	Name      string `json:"name"`
+	UID       string `json:"uid"`
+	// MigrationTarget: the pod is a live migration's target (kubevirt.io/migrationJobUID).
+	MigrationTarget bool `json:"migrationTarget,omitempty"`
 }
 
 // PoolStatus is one pool as LIST and STATUS report it.
@@ -459,7 +475,7 @@ func (r *Request) Validate() *Error {
 		what string
 		v    string
 	}{{"network namespace path (CNI_NETNS)", r.Netns}, {"network name", r.Network}, {"K8S_POD_NAMESPACE", r.Pod.Namespace},
-		{"K8S_POD_NAME", r.Pod.Name}, {"K8S_POD_UID", r.Pod.UID}} {
+		{"K8S_POD_NAME", r.Pod.Name}, {"K8S_POD_UID", r.Pod.UID}, {"ipam-claim-reference", r.IPAMClaimReference}} {
 		if n := len(f.v); n > MaxName {
 			return tooLong(f.what, n, MaxName)
 		}

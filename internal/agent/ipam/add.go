@@ -27,6 +27,9 @@ type AddRequest struct {
 	// Previous is the previous IPAM's store the attachment's addresses are reserved in before
 	// the ADD is answered (recorded in the attachment); nil for none.
 	Previous *PreviousStore
+	// ClaimArg is the configuration's args.cni "ipam-claim-reference" (claim.go): the claim
+	// the attachment references, ahead of the pod's annotations.
+	ClaimArg string
 }
 
 // PrimaryIfName is the interface a runtime gives the pod network's attachment (CNI_IFNAME).
@@ -47,6 +50,8 @@ type ShortError struct {
 	Pools []string
 	// Wanted are static addresses the node does not hold yet: it waits for the controller.
 	Wanted []Address
+	// Claims are a claim ADD's waits: for the claim's binding, or for its bound address.
+	Claims []ClaimWait
 }
 
 func (e *ShortError) Error() string {
@@ -56,6 +61,9 @@ func (e *ShortError) Error() string {
 	}
 	for _, w := range e.Wanted {
 		parts = append(parts, fmt.Sprintf("address %s of pool %s is not on the node yet", w.Addr, w.Pool))
+	}
+	for _, c := range e.Claims {
+		parts = append(parts, ClaimWaitMessage(c))
 	}
 	return strings.Join(parts, "; ")
 }
@@ -156,14 +164,18 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 		}
 	}
 	meta := req.Meta
-	if req.PoolNetwork != "" {
-		meta.IPAddresses = "" // static addresses are the pod network's
+	if meta.ClaimProblem != "" {
+		return Attachment{}, Change{}, &ClaimError{Msg: meta.ClaimProblem}
+	}
+	claim := meta.Claim
+	if req.PoolNetwork != "" || claim != nil {
+		meta.IPAddresses = "" // static addresses are the pod network's; a claim's attachment has the claim's
 	}
 	statics, err := s.staticPicks(meta, pools)
 	if err != nil {
 		return Attachment{}, Change{}, err
 	}
-	if req.PoolNetwork == "" {
+	if req.PoolNetwork == "" && claim == nil {
 		for _, name := range pools {
 			if _, ok := statics[name]; ok {
 				continue
@@ -178,14 +190,32 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 	}
 	picks := make([]Address, len(pools))
 	adopted := make([]bool, len(pools))
+	shared := make([]bool, len(pools))
 	var short []string
 	var waitFor []Address
+	var claimWaits []ClaimWait
 	for i, name := range pools {
 		if ph != nil {
 			if j := slices.IndexFunc(ph.Addresses, func(a Address) bool { return a.Pool == name }); j >= 0 {
-				picks[i], adopted[i] = ph.Addresses[j], true
-				continue
+				if b, ok := s.pools[name].claims[uidOf(claim)]; claim == nil || (ok && b.Addr == ph.Addresses[j].Addr && !s.prevAll.Contains(b.Addr)) {
+					// A claim's attachment adopts only the claim's own address, and not while
+					// the previous IPAM reserves it (a stale report's: it waits).
+					picks[i], adopted[i] = ph.Addresses[j], true
+					continue
+				}
 			}
+		}
+		if claim != nil {
+			a, share, wait, err := s.claimPick(req, name)
+			switch {
+			case err != nil:
+				return Attachment{}, Change{}, err
+			case wait != nil:
+				claimWaits = append(claimWaits, *wait)
+			default:
+				picks[i], shared[i] = Address{Pool: name, Addr: a}, share
+			}
+			continue
 		}
 		if a, ok := statics[name]; ok {
 			p := s.pools[name]
@@ -195,6 +225,10 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 					who = "pod " + att.Pod.String()
 				}
 				return Attachment{}, Change{}, &StaticUnavailableError{Msg: fmt.Sprintf("address %s is in use by %s on node %s", a, who, s.node)}
+			}
+			if b, bound := p.claimOf(a); bound {
+				return Attachment{}, Change{}, &StaticUnavailableError{Msg: fmt.Sprintf("address %s of pool %s is bound to IPAMClaim %s/%s (uid %s); only that claim's pods get it",
+					a, name, b.Namespace, b.Name, b.UID)}
 			}
 			if p.lost.Contains(a) {
 				return Attachment{}, Change{}, &StaticUnavailableError{Msg: fmt.Sprintf("address %s of pool %s is recorded on node %s as possibly in use by a sandbox "+
@@ -219,8 +253,8 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 		}
 		picks[i] = Address{Pool: name, Addr: a}
 	}
-	if len(short) > 0 || len(waitFor) > 0 {
-		return Attachment{}, Change{}, &ShortError{Pools: short, Wanted: waitFor}
+	if len(short) > 0 || len(waitFor) > 0 || len(claimWaits) > 0 {
+		return Attachment{}, Change{}, &ShortError{Pools: short, Wanted: waitFor, Claims: claimWaits}
 	}
 
 	var ch Change
@@ -229,6 +263,10 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 		p := s.pools[ad.Pool]
 		if adopted[i] {
 			p.inUse[ad.Addr] = req.Key
+			continue
+		}
+		if shared[i] {
+			p.second[ad.Addr] = req.Key // a live migration: the holder keeps it too
 			continue
 		}
 		if c := p.take(ad.Addr, req.Key); c != nil {
@@ -252,6 +290,10 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 		}
 	}
 	att := &Attachment{Key: req.Key, Network: req.Network, Pod: req.Pod, Addresses: picks, Created: now, Netns: req.Netns, Previous: req.Previous}
+	if claim != nil {
+		c := *claim
+		att.Claim = &c
+	}
 	s.putAttachment(att)
 	s.pending[req.Key] = u
 	delete(s.waiters, req.Key)
@@ -290,6 +332,9 @@ func (s *State) AbortAdd(k Key) {
 		if u.placeholder != nil && slices.Contains(u.placeholder.Addresses, ad) {
 			p.inUse[ad.Addr] = u.placeholder.Key
 			continue
+		}
+		if p.unshare(ad.Addr, k) {
+			continue // the other attachment of the claim keeps it
 		}
 		delete(p.inUse, ad.Addr)
 		if i := slices.IndexFunc(u.fromCooling, func(c Cooling) bool { return c.Addr == ad.Addr && c.Pool == ad.Pool }); i >= 0 {
@@ -337,6 +382,9 @@ func (s *State) PlanDel(k Key, now time.Time) (DelPlan, error) {
 		if _, rel := p.releasing[ad.Addr]; rel || (p.heldKnown && !p.held.Contains(ad.Addr)) {
 			continue
 		}
+		if p.sharedWith(ad.Addr, k) {
+			continue // a live migration's other attachment keeps it
+		}
 		if !p.isUsable(ad.Addr) {
 			// The pool's spec no longer covers it (shrunk, or a new exclusion): it drains, given
 			// back to the controller instead of cooling for reuse.
@@ -360,6 +408,9 @@ func (s *State) ApplyDel(plan DelPlan) {
 	}
 	for _, ad := range a.Addresses {
 		p := s.pools[ad.Pool]
+		if p.unshare(ad.Addr, plan.Key) {
+			continue // a live migration's other attachment keeps it
+		}
 		if p.inUse[ad.Addr] != plan.Key {
 			continue
 		}
@@ -415,6 +466,15 @@ func (s *State) AddWaiter(k Key, uid string, pools []string, static ...Address) 
 		pools = s.served
 	}
 	s.waiters[k] = waiter{uid: uid, pools: slices.Clone(pools), static: slices.Clone(static)}
+}
+
+// SetWaiterClaims records the waits of the claim ADD of k (claim.go): the node lists them in
+// its spec until the ADD is served or gives up.
+func (s *State) SetWaiterClaims(k Key, claims []ClaimWait) {
+	if w, ok := s.waiters[k]; ok {
+		w.claims = slices.Clone(claims)
+		s.waiters[k] = w
+	}
 }
 
 // RemoveWaiter forgets the waiting ADD of k.
@@ -573,6 +633,9 @@ func (s *State) PlanRebuild(pods []Pod, now time.Time, sandbox func(netns string
 				}
 				p := s.pools[name]
 				if owner, used := p.inUse[ip]; used {
+					if _, sh := p.second[ip]; sh {
+						continue // a claim's address two attachments share: never moved by a report
+					}
 					a := s.atts[owner]
 					if a == nil || a.Pod.UID == pod.Ref.UID || a.Pod.UID == "" {
 						continue

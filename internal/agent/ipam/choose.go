@@ -2,6 +2,7 @@ package ipam
 
 import (
 	"fmt"
+	"net/netip"
 	"slices"
 	"strings"
 
@@ -47,6 +48,18 @@ type PodMeta struct {
 	// ipwarden.io/sticky opt-in.
 	Identity sticky.Identity
 	Sticky   bool
+	// Claim is the IPAMClaim the attachment references (nil: none), read by the driver from
+	// the pod's annotations and the claim itself (claim.go); ClaimIPs are the addresses the
+	// claim's status.ips names. ClaimProblem, when set, is why the claim cannot be used (no
+	// CRD, no such claim, another network): the ADD fails with it (CNI code 11).
+	Claim        *ClaimRef
+	ClaimIPs     []netip.Addr
+	ClaimProblem string
+	// NetworkAnnotations are the pod's annotations that may reference an IPAMClaim (package
+	// ipamclaim), and MigrationTarget its kubevirt.io/migrationJobUID label: what the driver
+	// reads the claim from.
+	NetworkAnnotations map[string]string
+	MigrationTarget    bool
 }
 
 // PoolChoiceError is a pod's choice of pools that the agent refuses (CNI code 7): a malformed

@@ -237,6 +237,11 @@ func (s *State) applyHoldings(plan HoldingsPlan) {
 	}
 	for _, name := range sortedNames(plan.held) {
 		p := s.pool(name)
+		if s.unboundClaimWaits(name) {
+			// A claim waits for its binding here: what the grant brings may be its address,
+			// seen before the pool's status that binds it (claim.go, claimHeld).
+			p.claimHeld = p.claimHeld.Union(plan.held[name].Subtract(p.held))
+		}
 		p.held, p.heldKnown = plan.held[name], true
 		if rel := plan.forgetRel[name]; !rel.IsEmpty() {
 			for _, a := range rel.Addrs(count(rel)) {

@@ -157,8 +157,14 @@ func (s *State) Release(now time.Time) ReleasePlan {
 		holding := p.held.Subtract(p.relSet)
 		// Static addresses pods here ask for are never given back (static.go).
 		free := holding.Subtract(p.inUseSet()).Subtract(p.unattributed).Subtract(s.wanted(name)).
-			Subtract(p.lost).   // an older agent's reservations ahead: of unknown owner (lost.go)
-			Subtract(s.prevAll) // reserved by the previous IPAM (previous.go)
+			Subtract(p.lost).               // an older agent's reservations ahead: of unknown owner (lost.go)
+			Subtract(s.prevAll).            // reserved by the previous IPAM (previous.go)
+			Subtract(s.claimWanted(name)).  // a claim ADD here waits to hold it (claim.go)
+			Subtract(s.claimHeldBack(name)) // perhaps a waiting claim's, its binding not seen yet
+		// Addresses bound to IPAMClaims follow their claims: given back only when another node
+		// asks for them (below), never to meet the target (claim.go).
+		bound := free.Intersect(s.claimBound(name))
+		free = free.Subtract(bound)
 		// Free addresses the pool's current spec no longer covers are given back at once
 		// (they are never handed out); addresses in use drain as their pods go (see PlanDel).
 		// Addresses of unknown owner (the hold after a rebuild) are neither.
@@ -182,7 +188,7 @@ func (s *State) Release(now time.Time) ReleasePlan {
 		}
 		// Free addresses a pod on another node asks for by name go back, whatever the target,
 		// so the controller can move them there (static.go); addresses in use stay.
-		rel = rel.Union(free.Intersect(s.elsewhere[name]))
+		rel = rel.Union(free.Union(bound).Intersect(s.elsewhere[name]))
 		if rel.IsEmpty() {
 			continue
 		}
@@ -244,7 +250,8 @@ func (s *State) Spec() []PoolRequest {
 			wanted = addr.NewSet(wanted.Ranges()[:MaxWanted]...)
 		}
 		out = append(out, PoolRequest{Pool: name, Requested: s.Request(name), Releasing: rel,
-			ReleasingCooled: p.relCooled.Intersect(rel), Claimed: claimed, Wanted: wanted, Sticky: s.stickyUses(name)})
+			ReleasingCooled: p.relCooled.Intersect(rel), Claimed: claimed, Wanted: wanted, Sticky: s.stickyUses(name),
+			Claims: s.claimUses(name)})
 	}
 	return out
 }
@@ -435,7 +442,7 @@ func SpecWorthWriting(published, desired []PoolRequest) bool {
 	for _, d := range desired {
 		p, ok := byPool[d.Pool]
 		if !ok || p.Requested != d.Requested || !p.Claimed.Equal(d.Claimed) || !p.Wanted.Equal(d.Wanted) ||
-			!slices.Equal(p.Sticky, d.Sticky) ||
+			!slices.Equal(p.Sticky, d.Sticky) || !slices.Equal(p.Claims, d.Claims) ||
 			!p.Releasing.ContainsSet(d.Releasing) || !p.ReleasingCooled.ContainsSet(d.ReleasingCooled) {
 			return true
 		}

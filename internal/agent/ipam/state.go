@@ -40,7 +40,10 @@ type State struct {
 	refused map[string]map[netip.Addr]string
 	// elsewhere: held addresses a pod on another node asks for by name, per pool (static.go).
 	elsewhere map[string]addr.Set
-	waiters   map[Key]waiter
+	// claimRefused: claims (by UID) the controller refused the node, per pool, with its reason
+	// (claim.go).
+	claimRefused map[string]map[string]string
+	waiters      map[Key]waiter
 	// clock is the latest time any call passed in: Demand counts the addresses still cooling
 	// then, without a time argument of its own.
 	clock time.Time
@@ -101,6 +104,15 @@ type poolState struct {
 	nsSel labels.Selector
 	// reserved is cfg.Reserved by identity (sticky.go).
 	reserved map[sticky.Identity]netip.Addr
+	// claims is cfg.Claims by UID (claim.go).
+	claims map[string]ClaimBinding
+	// second is the second attachment of a claim's address during a live migration (claim.go):
+	// inUse names the first.
+	second map[netip.Addr]Key
+	// claimHeld: addresses the holding gained while a claim ADD waited here for its binding,
+	// kept from ordinary ADDs and give-backs until no claim waits for a binding (claim.go).
+	// Memory only.
+	claimHeld addr.Set
 }
 
 // setConfig sets the pool's configuration and what it lets the node hand out.
@@ -109,6 +121,10 @@ func (p *poolState) setConfig(cfg Pool) {
 	p.reserved = make(map[sticky.Identity]netip.Addr, len(cfg.Reserved))
 	for _, r := range cfg.Reserved {
 		p.reserved[r.Identity] = r.Addr
+	}
+	p.claims = make(map[string]ClaimBinding, len(cfg.Claims))
+	for _, b := range cfg.Claims {
+		p.claims[b.UID] = b
 	}
 	p.usable, p.usableKnown = cfg.Usable()
 	p.nsSel = nil
@@ -137,7 +153,8 @@ func (p *poolState) outside() addr.Set {
 type waiter struct {
 	uid    string
 	pools  []string
-	static []Address // the ADD's static addresses (static.go)
+	static []Address   // the ADD's static addresses (static.go)
+	claims []ClaimWait // the claim ADD's waits (claim.go)
 }
 
 // undo is what AbortAdd restores.
@@ -171,6 +188,7 @@ func (s *State) pool(name string) *poolState {
 			cfg:       Pool{Name: name},
 			releasing: map[netip.Addr]time.Time{},
 			inUse:     map[netip.Addr]Key{},
+			second:    map[netip.Addr]Key{},
 			cooling:   map[netip.Addr]time.Time{},
 		}
 		s.pools[name] = p
@@ -248,6 +266,14 @@ func (s *State) Restore(snap Snapshot) (problems []string) {
 		for _, ad := range att.Addresses {
 			p := s.pool(ad.Pool)
 			if other, dup := p.inUse[ad.Addr]; dup {
+				if _, third := p.second[ad.Addr]; !third {
+					if o := s.atts[other]; o != nil && o.Claim != nil && att.Claim != nil {
+						if ok, _ := MayShare(*att.Claim, o.Claim, false); ok {
+							p.second[ad.Addr] = att.Key // a live migration's two attachments
+							continue
+						}
+					}
+				}
 				problems = append(problems, fmt.Sprintf("address %s of pool %s is recorded for both %s and %s",
 					ad.Addr, ad.Pool, other, att.Key))
 				continue
@@ -373,7 +399,7 @@ func poolEqual(a, b Pool) bool {
 	return a.Name == b.Name && slices.Equal(a.CIDRs, b.CIDRs) && a.Gateway == b.Gateway && slices.Equal(a.Exclude, b.Exclude) &&
 		slices.Equal(a.Routes, b.Routes) && a.Scaling == b.Scaling && a.Cooldown == b.Cooldown &&
 		a.Exhausted == b.Exhausted && a.Served == b.Served && a.NamespaceSelector == b.NamespaceSelector && a.Network == b.Network &&
-		a.Sticky == b.Sticky && slices.Equal(a.Reserved, b.Reserved)
+		a.Sticky == b.Sticky && slices.Equal(a.Reserved, b.Reserved) && slices.Equal(a.Claims, b.Claims)
 }
 
 // CanServeOffline reports whether the state, restored from the journal, can serve ADD before the

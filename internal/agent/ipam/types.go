@@ -77,6 +77,9 @@ type Attachment struct {
 	// own store before its ADD was answered (its configuration named "previous"); freeing the
 	// attachment removes them there. Nil when none were.
 	Previous *PreviousStore `json:"previous,omitempty"`
+	// Claim is the IPAMClaim the attachment's pod referenced at ADD (claim.go): its addresses
+	// are the claim's. Nil when none (and in journals written before claims).
+	Claim *ClaimRef `json:"claim,omitempty"`
 }
 
 // PreviousStore is the store of a previous IPAM that ipwarden writes its own reservations into
@@ -92,6 +95,10 @@ type PreviousStore struct {
 func (a *Attachment) clone() *Attachment {
 	c := *a
 	c.Addresses = slices.Clone(a.Addresses)
+	if a.Claim != nil {
+		cl := *a.Claim
+		c.Claim = &cl
+	}
 	return &c
 }
 
@@ -123,6 +130,9 @@ type Pool struct {
 	// identity. It is journaled with the rest, so an agent restarted while the API server is
 	// away still keeps reserved addresses out of ordinary ADDs and hands them to their pods.
 	Reserved []StickyUse `json:"reserved,omitempty"`
+	// Claims is status.ipamClaims, sorted by address: the address bound to each IPAMClaim UID
+	// (claim.go). Journaled with the rest, like Reserved.
+	Claims []ClaimBinding `json:"claims,omitempty"`
 	// Served records that the pool selected the node when the agent last heard from the API
 	// server, so an agent restarted while the API server is away serves ADD from the same pools.
 	Served bool `json:"served,omitempty"`
@@ -349,4 +359,7 @@ type PoolRequest struct {
 	Wanted addr.Set
 	// Sticky are addresses the node's sticky pods use that the pool's record lacks (sticky.go).
 	Sticky []StickyUse
+	// Claims are the IPAMClaims the node's attachments use and its waiting ADDs ask for
+	// (claim.go).
+	Claims []ClaimUse
 }

@@ -78,6 +78,7 @@ func TestRoundTrip(t *testing.T) {
 		Routes:  []ipam.Route{{Dst: netip.MustParsePrefix("0.0.0.0/0")}},
 		Scaling: scaling.DefaultParams, Cooldown: 30 * time.Second, Sticky: true,
 		Reserved: []ipam.StickyUse{{Identity: sticky.Identity{Namespace: "ns", StatefulSet: "db", Ordinal: 2}, Addr: netip.MustParseAddr("10.0.0.9")}},
+		Claims:   []ipam.ClaimBinding{{Namespace: "ns", Name: "vm-a", UID: "c1", Addr: netip.MustParseAddr("10.0.0.10")}},
 	}
 	configPools := []string{"v4"}
 	changes := []ipam.Change{
@@ -86,6 +87,11 @@ func TestRoundTrip(t *testing.T) {
 			Key: ipam.Key{ContainerID: "abc", IfName: "eth0"}, Network: "net",
 			Pod:       ipam.PodRef{Namespace: "ns", Name: "web", UID: "u1"},
 			Addresses: []ipam.Address{{Pool: "v4", Addr: netip.MustParseAddr("10.0.0.2")}}, Created: t0,
+		}, {
+			Key: ipam.Key{ContainerID: "vm", IfName: "eth0"}, Network: "net",
+			Pod:       ipam.PodRef{Namespace: "ns", Name: "virt-launcher-a", UID: "u3"},
+			Addresses: []ipam.Address{{Pool: "v4", Addr: netip.MustParseAddr("10.0.0.10")}}, Created: t0,
+			Claim: &ipam.ClaimRef{Namespace: "ns", Name: "vm-a", UID: "c1", MigrationTarget: true},
 		}}, PutConfigPools: &configPools},
 		{PutCooling: []ipam.Cooling{{Pool: "v4", Addr: netip.MustParseAddr("10.0.0.3"), FreedAt: t0}},
 			PutReleasing: []ipam.Releasing{{Pool: "v4", Addr: netip.MustParseAddr("10.0.0.15"), Since: t0}}},
