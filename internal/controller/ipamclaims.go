@@ -617,13 +617,18 @@ func (s *State) ClaimIPs(uid string) []string {
 	return out
 }
 
-// ClaimOwner is the pod the claim's status names: the migration target among the attached uses,
-// else an attached use's pod, else prefer (the pod just granted), else "".
+// ClaimOwner is the pod the claim's status names: prefer (the pod of the last answer to a
+// waiting use) while a node still lists that pod's use; else the migration target among the
+// attached uses; else an attached use's pod; else "".
 func (s *State) ClaimOwner(uid, prefer string) string {
 	var attached, target string
+	preferred := false
 	for _, pool := range sortedKeys(s.pools) {
 		for _, node := range sortedKeys(s.pools[pool].uses) {
 			for _, u := range s.pools[pool].uses[node] {
+				if u.UID == uid && u.Pod == prefer {
+					preferred = true
+				}
 				if u.UID != uid || !u.Attached || u.Pod == "" {
 					continue
 				}
@@ -633,6 +638,9 @@ func (s *State) ClaimOwner(uid, prefer string) string {
 				attached = u.Pod
 			}
 		}
+	}
+	if !preferred {
+		prefer = "" // that pod no longer uses the claim (a restart): the one that does owns it
 	}
 	return cmp.Or(prefer, target, attached)
 }

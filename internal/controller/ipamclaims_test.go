@@ -431,3 +431,37 @@ func TestClaimAddressStillReleasing(t *testing.T) {
 		t.Fatalf("added %v", f.Pools["p"].Added)
 	}
 }
+
+// The pod a claim's status names: the last answered pod while a node still lists its use; once
+// it is gone (a restart on a node that kept the address, with no wait to answer) the attached
+// pod; during a migration the target.
+func TestClaimOwner(t *testing.T) {
+	st := ipwardenv1.IPPoolStatus{IPAMClaims: []ipwardenv1.ClaimBinding{binding("10.0.0.5", "u1")}}
+	pod := func(name string, attached, target bool) ipwardenv1.ClaimUse {
+		u := use("u1", attached, target, "10.0.0.5")
+		u.Pod = name
+		return u
+	}
+	for _, tc := range []struct {
+		name   string
+		nodes  map[string]claimNode
+		prefer string
+		want   string
+	}{
+		{"the answered pod runs", map[string]claimNode{"x": {held: []string{"10.0.0.5"}, uses: []ipwardenv1.ClaimUse{pod("a1", true, false)}}}, "a1", "a1"},
+		{"restarted: the answered pod is gone", map[string]claimNode{"x": {held: []string{"10.0.0.5"}, uses: []ipwardenv1.ClaimUse{pod("a2", true, false)}}}, "a1", "a2"},
+		{"migrating: the target", map[string]claimNode{
+			"x": {held: []string{"10.0.0.5"}, uses: []ipwardenv1.ClaimUse{pod("a2", true, false)}},
+			"y": {uses: []ipwardenv1.ClaimUse{pod("a3", true, true)}}}, "a1", "a3"},
+		{"a failed migration: the source", map[string]claimNode{"x": {held: []string{"10.0.0.5"}, uses: []ipwardenv1.ClaimUse{pod("a2", true, false)}}}, "a3", "a2"},
+		{"the answered pod still waits", map[string]claimNode{"x": {held: []string{"10.0.0.5"}, uses: []ipwardenv1.ClaimUse{pod("a2", true, false), pod("a4", false, true)}}}, "a4", "a4"},
+		{"no use", map[string]claimNode{"x": {held: []string{"10.0.0.5"}}}, "a1", ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := claimState(t, "10.0.0.0/28", st, tc.nodes, t0)
+			if got := s.ClaimOwner("u1", tc.prefer); got != tc.want {
+				t.Fatalf("ClaimOwner = %q, want %q", got, tc.want)
+			}
+		})
+	}
+}

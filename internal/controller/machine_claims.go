@@ -78,7 +78,10 @@ func (m *Machine) claimsAnswered(alloc *ipwardenv1.NodeIPAllocation, f *Fill, no
 				continue // not this claim: never write another claim's status
 			}
 			if ans.Attached && r.last != nil {
-				continue // the status follows the answers to waiting uses
+				// The status follows the answers to waiting uses; an attached use may still
+				// change its owner (a pod restarted on a node that kept the address: no wait).
+				m.syncClaim(ans.Key, now)
+				continue
 			}
 			if !ans.Granted && (r.last == nil || r.last.Reason != ans.Reason) {
 				m.metrics.ClaimRefusals.WithLabelValues(ans.Code).Inc()
