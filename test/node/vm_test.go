@@ -197,6 +197,9 @@ func TestRealNodeVMAddresses(t *testing.T) {
 	}
 	n.kubectl("rollout", "restart", "-n", "ipwarden-system", "deployment/ipwarden-controller")
 	n.kubectl("rollout", "status", "-n", "ipwarden-system", "deployment/ipwarden-controller", "--timeout=3m")
+	if err := n.cp.StopAPIServer(); err != nil {
+		t.Fatal(err)
+	}
 	if err := n.cp.RestartAPIServer(ctx); err != nil {
 		t.Fatal(err)
 	}
