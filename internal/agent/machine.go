@@ -49,7 +49,11 @@ import (
 //     is not handed back, no other holder of the node's Lease was seen, and the first
 //     reconciliation is done (or the journal has addresses to serve from). It is asked at every
 //     attempt, so an ADD waiting for addresses fails as soon as any of them stops holding; past
-//     the Lease's permit an ADD waits for a re-check of the Lease (Recheck) first.
+//     the Lease's permit an ADD waits for a re-check of the Lease (Recheck) first;
+//   - an ADD whose pod references an IPAMClaim gets only the claim's bound address, waiting
+//     (listed in the spec) for the binding and the grant, failing on the controller's refusal
+//     or at --address-wait; it shares the address with an attachment of the same claim UID only
+//     for a live migration (ipam/claim.go, machine_claim_test.go).
 type Machine struct {
 	cfg     MachineConfig
 	st      *ipam.State

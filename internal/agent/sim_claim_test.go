@@ -186,7 +186,12 @@ func (s *sim) claimController() bool {
 		}
 		return nil
 	}
+	uids := make([]string, 0, len(cs.bindings))
 	for uid := range cs.bindings {
+		uids = append(uids, uid)
+	}
+	slices.Sort(uids) // the event log is the same at every run of a seed
+	for _, uid := range uids {
 		if c := byUID(uid); (c == nil || c.deleted) && !listed[uid] {
 			s.logf("controller: IPAMClaim %s (%s) gone and unused: binding of %s dropped", cs.names[uid], uid, cs.bindings[uid])
 			delete(cs.bindings, uid)

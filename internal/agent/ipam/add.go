@@ -200,6 +200,12 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 				if b, ok := s.pools[name].claims[uidOf(claim)]; claim == nil || (ok && b.Addr == ph.Addresses[j].Addr && !s.prevAll.Contains(b.Addr)) {
 					// A claim's attachment adopts only the claim's own address, and not while
 					// the previous IPAM reserves it (a stale report's: it waits).
+					if q := s.pools[name]; q.heldKnown && !q.held.Contains(ph.Addresses[j].Addr) {
+						// The node's record lacks it (given back since, the report it was rebuilt
+						// from stale): the node claims it back first; the ADD waits for that.
+						waitFor = append(waitFor, ph.Addresses[j])
+						continue
+					}
 					picks[i], adopted[i] = ph.Addresses[j], true
 					continue
 				}
