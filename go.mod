@@ -23,6 +23,7 @@ require (
 require (
 	github.com/k8snetworkplumbingwg/ipamclaims v0.5.1-alpha // indirect
 	github.com/kylelemons/godebug v1.1.0 // indirect
+	k8s.io/dynamic-resource-allocation v0.34.4 // indirect
 )
 
 require (

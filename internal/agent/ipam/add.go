@@ -142,6 +142,8 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 	if err != nil {
 		return Attachment{}, Change{}, err
 	}
+	claimed := s.claimPicks(req) // the pod's DRA reservations for this interface (dra.go)
+	pools = withClaimPools(pools, claimed)
 	var ph *Attachment
 	if uid := req.Pod.UID; uid != "" {
 		for _, k := range s.PodAttachments(uid) {
@@ -178,9 +180,14 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 	}
 	picks := make([]Address, len(pools))
 	adopted := make([]bool, len(pools))
+	shared := make([]bool, len(pools)) // a reservation's address: it stays the reservation's
 	var short []string
 	var waitFor []Address
 	for i, name := range pools {
+		if ad, ok := claimed[name]; ok {
+			picks[i], shared[i] = ad, true
+			continue
+		}
 		if ph != nil {
 			if j := slices.IndexFunc(ph.Addresses, func(a Address) bool { return a.Pool == name }); j >= 0 {
 				picks[i], adopted[i] = ph.Addresses[j], true
@@ -227,6 +234,9 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 	u := &undo{}
 	for i, ad := range picks {
 		p := s.pools[ad.Pool]
+		if shared[i] {
+			continue
+		}
 		if adopted[i] {
 			p.inUse[ad.Addr] = req.Key
 			continue
@@ -291,6 +301,9 @@ func (s *State) AbortAdd(k Key) {
 			p.inUse[ad.Addr] = u.placeholder.Key
 			continue
 		}
+		if p.inUse[ad.Addr] != k {
+			continue // another key's (a DRA reservation's): it stays as it is
+		}
 		delete(p.inUse, ad.Addr)
 		if i := slices.IndexFunc(u.fromCooling, func(c Cooling) bool { return c.Addr == ad.Addr && c.Pool == ad.Pool }); i >= 0 {
 			p.uncool(u.fromCooling[i])
@@ -334,6 +347,11 @@ func (s *State) PlanDel(k Key, now time.Time) (DelPlan, error) {
 	plan.Change.DeleteAttachments = []Key{k}
 	for _, ad := range a.Addresses {
 		p := s.pools[ad.Pool]
+		if owner, used := p.inUse[ad.Addr]; used && owner != k {
+			// Another key owns it (a DRA reservation the attachment shares, or the first of
+			// two conflicting records): freeing this attachment frees nothing of it.
+			continue
+		}
 		if _, rel := p.releasing[ad.Addr]; rel || (p.heldKnown && !p.held.Contains(ad.Addr)) {
 			continue
 		}
@@ -397,7 +415,7 @@ func (s *State) Stale(network string, valid []Key, bornBefore time.Time) []Key {
 	}
 	var out []Key
 	for k, a := range s.atts {
-		if a.Network != network || a.Rebuilt || ok[k] || s.pending[k] != nil || !a.Created.Before(bornBefore) {
+		if a.Network != network || a.Rebuilt || a.Claim != nil || ok[k] || s.pending[k] != nil || !a.Created.Before(bornBefore) {
 			continue
 		}
 		out = append(out, k)

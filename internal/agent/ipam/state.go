@@ -242,12 +242,15 @@ func (s *State) Restore(snap Snapshot) (problems []string) {
 		p := s.pool(r.Pool)
 		p.releasing[r.Addr] = r.Since
 	}
-	for _, a := range snap.Attachments {
+	for _, a := range claimsFirst(snap.Attachments) {
 		att := a
 		att.Addresses = slices.Clone(a.Addresses)
 		for _, ad := range att.Addresses {
 			p := s.pool(ad.Pool)
 			if other, dup := p.inUse[ad.Addr]; dup {
+				if s.sharesClaim(other, &att, ad) {
+					continue // the pod's attachment of a DRA reservation's address (dra.go)
+				}
 				problems = append(problems, fmt.Sprintf("address %s of pool %s is recorded for both %s and %s",
 					ad.Addr, ad.Pool, other, att.Key))
 				continue

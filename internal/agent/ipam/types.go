@@ -77,6 +77,8 @@ type Attachment struct {
 	// own store before its ADD was answered (its configuration named "previous"); freeing the
 	// attachment removes them there. Nil when none were.
 	Previous *PreviousStore `json:"previous,omitempty"`
+	// Claim is set on a DRA reservation (dra.go): the claim, request and device it is for.
+	Claim *ClaimDevice `json:"claim,omitempty"`
 }
 
 // PreviousStore is the store of a previous IPAM that ipwarden writes its own reservations into
@@ -92,6 +94,10 @@ type PreviousStore struct {
 func (a *Attachment) clone() *Attachment {
 	c := *a
 	c.Addresses = slices.Clone(a.Addresses)
+	if a.Claim != nil {
+		cl := *a.Claim
+		c.Claim = &cl
+	}
 	return &c
 }
 
