@@ -23,7 +23,9 @@ require (
 require (
 	github.com/k8snetworkplumbingwg/ipamclaims v0.5.1-alpha // indirect
 	github.com/kylelemons/godebug v1.1.0 // indirect
+	go.etcd.io/etcd/client/pkg/v3 v3.6.4 // indirect
 	k8s.io/dynamic-resource-allocation v0.34.4 // indirect
+	k8s.io/kubelet v0.34.4 // indirect
 )
 
 require (

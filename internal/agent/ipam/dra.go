@@ -238,3 +238,45 @@ func (s *State) ClaimPrefixes(att Attachment) []netip.Prefix {
 	}
 	return out
 }
+
+// ClaimCapacity is what a pool lets the node promise DRA claims: Reserved addresses are held by
+// reservations now; Headroom is how many reservations in all the node could hold (the reserved
+// ones included): its maxPerNode less the addresses other attachments use, or, while the pool is
+// exhausted (the controller has nothing more to grant), the reserved ones and what the node
+// could hand out now.
+type ClaimCapacity struct {
+	Pool     string
+	Network  string
+	IPv4     bool
+	Reserved int
+	Headroom int
+}
+
+// ClaimCapacities returns the capacity of every pool that serves the node, in ADD order.
+func (s *State) ClaimCapacities(now time.Time) []ClaimCapacity {
+	s.observe(now)
+	free := map[string]int{}
+	for _, st := range s.Stats(now) {
+		free[st.Pool] = st.Free
+	}
+	var out []ClaimCapacity
+	for _, name := range s.served {
+		p := s.pools[name]
+		c := ClaimCapacity{Pool: name, Network: p.cfg.Network, IPv4: p.cfg.Is4()}
+		other := 0
+		for _, k := range p.inUse {
+			if k.IsReservation() {
+				c.Reserved++
+			} else {
+				other++
+			}
+		}
+		if p.cfg.Exhausted || p.cfg.Scaling.MaxPerNode <= 0 {
+			c.Headroom = c.Reserved + free[name]
+		} else {
+			c.Headroom = max(c.Reserved, p.cfg.Scaling.MaxPerNode-other-len(p.releasing))
+		}
+		out = append(out, c)
+	}
+	return out
+}
