@@ -152,7 +152,11 @@ func (d *Driver) publish(ctx context.Context) {
 		if !ok {
 			prev = -1
 		}
-		next[c.Pool] = Slots(prev, c.Headroom, c.Reserved, d.opts.MaxSlots)
+		limit := d.opts.MaxSlots
+		if c.MaxPerNode > 0 {
+			limit = min(limit, c.MaxPerNode) // the band follows the pool's own scale
+		}
+		next[c.Pool] = Slots(prev, c.Headroom, c.Reserved, limit)
 	}
 	same := d.published != nil && maps.Equal(next, d.published)
 	d.mu.Unlock()

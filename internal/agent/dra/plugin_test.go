@@ -188,3 +188,33 @@ func TestAllocatedHere(t *testing.T) {
 		})
 	}
 }
+
+// The interface is the last opaque configuration of the driver that applies to the request,
+// else the agent's default.
+func TestInterfaceOf(t *testing.T) {
+	opaque := func(driver, ifname string, reqs ...string) resourceapi.DeviceAllocationConfiguration {
+		return resourceapi.DeviceAllocationConfiguration{Requests: reqs, DeviceConfiguration: resourceapi.DeviceConfiguration{
+			Opaque: &resourceapi.OpaqueDeviceConfiguration{Driver: driver,
+				Parameters: runtime.RawExtension{Raw: []byte(`{"apiVersion":"ipwarden.io/v1alpha1","kind":"AddressConfig","ifName":"` + ifname + `"}`)}}}}
+	}
+	for _, tc := range []struct {
+		name string
+		cfg  []resourceapi.DeviceAllocationConfiguration
+		want string
+	}{
+		{"none: the default", nil, "eth0"},
+		{"the driver's, for every request", []resourceapi.DeviceAllocationConfiguration{opaque(DriverName, "net1")}, "net1"},
+		{"for another request: the default", []resourceapi.DeviceAllocationConfiguration{opaque(DriverName, "net1", "other")}, "eth0"},
+		{"another driver's: the default", []resourceapi.DeviceAllocationConfiguration{opaque("dranet.example", "net1")}, "eth0"},
+		{"the last wins", []resourceapi.DeviceAllocationConfiguration{opaque(DriverName, "net1"), opaque(DriverName, "net2", "addr")}, "net2"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := claim(1, "v4-s0")
+			c.Status.Allocation.Devices.Config = tc.cfg
+			got, err := interfaceOf(c, "addr", "eth0")
+			if err != nil || got != tc.want {
+				t.Fatalf("interfaceOf = %q, %v; want %q", got, err, tc.want)
+			}
+		})
+	}
+}

@@ -250,6 +250,8 @@ type ClaimCapacity struct {
 	IPv4     bool
 	Reserved int
 	Headroom int
+	// MaxPerNode is the pool's maxPerNode (0: none).
+	MaxPerNode int
 }
 
 // ClaimCapacities returns the capacity of every pool that serves the node, in ADD order.
@@ -262,7 +264,7 @@ func (s *State) ClaimCapacities(now time.Time) []ClaimCapacity {
 	var out []ClaimCapacity
 	for _, name := range s.served {
 		p := s.pools[name]
-		c := ClaimCapacity{Pool: name, Network: p.cfg.Network, IPv4: p.cfg.Is4()}
+		c := ClaimCapacity{Pool: name, Network: p.cfg.Network, IPv4: p.cfg.Is4(), MaxPerNode: p.cfg.Scaling.MaxPerNode}
 		other := 0
 		for _, k := range p.inUse {
 			if k.IsReservation() {

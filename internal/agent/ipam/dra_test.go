@@ -63,3 +63,38 @@ func TestReservationSharedAcrossRestart(t *testing.T) {
 		})
 	}
 }
+
+// A pool's headroom for claims is its maxPerNode less what other attachments use (reservations
+// count within it), or, exhausted, the reserved addresses and what the node can hand out now.
+func TestClaimCapacities(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		exhausted bool
+		adds      int // other pods' attachments
+		reserve   bool
+		want      ClaimCapacity
+	}{
+		{name: "empty node", want: ClaimCapacity{Pool: "v4", IPv4: true, Headroom: 16, MaxPerNode: 16}},
+		{name: "two other pods", adds: 2, want: ClaimCapacity{Pool: "v4", IPv4: true, Headroom: 14, MaxPerNode: 16}},
+		{name: "a reservation counts within", adds: 1, reserve: true, want: ClaimCapacity{Pool: "v4", IPv4: true, Reserved: 1, Headroom: 15, MaxPerNode: 16}},
+		{name: "exhausted: what the node holds free", exhausted: true, adds: 1, reserve: true,
+			want: ClaimCapacity{Pool: "v4", IPv4: true, Reserved: 1, Headroom: 3, MaxPerNode: 16}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pool := poolV4
+			pool.Exhausted = tc.exhausted
+			h := newHarness(t, pool)
+			h.hold("v4", "10.0.0.2-10.0.0.5")
+			for i := range tc.adds {
+				h.mustAdd(string(rune('p' + i)))
+			}
+			if tc.reserve {
+				h.reserve("a", "eth0")
+			}
+			got := h.s.ClaimCapacities(h.now)
+			if len(got) != 1 || got[0] != tc.want {
+				t.Fatalf("ClaimCapacities = %+v, want %+v", got, tc.want)
+			}
+		})
+	}
+}
