@@ -14,6 +14,8 @@ import (
 	"fmt"
 	"maps"
 	"net/netip"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"time"
@@ -111,12 +113,20 @@ func (d *Driver) Run(ctx context.Context) error {
 		kubeletplugin.NodeName(d.opts.Node),
 		kubeletplugin.KubeClient(d.client),
 	}
-	if d.opts.RegistrarDir != "" {
-		kopts = append(kopts, kubeletplugin.RegistrarDirectoryPath(d.opts.RegistrarDir))
+	reg, plug := d.opts.RegistrarDir, d.opts.PluginDir
+	if reg == "" {
+		reg = kubeletplugin.KubeletRegistryDir
 	}
-	if d.opts.PluginDir != "" {
-		kopts = append(kopts, kubeletplugin.PluginDataDirectoryPath(d.opts.PluginDir))
+	if plug == "" {
+		plug = filepath.Join(kubeletplugin.KubeletPluginsDir, DriverName)
 	}
+	// The helper listens in them but does not make them; the kubelet makes only its own.
+	for _, dir := range []string{reg, plug} {
+		if err := os.MkdirAll(dir, 0o750); err != nil {
+			return fmt.Errorf("the DRA kubelet plugin's directory: %w", err)
+		}
+	}
+	kopts = append(kopts, kubeletplugin.RegistrarDirectoryPath(reg), kubeletplugin.PluginDataDirectoryPath(plug))
 	hctx := klog.NewContext(ctx, d.log.WithName("kubeletplugin"))
 	h, err := kubeletplugin.Start(hctx, d, kopts...)
 	if err != nil {
