@@ -35,7 +35,7 @@ func (c *slotCore) Prepare(context.Context, ipam.ReserveRequest) (ipam.Attachmen
 	return ipam.Attachment{}, nil, fmt.Errorf("not served")
 }
 func (c *slotCore) Unprepare(context.Context, string, string, string) error { return nil }
-func (c *slotCore) Reservations() []ipam.Attachment                        { return nil }
+func (c *slotCore) Reservations() []ipam.Attachment                         { return nil }
 func (c *slotCore) Served() []string {
 	c.mu.Lock()
 	defer c.mu.Unlock()
