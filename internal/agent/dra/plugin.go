@@ -84,8 +84,9 @@ type Driver struct {
 	helper *kubeletplugin.Helper
 
 	mu        sync.Mutex
-	published map[string]int // slots per pool last published; nil: nothing yet
-	writes    int            // publishes that changed the slots (a measure of the API writes)
+	published map[string]int       // slots per pool last published; nil: nothing yet
+	grow      map[string]time.Time // per pool: since when it may grow (NextSlots)
+	writes    int                  // publishes that changed the slots (a measure of the API writes)
 }
 
 // New returns a driver; Run starts it.
@@ -155,8 +156,10 @@ func (d *Driver) Run(ctx context.Context) error {
 // publish publishes the node's slots when the hysteresis (Slots) says they changed.
 func (d *Driver) publish(ctx context.Context) {
 	caps := d.core.Capacities()
+	now := time.Now()
 	d.mu.Lock()
 	next := make(map[string]int, len(caps))
+	grow := make(map[string]time.Time, len(caps))
 	for _, c := range caps {
 		prev, ok := d.published[c.Pool]
 		if !ok {
@@ -166,8 +169,10 @@ func (d *Driver) publish(ctx context.Context) {
 		if c.MaxPerNode > 0 {
 			limit = min(limit, c.MaxPerNode) // the band follows the pool's own scale
 		}
-		next[c.Pool] = Slots(prev, c.Headroom, c.Reserved, limit)
+		st := NextSlots(SlotState{Published: prev, GrowSince: d.grow[c.Pool]}, c.Headroom, c.Reserved, limit, now)
+		next[c.Pool], grow[c.Pool] = st.Published, st.GrowSince
 	}
+	d.grow = grow
 	same := d.published != nil && maps.Equal(next, d.published)
 	d.mu.Unlock()
 	if same {

@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/util/validation"
@@ -61,31 +62,53 @@ func PoolOfSlot(device string, pools []string) (string, bool) {
 	return "", false
 }
 
-// Slots is the hysteresis of a pool's slot count: the number of slot devices published changes
-// only when the node's headroom moved by a band, so a pod that starts or ends does not rewrite
-// the node's ResourceSlice. band = max(1, maxSlots/16). With published P (negative: nothing
-// published yet) and headroom H (at most maxSlots):
-//   - nothing published yet: H rounded down to a band;
-//   - H < P: shrink at once to H rounded down to a band (never below reserved): a slot the node
-//     cannot fill would let the scheduler place a pod whose Prepare then fails;
-//   - H >= P + 2*band: grow to H rounded down to a band, less one band (so that a headroom that
-//     swings by less than a band around a band's edge never rewrites the slice);
+// SlotState is what the hysteresis of one pool's slot count remembers.
+type SlotState struct {
+	// Published is the count published; negative: nothing yet.
+	Published int
+	// GrowSince is when the headroom first allowed more slots without a break (zero: it does
+	// not now).
+	GrowSince time.Time
+}
+
+// GrowAfter is how long the headroom must allow more slots before they are published.
+const GrowAfter = 30 * time.Second
+
+// NextSlots is the hysteresis of a pool's slot count: the number of slot devices published
+// changes only when the node's headroom moved by a band, and grows only after it held for
+// GrowAfter, so pods that start and end do not rewrite the node's ResourceSlice. band =
+// max(1, limit/16); target = the headroom (at most limit) rounded down to a band. With P
+// published:
+//   - nothing published yet: the target;
+//   - target below P: shrink to it at once (a slot the node cannot fill would let the scheduler
+//     place a pod whose Prepare then fails);
+//   - headroom at least P + band: grow to the target once that held for GrowAfter;
 //   - otherwise P stays.
 //
-// The result is never below reserved (slots allocated to claims stay published).
-func Slots(published, headroom, reserved, maxSlots int) int {
-	band := max(1, maxSlots/16)
-	h := min(max(headroom, 0), maxSlots)
-	next := published
+// The count is never below reserved (slots allocated to claims stay published). So at rest
+// nothing is written, and a headroom that swings across a band's edge costs at most one shrink
+// and one grow per GrowAfter.
+func NextSlots(prev SlotState, headroom, reserved, limit int, now time.Time) SlotState {
+	band := max(1, limit/16)
+	h := min(max(headroom, 0), limit)
+	target := h / band * band
+	next := SlotState{Published: prev.Published}
 	switch {
-	case published < 0:
-		next = h / band * band
-	case h < published:
-		next = h / band * band
-	case h >= published+2*band:
-		next = h/band*band - band
+	case prev.Published < 0:
+		next.Published = target
+	case target < prev.Published:
+		next.Published = target
+	case h >= prev.Published+band:
+		next.GrowSince = prev.GrowSince
+		if next.GrowSince.IsZero() {
+			next.GrowSince = now
+		}
+		if !now.Before(next.GrowSince.Add(GrowAfter)) {
+			next.Published, next.GrowSince = target, time.Time{}
+		}
 	}
-	return min(max(next, reserved, 0), max(maxSlots, reserved))
+	next.Published = max(next.Published, reserved, 0)
+	return next
 }
 
 // Resources returns the ResourceSlices of the node's one pool (named after the node): slots[pool]

@@ -2,34 +2,41 @@ package dra
 
 import (
 	"testing"
+	"time"
 
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
 )
 
 // The slot count follows the headroom in bands: it shrinks at once below what is published,
-// grows only two bands above it, never drops below the reserved slots, and a headroom that moves
-// by less than a band around an edge never changes it.
-func TestSlots(t *testing.T) {
+// grows only a band above it and only once that held for GrowAfter, never drops below the
+// reserved slots, and a headroom that moves within a band never changes it.
+func TestNextSlots(t *testing.T) {
+	t0 := time.Date(2026, 11, 28, 12, 0, 0, 0, time.UTC)
 	for _, tc := range []struct {
-		name                                    string
-		published, headroom, reserved, maxSlots int
-		want                                    int
+		name                      string
+		prev                      SlotState
+		headroom, reserved, limit int
+		now                       time.Time
+		want                      SlotState
 	}{
-		{"first publish, exact with a small max", -1, 3, 0, 4, 3},
-		{"first publish, rounded down to a band", -1, 37, 0, 128, 32},
-		{"first publish capped at max", -1, 300, 0, 128, 128},
-		{"headroom one below: shrink to the band below", 32, 31, 0, 128, 24},
-		{"headroom back up by one: no rewrite", 24, 32, 0, 128, 24},
-		{"headroom up by less than two bands: no rewrite", 24, 39, 0, 128, 24},
-		{"headroom up two bands: grow, one band short", 24, 40, 0, 128, 32},
-		{"shrink never drops reserved slots", 32, 5, 10, 128, 10},
-		{"exact with band 1: shrink", 4, 3, 1, 4, 3},
-		{"exact with band 1: grow by two", 2, 4, 0, 4, 3},
-		{"no headroom", 8, 0, 0, 128, 0},
+		{"first publish, exact with a small limit", SlotState{Published: -1}, 3, 0, 4, t0, SlotState{Published: 3}},
+		{"first publish, rounded down to a band", SlotState{Published: -1}, 37, 0, 128, t0, SlotState{Published: 32}},
+		{"first publish capped at the limit", SlotState{Published: -1}, 300, 0, 128, t0, SlotState{Published: 128}},
+		{"headroom one below: shrink at once to the band below", SlotState{Published: 32}, 31, 0, 128, t0, SlotState{Published: 24}},
+		{"headroom within a band above: no rewrite", SlotState{Published: 24}, 31, 0, 128, t0, SlotState{Published: 24}},
+		{"headroom a band above: wait", SlotState{Published: 24}, 32, 0, 128, t0, SlotState{Published: 24, GrowSince: t0}},
+		{"headroom a band above for less than GrowAfter: wait", SlotState{Published: 24, GrowSince: t0}, 33, 0, 128, t0.Add(GrowAfter - time.Second),
+			SlotState{Published: 24, GrowSince: t0}},
+		{"headroom a band above for GrowAfter: grow", SlotState{Published: 24, GrowSince: t0}, 33, 0, 128, t0.Add(GrowAfter), SlotState{Published: 32}},
+		{"headroom back within the band: the wait starts over", SlotState{Published: 24, GrowSince: t0}, 30, 0, 128, t0.Add(GrowAfter), SlotState{Published: 24}},
+		{"shrink never drops reserved slots", SlotState{Published: 32}, 5, 10, 128, t0, SlotState{Published: 10}},
+		{"band 1: shrink by one", SlotState{Published: 4}, 3, 1, 4, t0, SlotState{Published: 3}},
+		{"band 1: back to full after GrowAfter", SlotState{Published: 3, GrowSince: t0}, 4, 0, 4, t0.Add(GrowAfter), SlotState{Published: 4}},
+		{"no headroom", SlotState{Published: 8}, 0, 0, 128, t0, SlotState{Published: 0}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if got := Slots(tc.published, tc.headroom, tc.reserved, tc.maxSlots); got != tc.want {
-				t.Fatalf("Slots(%d, %d, %d, %d) = %d, want %d", tc.published, tc.headroom, tc.reserved, tc.maxSlots, got, tc.want)
+			if got := NextSlots(tc.prev, tc.headroom, tc.reserved, tc.limit, tc.now); got != tc.want {
+				t.Fatalf("NextSlots(%+v, %d, %d, %d) = %+v, want %+v", tc.prev, tc.headroom, tc.reserved, tc.limit, got, tc.want)
 			}
 		})
 	}

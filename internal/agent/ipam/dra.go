@@ -241,7 +241,8 @@ func (s *State) ClaimPrefixes(att Attachment) []netip.Prefix {
 
 // ClaimCapacity is what a pool lets the node promise DRA claims: Reserved addresses are held by
 // reservations now; Headroom is how many reservations in all the node could hold (the reserved
-// ones included): its maxPerNode less the addresses other attachments use, or, while the pool is
+// ones included): its maxPerNode less the addresses other attachments use (those it is giving
+// back count as available: the controller takes them back within seconds), or, while the pool is
 // exhausted (the controller has nothing more to grant), the reserved ones and what the node
 // could hand out now.
 type ClaimCapacity struct {
@@ -276,7 +277,9 @@ func (s *State) ClaimCapacities(now time.Time) []ClaimCapacity {
 		if p.cfg.Exhausted || p.cfg.Scaling.MaxPerNode <= 0 {
 			c.Headroom = c.Reserved + free[name]
 		} else {
-			c.Headroom = max(c.Reserved, p.cfg.Scaling.MaxPerNode-other-len(p.releasing))
+			// Addresses the node is giving back are not subtracted: they leave its holding within
+			// seconds, and counting them would shrink and regrow the slots at every scale-down.
+			c.Headroom = max(c.Reserved, p.cfg.Scaling.MaxPerNode-other)
 		}
 		out = append(out, c)
 	}
