@@ -16,9 +16,11 @@ import (
 // requests of one attachment. The rules, each with a table test in machine_dra_test.go:
 //   - Prepare is answered only after the journal write of its reservation landed; a refused write
 //     reserves nothing; a repeated Prepare is answered with the same address and no write;
-//   - Prepare is refused while the gate refuses ADD, and when the pool has no address now (the
-//     kubelet retries; the scheduler counted a slot, so this is a slot published beyond the
-//     node's headroom);
+//   - Prepare is refused while the gate refuses ADD, and for a device of a pool that does not
+//     serve the node;
+//   - a Prepare short of addresses (the slot is within the node's headroom, but the controller
+//     has not granted the address yet) waits, counted as demand and tried again after every
+//     change, until --address-wait passes; then it is refused (the kubelet retries);
 //   - an ADD of the reservation's pod on its interface gets exactly its address (ipam.Add), and
 //     the DEL of that attachment frees nothing of it;
 //   - Unprepare frees the reservation through the cooldown once its write landed, is refused
@@ -98,9 +100,26 @@ func (m *Machine) tryPrepare(r *mreq) {
 	}
 	var short *ipam.ShortError
 	if errors.As(err, &short) {
+		// As an ADD does: wait up to --address-wait, counted as demand, tried again after every
+		// change; the pool monitor asks for a round at once.
+		if r.start.IsZero() {
+			r.start, r.deadline = m.now, m.now.Add(m.cfg.AddressWait)
+		}
 		m.rd.KickNow = true
+		if m.now.Before(r.deadline) {
+			m.wait(r, false)
+			if !r.waiter {
+				m.st.AddWaiter(r.key, r.reserve.Pod.UID, []string{r.reserve.Pool})
+				r.waiter = true
+			}
+			return
+		}
 		err = errors.New(m.shortMessage(short, m.now))
 	}
+	if err == nil {
+		r.waiter = false // Reserve removed the waiter
+	}
+	m.dropWaiter(r)
 	if err != nil {
 		m.answer(Answer{ID: r.id, Err: err})
 		m.finish(r)

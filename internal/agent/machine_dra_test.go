@@ -112,7 +112,6 @@ func TestMachinePrepareRefusals(t *testing.T) {
 		{name: "not serving", setup: func(h *machineHarness) { h.m.SetReady(false, h.now) }, req: reserveReq("c1", "s0", "eth0"), want: "starting"},
 		{name: "pool not serving the node", req: func() ipam.ReserveRequest { r := reserveReq("c1", "s0", "eth0"); r.Pool = "v6"; return r }(),
 			want: "does not serve node node-a"},
-		{name: "no address", setup: func(h *machineHarness) { h.prepare("c0", "s0") }, req: reserveReq("c1", "s1", "eth0"), want: "no free address"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h := newMachine(t, MachineConfig{AddressWait: time.Minute}, testV4)
@@ -142,6 +141,56 @@ func writesOfKey(rd Ready, k ipam.Key) []Write {
 		}
 	}
 	return out
+}
+
+// A Prepare short of addresses waits, counted as demand, and is tried again after every change
+// until --address-wait passes: an address the controller grants meanwhile is reserved; past the
+// deadline it is refused, nothing reserved, and the demand is gone.
+func TestMachinePrepareShortOfAddressesWaits(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		granted bool // the controller grants another address before the deadline
+		want    string
+	}{
+		{name: "granted: reserved", granted: true, want: "v4=10.1.0.9"},
+		{name: "deadline: refused", want: "no free address"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newMachine(t, MachineConfig{AddressWait: 10 * time.Second}, testV4)
+			h.hold(map[string]string{"v4": "10.1.0.8"})
+			h.prepare("c0", "s0")
+			id := h.m.Prepare(reserveReq("c1", "s1", "eth0"), h.now)
+			rd := h.settle()
+			noAnswer(t, rd, id, "the short Prepare")
+			if !rd.KickNow || rd.Wake != h.now.Add(10*time.Second) {
+				t.Fatalf("short Prepare: KickNow %v Wake %v, want a round at once and a wake at the deadline", rd.KickNow, rd.Wake)
+			}
+			if d := h.m.st.Demand("v4"); d != 2 {
+				t.Fatalf("demand %d while it waits, want 2", d)
+			}
+			h.now = h.now.Add(5 * time.Second)
+			if tc.granted {
+				h.holdings(map[string]string{"v4": "10.1.0.8-10.1.0.9"}, RecordOf{})
+			} else {
+				h.now = h.now.Add(5 * time.Second)
+				h.m.Tick(h.now)
+			}
+			rd = h.settle()
+			a := mustAnswer(t, rd, id)
+			got := ""
+			if a.Att != nil {
+				got = fmtAddresses(a.Att.Addresses)
+			} else if a.Err != nil {
+				got = a.Err.Error()
+			}
+			if !strings.Contains(got, tc.want) {
+				t.Fatalf("Prepare answered %q, want %q", got, tc.want)
+			}
+			if d := h.m.st.Demand("v4"); d != map[bool]int{true: 2, false: 1}[tc.granted] {
+				t.Fatalf("demand %d after the answer", d)
+			}
+		})
+	}
 }
 
 // The ADD of a pod with a prepared reservation on the reservation's interface gets exactly its

@@ -129,6 +129,7 @@ func (s *State) Reserve(req ReserveRequest, now time.Time) (Attachment, Change, 
 	att := &Attachment{Key: k, Network: "", Pod: req.Pod, Addresses: []Address{{Pool: req.Pool, Addr: a}}, Created: now, Claim: &c}
 	s.putAttachment(att)
 	s.pending[k] = u
+	delete(s.waiters, k)
 	ch.PutAttachments = append(ch.PutAttachments, *att.clone())
 	return *att.clone(), ch, nil
 }
