@@ -217,7 +217,7 @@ func TestMachineAddOfAClaimedPod(t *testing.T) {
 			if got := ips(h.add(tc.add)); got != tc.want {
 				t.Fatalf("ADD got %s, want %s", got, tc.want)
 			}
-			id = h.m.Request(delReq(tc.add.ContainerID), h.now)
+			h.m.Request(delReq(tc.add.ContainerID), h.now)
 			h.settle()
 			res, ok := h.m.st.Attachment(resKey("c1", "s0"))
 			if !ok || fmtAddresses(res.Addresses) != "v4=10.1.0.8" {
