@@ -53,7 +53,13 @@ func (f *fakeCore) Reservations() []ipam.Attachment {
 }
 func (f *fakeCore) Served() []string                 { return []string{"v4"} }
 func (f *fakeCore) Capacities() []ipam.ClaimCapacity { return nil }
-func (f *fakeCore) Reconcile(context.Context, func(ipam.ClaimDevice) bool) error {
+func (f *fakeCore) Reconcile(_ context.Context, allocated func(ipam.ClaimDevice) bool) error {
+	for k, a := range f.res {
+		if !allocated(*a.Claim) {
+			delete(f.res, k)
+			f.unprepared = append(f.unprepared, a.Claim.Device)
+		}
+	}
 	return nil
 }
 
@@ -214,6 +220,52 @@ func TestInterfaceOf(t *testing.T) {
 			got, err := interfaceOf(c, "addr", "eth0")
 			if err != nil || got != tc.want {
 				t.Fatalf("interfaceOf = %q, %v; want %q", got, err, tc.want)
+			}
+		})
+	}
+}
+
+// The level reconcile reads each claim the node holds a reservation for: gone, re-created under
+// its name, or deallocated, it is released; still allocated, or unreadable, it is kept.
+func TestReconcile(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		objects  func(c *resourceapi.ResourceClaim) []runtime.Object
+		failGets bool
+		released bool
+	}{
+		{"allocated: kept", func(c *resourceapi.ResourceClaim) []runtime.Object { return []runtime.Object{c} }, false, false},
+		{"gone: released", func(*resourceapi.ResourceClaim) []runtime.Object { return nil }, false, true},
+		{"its name re-created: released", func(c *resourceapi.ResourceClaim) []runtime.Object {
+			c = c.DeepCopy()
+			c.UID = "another"
+			return []runtime.Object{c}
+		}, false, true},
+		{"deallocated: released", func(c *resourceapi.ResourceClaim) []runtime.Object {
+			c = c.DeepCopy()
+			c.Status.Allocation = nil
+			return []runtime.Object{c}
+		}, false, true},
+		{"unreadable: kept", func(*resourceapi.ResourceClaim) []runtime.Object { return nil }, true, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := claim(1, "v4-s0")
+			core := &fakeCore{res: map[ipam.Key]ipam.Attachment{}}
+			if _, err := New(core, fake.NewClientset(), Options{Node: "node-a", Log: logr.Discard()}).PrepareResourceClaims(context.Background(), []*resourceapi.ResourceClaim{c}); err != nil {
+				t.Fatal(err)
+			}
+			if len(core.res) != 1 {
+				t.Fatalf("reservations %v, want one", core.res)
+			}
+			cs := fake.NewClientset(tc.objects(c)...)
+			if tc.failGets {
+				cs.PrependReactor("get", "resourceclaims", func(k8stesting.Action) (bool, runtime.Object, error) {
+					return true, nil, errors.New("the API server is away")
+				})
+			}
+			New(core, cs, Options{Node: "node-a", Log: logr.Discard()}).reconcile(context.Background())
+			if released := len(core.res) == 0; released != tc.released {
+				t.Fatalf("released %v, want %v", released, tc.released)
 			}
 		})
 	}
