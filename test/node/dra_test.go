@@ -259,6 +259,51 @@ func TestRealNodeDRA(t *testing.T) {
 		n.kubectl("scale", "-n", testNamespace, "deployment/dra", "--replicas=2")
 		n.waitDRAPods(ctx, 2)
 	})
+
+	// The agent is down while a pod and its claim are force-deleted: no Unprepare reaches it.
+	// Once it is back, its level reconcile finds the claim gone and releases the reservation.
+	t.Run("agent down while a pod and its claim are force-deleted: the address comes back", func(t *testing.T) {
+		n.t = t
+		pods := n.waitDRAPods(ctx, 2)
+		victim := pods[0]
+		claim := *victim.Status.ResourceClaimStatuses[0].ResourceClaimName
+		n.kubectl("patch", "daemonset", "-n", "ipwarden-system", "ipwarden-agent", "--type=merge", "-p",
+			`{"spec":{"template":{"spec":{"nodeSelector":{"ipwarden.test/agent-off":"true"}}}}}`)
+		n.waitOrDump(ctx, 2*time.Minute, func() error {
+			if uid := n.agentPodUID(ctx); uid != "" {
+				return fmt.Errorf("the agent pod %s still runs", uid)
+			}
+			list, err := n.kube.CoreV1().Pods("ipwarden-system").List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/component=agent"})
+			if err != nil || len(list.Items) > 0 {
+				return fmt.Errorf("agent pods left: %d (%v)", len(list.Items), err)
+			}
+			return nil
+		})
+		n.logf("DRA: the agent is down; force-deleting %s (%s) and its claim %s", victim.Name, victim.Status.PodIP, claim)
+		n.kubectl("delete", "pod", "-n", testNamespace, victim.Name, "--force", "--grace-period=0")
+		n.waitOrDump(ctx, 2*time.Minute, func() error {
+			if _, err := n.kube.ResourceV1().ResourceClaims(testNamespace).Get(ctx, claim, metav1.GetOptions{}); err == nil {
+				return fmt.Errorf("claim %s still exists", claim)
+			}
+			return nil
+		})
+		start := time.Now()
+		n.kubectl("patch", "daemonset", "-n", "ipwarden-system", "ipwarden-agent", "--type=json", "-p",
+			`[{"op":"remove","path":"/spec/template/spec/nodeSelector"}]`)
+		n.kubectl("rollout", "status", "-n", "ipwarden-system", "daemonset/ipwarden-agent", "--timeout=3m")
+		n.waitOrDump(ctx, 3*time.Minute, func() error {
+			res, err := agentReservations()
+			if err != nil {
+				return err
+			}
+			if who, ok := res[victim.Status.PodIP]; ok && who == victim.Name {
+				return fmt.Errorf("the agent still holds %s for %s", victim.Status.PodIP, victim.Name)
+			}
+			return nil
+		})
+		n.logf("DRA: %s's reservation of %s released %s after the agent came back", victim.Name, victim.Status.PodIP, time.Since(start).Round(time.Second))
+		n.waitDRAPods(ctx, 2) // the replacement runs with its own claim's address
+	})
 }
 
 // waitSlots waits until the node's pool of driver ipam.ipwarden.io has want devices, each
