@@ -50,6 +50,9 @@ import (
 //     reconciliation is done (or the journal has addresses to serve from). It is asked at every
 //     attempt, so an ADD waiting for addresses fails as soon as any of them stops holding; past
 //     the Lease's permit an ADD waits for a re-check of the Lease (Recheck) first.
+//
+// The DRA kubelet plugin's Prepare and Unprepare, and the level reconcile of reservations against
+// the claims, are inputs too; their rules are in machine_dra.go.
 type Machine struct {
 	cfg     MachineConfig
 	st      *ipam.State
@@ -199,6 +202,7 @@ type mreq struct {
 	canceled bool
 	att      ipam.Attachment
 	plan     ipam.Plan
+	reserve  ipam.ReserveRequest // a DRA Prepare's (machine_dra.go)
 }
 
 type mbarrier struct {
@@ -256,9 +260,14 @@ func (m *Machine) changed() {
 
 // retry tries waiting request r again.
 func (m *Machine) retry(r *mreq) {
-	if r.kind == reqAdd {
+	switch r.kind {
+	case reqAdd:
 		m.tryAdd(r)
-	} else {
+	case reqPrepare:
+		m.tryPrepare(r)
+	case reqUnprepare:
+		m.tryUnprepare(r)
+	default:
 		m.tryDel(r)
 	}
 }
@@ -390,6 +399,10 @@ func (m *Machine) run(r *mreq) {
 		m.tryDel(r)
 	case reqCheck:
 		m.reply(r, m.checkAnswer(r))
+	case reqPrepare:
+		m.tryPrepare(r)
+	case reqUnprepare:
+		m.tryUnprepare(r)
 	}
 }
 
@@ -570,7 +583,7 @@ func (m *Machine) tryDel(r *mreq) {
 		return
 	}
 	if err != nil || !plan.Found {
-		if r.kind == reqFreeIf {
+		if r.kind != reqDel {
 			m.answer(Answer{ID: r.id, Err: err})
 			m.finish(r)
 			return
@@ -614,7 +627,7 @@ func (m *Machine) Written(id uint64, err error, now time.Time) {
 	if r == nil {
 		return
 	}
-	what := map[reqKind]string{reqAdd: "add", reqDel: "del", reqFreeIf: "del"}[r.kind]
+	what := map[reqKind]string{reqAdd: "add", reqDel: "del", reqFreeIf: "del", reqPrepare: "prepare", reqUnprepare: "del"}[r.kind]
 	if err != nil {
 		m.st.Abort(r.plan)
 		if !isReserveError(err) {
@@ -626,6 +639,8 @@ func (m *Machine) Written(id uint64, err error, now time.Time) {
 	switch r.kind {
 	case reqAdd:
 		m.addWritten(r, err)
+	case reqPrepare:
+		m.prepareWritten(r, err)
 	default:
 		m.delWritten(r, err)
 	}

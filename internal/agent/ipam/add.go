@@ -150,6 +150,8 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 	if err != nil {
 		return Attachment{}, Change{}, err
 	}
+	claimed := s.claimPicks(req) // the pod's DRA reservations for this interface (dra.go)
+	pools = withClaimPools(pools, claimed)
 	var ph *Attachment
 	if uid := req.Pod.UID; uid != "" {
 		for _, k := range s.PodAttachments(uid) {
@@ -190,11 +192,20 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 	}
 	picks := make([]Address, len(pools))
 	adopted := make([]bool, len(pools))
+	// Two ways to use an address another key holds, each with its own condition: reservation,
+	// a DRA reservation's of the pod (it stays the reservation's: inUse names it, dra.go);
+	// shared, a claim's address a live migration's other attachment holds (this one becomes
+	// poolState.second, claim.go).
+	reservation := make([]bool, len(pools))
 	shared := make([]bool, len(pools))
 	var short []string
 	var waitFor []Address
 	var claimWaits []ClaimWait
 	for i, name := range pools {
+		if ad, ok := claimed[name]; ok {
+			picks[i], reservation[i] = ad, true
+			continue
+		}
 		if ph != nil {
 			if j := slices.IndexFunc(ph.Addresses, func(a Address) bool { return a.Pool == name }); j >= 0 {
 				if b, ok := s.pools[name].claims[uidOf(claim)]; claim == nil || (ok && b.Addr == ph.Addresses[j].Addr && !s.prevAll.Contains(b.Addr)) {
@@ -261,6 +272,9 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 	u := &undo{}
 	for i, ad := range picks {
 		p := s.pools[ad.Pool]
+		if reservation[i] {
+			continue
+		}
 		if adopted[i] {
 			p.inUse[ad.Addr] = req.Key
 			continue
@@ -336,6 +350,9 @@ func (s *State) AbortAdd(k Key) {
 		if p.unshare(ad.Addr, k) {
 			continue // the other attachment of the claim keeps it
 		}
+		if p.inUse[ad.Addr] != k {
+			continue // another key's (a DRA reservation's): it stays as it is
+		}
 		delete(p.inUse, ad.Addr)
 		if i := slices.IndexFunc(u.fromCooling, func(c Cooling) bool { return c.Addr == ad.Addr && c.Pool == ad.Pool }); i >= 0 {
 			p.uncool(u.fromCooling[i])
@@ -379,6 +396,11 @@ func (s *State) PlanDel(k Key, now time.Time) (DelPlan, error) {
 	plan.Change.DeleteAttachments = []Key{k}
 	for _, ad := range a.Addresses {
 		p := s.pools[ad.Pool]
+		if owner, used := p.inUse[ad.Addr]; used && owner != k {
+			// Another key owns it (a DRA reservation the attachment shares, or the first of
+			// two conflicting records): freeing this attachment frees nothing of it.
+			continue
+		}
 		if _, rel := p.releasing[ad.Addr]; rel || (p.heldKnown && !p.held.Contains(ad.Addr)) {
 			continue
 		}
@@ -448,7 +470,7 @@ func (s *State) Stale(network string, valid []Key, bornBefore time.Time) []Key {
 	}
 	var out []Key
 	for k, a := range s.atts {
-		if a.Network != network || a.Rebuilt || ok[k] || s.pending[k] != nil || !a.Created.Before(bornBefore) {
+		if a.Network != network || a.Rebuilt || a.DRA != nil || ok[k] || s.pending[k] != nil || !a.Created.Before(bornBefore) {
 			continue
 		}
 		out = append(out, k)
