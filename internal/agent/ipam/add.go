@@ -170,6 +170,13 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 		return Attachment{}, Change{}, &ClaimError{Msg: meta.ClaimProblem}
 	}
 	claim := meta.Claim
+	if claim != nil && len(claimed) > 0 {
+		// Each is the interface's address on its own terms: a reservation's stays the
+		// reservation's, a claim's is bound to the claim (and an attached use of another address
+		// would have the controller bind it). Neither is chosen over the other.
+		return Attachment{}, Change{}, &ClaimError{Msg: fmt.Sprintf("pod %s references IPAMClaim %s and holds a DRA reservation for interface %s "+
+			"(a ResourceClaim of the driver ipam.ipwarden.io): one interface takes its address from one of them", req.Pod, claim, req.Key.IfName)}
+	}
 	if req.PoolNetwork != "" || claim != nil {
 		meta.IPAddresses = "" // static addresses are the pod network's; a claim's attachment has the claim's
 	}
@@ -387,6 +394,13 @@ func (s *State) PlanDel(k Key, now time.Time) (DelPlan, error) {
 	a, ok := s.atts[k]
 	if !ok {
 		return DelPlan{Key: k, At: now}, nil
+	}
+	if a.DRA != nil {
+		// A reservation is freed only once no attachment shares its address (the machine's
+		// Unprepare and level reconcile ask first; this keeps every other caller to it too).
+		if users := s.ReservationUsers(k); len(users) > 0 {
+			return DelPlan{}, &ReservationBusyError{Key: k, Users: users}
+		}
 	}
 	plan := DelPlan{Key: k, At: now, Found: true}
 	// In flight until ApplyDel or Abort: a rebuild, CNI GC or sticky decision planned meanwhile
