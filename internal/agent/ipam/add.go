@@ -150,8 +150,8 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 	if err != nil {
 		return Attachment{}, Change{}, err
 	}
-	claimed := s.claimPicks(req) // the pod's DRA reservations for this interface (dra.go)
-	pools = withClaimPools(pools, claimed)
+	resPicks := s.reservationPicks(req) // the pod's DRA reservations for this interface (dra.go)
+	pools = withReservationPools(pools, resPicks)
 	var ph *Attachment
 	if uid := req.Pod.UID; uid != "" {
 		for _, k := range s.PodAttachments(uid) {
@@ -170,7 +170,7 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 		return Attachment{}, Change{}, &ClaimError{Msg: meta.ClaimProblem}
 	}
 	claim := meta.Claim
-	if claim != nil && len(claimed) > 0 {
+	if claim != nil && len(resPicks) > 0 {
 		// Each is the interface's address on its own terms: a reservation's stays the
 		// reservation's, a claim's is bound to the claim (and an attached use of another address
 		// would have the controller bind it). Neither is chosen over the other.
@@ -209,7 +209,7 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 	var waitFor []Address
 	var claimWaits []ClaimWait
 	for i, name := range pools {
-		if ad, ok := claimed[name]; ok {
+		if ad, ok := resPicks[name]; ok {
 			picks[i], reservation[i] = ad, true
 			continue
 		}

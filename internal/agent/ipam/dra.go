@@ -167,10 +167,10 @@ func (s *State) ReservationUsers(k Key) []Key {
 	return out
 }
 
-// claimPicks returns, per pool, the address a prepared reservation of the ADD's pod holds for the
-// ADD's interface: the ADD gets exactly those. Pending reservations (their journal write is in
-// flight) are left out: their Prepare has not been answered, so no ADD can follow it yet.
-func (s *State) claimPicks(req AddRequest) map[string]Address {
+// reservationPicks returns, per pool, the address a prepared reservation of the ADD's pod holds
+// for the ADD's interface: the ADD gets exactly those. Pending reservations (their journal write
+// is in flight) are left out: their Prepare has not been answered, so no ADD can follow it yet.
+func (s *State) reservationPicks(req AddRequest) map[string]Address {
 	if req.Pod.UID == "" {
 		return nil
 	}
@@ -192,10 +192,10 @@ func (s *State) claimPicks(req AddRequest) map[string]Address {
 	return out
 }
 
-// withClaimPools returns pools followed by the pools of claimed that it lacks, by name.
-func withClaimPools(pools []string, claimed map[string]Address) []string {
+// withReservationPools returns pools followed by the pools of picks that it lacks, by name.
+func withReservationPools(pools []string, picks map[string]Address) []string {
 	var extra []string
-	for name := range claimed {
+	for name := range picks {
 		if !slices.Contains(pools, name) {
 			extra = append(extra, name)
 		}
@@ -204,17 +204,17 @@ func withClaimPools(pools []string, claimed map[string]Address) []string {
 	return append(pools, extra...)
 }
 
-// sharesClaim reports whether attachment att may list address ad that reservation owner holds:
-// the reservation's pod's own attachment.
-func (s *State) sharesClaim(owner Key, att *Attachment, ad Address) bool {
+// sharesReservation reports whether attachment att may list address ad that reservation owner
+// holds: the reservation's pod's own attachment.
+func (s *State) sharesReservation(owner Key, att *Attachment, ad Address) bool {
 	r := s.atts[owner]
 	return r != nil && r.DRA != nil && att.DRA == nil && r.Pod.UID != "" && r.Pod.UID == att.Pod.UID &&
 		slices.Contains(r.Addresses, ad)
 }
 
-// claimsFirst returns atts with the reservations first, so Restore gives them their addresses
-// before the attachments that share them.
-func claimsFirst(atts []Attachment) []Attachment {
+// reservationsFirst returns atts with the reservations first, so Restore gives them their
+// addresses before the attachments that share them.
+func reservationsFirst(atts []Attachment) []Attachment {
 	out := slices.Clone(atts)
 	slices.SortStableFunc(out, func(a, b Attachment) int {
 		return cmp.Compare(boolInt(a.DRA == nil), boolInt(b.DRA == nil))

@@ -260,7 +260,7 @@ func (s *State) Restore(snap Snapshot) (problems []string) {
 		p := s.pool(r.Pool)
 		p.releasing[r.Addr] = r.Since
 	}
-	for _, a := range claimsFirst(snap.Attachments) {
+	for _, a := range reservationsFirst(snap.Attachments) {
 		att := a
 		att.Addresses = slices.Clone(a.Addresses)
 		for _, ad := range att.Addresses {
@@ -277,7 +277,7 @@ func (s *State) Restore(snap Snapshot) (problems []string) {
 						}
 					}
 				}
-				if s.sharesClaim(other, &att, ad) {
+				if s.sharesReservation(other, &att, ad) {
 					continue // the pod's attachment of a DRA reservation's address (dra.go)
 				}
 				problems = append(problems, fmt.Sprintf("address %s of pool %s is recorded for both %s and %s",
