@@ -29,8 +29,11 @@ require (
 	github.com/golang/freetype v0.0.0-20170609003504-e2365dfdc4a0 // indirect
 	github.com/k8snetworkplumbingwg/ipamclaims v0.5.1-alpha
 	github.com/kylelemons/godebug v1.1.0 // indirect
+	go.etcd.io/etcd/client/pkg/v3 v3.6.4 // indirect
 	golang.org/x/image v0.30.0 // indirect
 	gonum.org/v1/plot v0.17.0
+	k8s.io/dynamic-resource-allocation v0.34.4
+	k8s.io/kubelet v0.34.4 // indirect
 )
 
 require (

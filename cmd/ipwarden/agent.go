@@ -112,6 +112,13 @@ pod, or on the node's NodeIPAllocation when the pod object is gone from the agen
 	fs.StringVar(&f.cfg.CRISocket, "cri-socket", "",
 		"the container runtime's CRI socket (containerd: unix:///run/containerd/containerd.sock, as the shipped DaemonSet sets; CRI-O: unix:///var/run/crio/crio.sock), read-only: "+
 			"after a lost or damaged journal the rebuild and the hold rest on the sandboxes the runtime shows (ListPodSandbox, PodSandboxStatus) rather than on pod statuses; \"\" asks nothing and falls back to the pods' own reports, network by network")
+	fs.BoolVar(&f.cfg.DRA.Enabled, "dra", false,
+		"run the DRA kubelet plugin of driver ipam.ipwarden.io: publish the node's address slots per IPPool as a ResourceSlice, reserve an address when the kubelet prepares a claim allocated one, "+
+			"write it into the claim's status.devices[].networkData, and hand exactly it to the claim's pod's ADD (docs/operations.md, \"Addresses the scheduler can see\"); needs the kubelet's plugin directories mounted")
+	fs.StringVar(&f.cfg.DRA.Interface, "dra-interface", "eth0",
+		"with --dra: the CNI interface (CNI_IFNAME) whose ADD gets a claim's address, unless the claim's opaque configuration names another (ifName)")
+	fs.IntVar(&f.cfg.DRA.MaxSlots, "dra-max-slots", 128,
+		"with --dra: the most slot devices published per IPPool (the count follows the node's headroom under the pool's maxPerNode, in bands of a sixteenth of this)")
 	gofs := goflag.NewFlagSet("zap", goflag.ContinueOnError)
 	f.zap.BindFlags(gofs)
 	fs.AddGoFlagSet(gofs)

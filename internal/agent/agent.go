@@ -152,7 +152,9 @@ type Config struct {
 	ExhaustedTaint bool
 	// ExhaustedClearFree: the signal clears when every pool has this many free addresses.
 	ExhaustedClearFree int
-	Log                logr.Logger
+	// DRA runs the DRA kubelet plugin of driver ipam.ipwarden.io (dra_shell.go).
+	DRA DRAConfig
+	Log logr.Logger
 }
 
 // Run runs the agent until ctx ends.
@@ -375,6 +377,9 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 	}
 	go mon.Run(ctx)
 	go kube.Run(ctx)
+	if cfg.DRA.Enabled {
+		go runDRA(ctx, cfg, svc, log.WithName("dra"))
+	}
 	collector.Run(ctx)
 	return nil
 }

@@ -496,9 +496,12 @@ func (s *Service) gcView() []gc.Attachment {
 	var out []gc.Attachment
 	s.read(func(m *Machine) {
 		atts := m.st.Attachments()
-		out = make([]gc.Attachment, len(atts))
-		for i, a := range atts {
-			out[i] = gcAttachment(a, m.st.Pending(a.Key))
+		out = make([]gc.Attachment, 0, len(atts))
+		for _, a := range atts {
+			if a.DRA != nil {
+				continue // a DRA reservation: the claims' reconcile frees it (machine_dra.go)
+			}
+			out = append(out, gcAttachment(a, m.st.Pending(a.Key)))
 		}
 	})
 	return out

@@ -54,6 +54,9 @@ import (
 //     (listed in the spec) for the binding and the grant, failing on the controller's refusal
 //     or at --address-wait; it shares the address with an attachment of the same claim UID only
 //     for a live migration (ipam/claim.go, machine_claim_test.go).
+//
+// The DRA kubelet plugin's Prepare and Unprepare, and the level reconcile of reservations against
+// the claims, are inputs too; their rules are in machine_dra.go.
 type Machine struct {
 	cfg     MachineConfig
 	st      *ipam.State
@@ -203,6 +206,7 @@ type mreq struct {
 	canceled bool
 	att      ipam.Attachment
 	plan     ipam.Plan
+	reserve  ipam.ReserveRequest // a DRA Prepare's (machine_dra.go)
 }
 
 type mbarrier struct {
@@ -260,9 +264,14 @@ func (m *Machine) changed() {
 
 // retry tries waiting request r again.
 func (m *Machine) retry(r *mreq) {
-	if r.kind == reqAdd {
+	switch r.kind {
+	case reqAdd:
 		m.tryAdd(r)
-	} else {
+	case reqPrepare:
+		m.tryPrepare(r)
+	case reqUnprepare:
+		m.tryUnprepare(r)
+	default:
 		m.tryDel(r)
 	}
 }
@@ -394,6 +403,10 @@ func (m *Machine) run(r *mreq) {
 		m.tryDel(r)
 	case reqCheck:
 		m.reply(r, m.checkAnswer(r))
+	case reqPrepare:
+		m.tryPrepare(r)
+	case reqUnprepare:
+		m.tryUnprepare(r)
 	}
 }
 
@@ -574,7 +587,7 @@ func (m *Machine) tryDel(r *mreq) {
 		return
 	}
 	if err != nil || !plan.Found {
-		if r.kind == reqFreeIf {
+		if r.kind != reqDel {
 			m.answer(Answer{ID: r.id, Err: err})
 			m.finish(r)
 			return
@@ -618,7 +631,7 @@ func (m *Machine) Written(id uint64, err error, now time.Time) {
 	if r == nil {
 		return
 	}
-	what := map[reqKind]string{reqAdd: "add", reqDel: "del", reqFreeIf: "del"}[r.kind]
+	what := map[reqKind]string{reqAdd: "add", reqDel: "del", reqFreeIf: "del", reqPrepare: "prepare", reqUnprepare: "del"}[r.kind]
 	if err != nil {
 		m.st.Abort(r.plan)
 		if !isReserveError(err) {
@@ -630,6 +643,8 @@ func (m *Machine) Written(id uint64, err error, now time.Time) {
 	switch r.kind {
 	case reqAdd:
 		m.addWritten(r, err)
+	case reqPrepare:
+		m.prepareWritten(r, err)
 	default:
 		m.delWritten(r, err)
 	}

@@ -263,12 +263,16 @@ func Check(in Input) Report {
 	}
 	sort.Strings(nodesAsked)
 	for _, node := range nodesAsked {
-		for _, at := range in.Attachments[node] {
+		var shares claimShares // DRA reservations (dra.go)
+		for _, at := range reservationsFirst(in.Attachments[node]) {
 			r.Attachments++
 			s := addr.SetOfAddrs(at.Addrs...)
 			who := fmt.Sprintf("%s/%s (container %s, %s)", at.PodNamespace, at.PodName, short(at.ContainerID), at.IfName)
 			byNet := map[string]addr.Set{}
 			for i, a := range at.Addrs {
+				if shares.exempt(at, a) {
+					continue // its own reservation's address
+				}
 				pool := at.Pool
 				if i < len(at.AddrPools) && at.AddrPools[i] != "" {
 					pool = at.AddrPools[i]

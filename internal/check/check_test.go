@@ -118,6 +118,12 @@ func TestCheck(t *testing.T) {
 			in.Attachments["n1"] = append(in.Attachments["n1"], Attachment{Node: "n1", ContainerID: "rebuilt:u1", IfName: "-", PodUID: "u1",
 				Addrs: ips("10.0.0.18", "10.0.0.17"), Pool: "v4", AddrPools: []string{"v4", "storage"}, Created: now})
 		}, nil},
+		{"a DRA reservation and its pod's attachment share an address", func(in *Input) {
+			in.Attachments["n1"] = append(in.Attachments["n1"], Attachment{Node: "n1", ContainerID: "dra:claim-1/addr", IfName: "v4-s0", PodUID: "u1", Addrs: ips("10.0.0.17"), Created: now})
+		}, nil},
+		{"another pod's attachment of a reserved address", func(in *Input) {
+			in.Attachments["n1"] = append(in.Attachments["n1"], Attachment{Node: "n1", ContainerID: "dra:claim-1/addr", IfName: "v4-s0", PodUID: "u9", Addrs: ips("10.0.0.17"), Created: now})
+		}, map[string]int{AttachedTwice: 1}},
 		{"two attachments share an address", func(in *Input) {
 			in.Attachments["n1"] = append(in.Attachments["n1"], Attachment{Node: "n1", ContainerID: "c2", IfName: "eth0", PodUID: "u1", Addrs: ips("10.0.0.17"), Created: now})
 		}, map[string]int{AttachedTwice: 1}},

@@ -64,7 +64,10 @@ type realNode struct {
 	pool       ipwardenv1.IPPoolSpec // scaling and cooldown of the pool deployIpwarden creates
 	// overlayPatches are more entries of the test overlay's patches list (deployIpwarden).
 	overlayPatches string
-	second         *secondNode // the controller-only second node, once started
+	// overlayComponents are kustomize components (paths from the repository's root) the test
+	// overlay adds (deployIpwarden), e.g. deploy/kustomize/dra.
+	overlayComponents []string
+	second            *secondNode // the controller-only second node, once started
 	// others counts pool addresses of workload-namespace pods outside the Deployment (the
 	// sticky StatefulSet's), which waitPods expects on the node beside the Deployment's.
 	others int

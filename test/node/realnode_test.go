@@ -390,6 +390,16 @@ patches:
             imagePullPolicy: Never
             env:%s
 %s`, base, controllerOnlyLabel, apiEnv, apiEnv, n.overlayPatches)
+	if len(n.overlayComponents) > 0 {
+		k += "components:\n"
+		for _, c := range n.overlayComponents {
+			rel, err := filepath.Rel(overlay, filepath.Join(prep.Root, c))
+			if err != nil {
+				t.Fatal(err)
+			}
+			k += "- " + rel + "\n"
+		}
+	}
 	if err := os.WriteFile(filepath.Join(overlay, "kustomization.yaml"), []byte(k), 0o644); err != nil {
 		t.Fatal(err)
 	}

@@ -150,6 +150,8 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 	if err != nil {
 		return Attachment{}, Change{}, err
 	}
+	resPicks := s.reservationPicks(req) // the pod's DRA reservations for this interface (dra.go)
+	pools = withReservationPools(pools, resPicks)
 	var ph *Attachment
 	if uid := req.Pod.UID; uid != "" {
 		for _, k := range s.PodAttachments(uid) {
@@ -168,6 +170,13 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 		return Attachment{}, Change{}, &ClaimError{Msg: meta.ClaimProblem}
 	}
 	claim := meta.Claim
+	if claim != nil && len(resPicks) > 0 {
+		// Each is the interface's address on its own terms: a reservation's stays the
+		// reservation's, a claim's is bound to the claim (and an attached use of another address
+		// would have the controller bind it). Neither is chosen over the other.
+		return Attachment{}, Change{}, &ClaimError{Msg: fmt.Sprintf("pod %s references IPAMClaim %s and holds a DRA reservation for interface %s "+
+			"(a ResourceClaim of the driver ipam.ipwarden.io): one interface takes its address from one of them", req.Pod, claim, req.Key.IfName)}
+	}
 	if req.PoolNetwork != "" || claim != nil {
 		meta.IPAddresses = "" // static addresses are the pod network's; a claim's attachment has the claim's
 	}
@@ -190,11 +199,20 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 	}
 	picks := make([]Address, len(pools))
 	adopted := make([]bool, len(pools))
+	// Two ways to use an address another key holds, each with its own condition: reservation,
+	// a DRA reservation's of the pod (it stays the reservation's: inUse names it, dra.go);
+	// shared, a claim's address a live migration's other attachment holds (this one becomes
+	// poolState.second, claim.go).
+	reservation := make([]bool, len(pools))
 	shared := make([]bool, len(pools))
 	var short []string
 	var waitFor []Address
 	var claimWaits []ClaimWait
 	for i, name := range pools {
+		if ad, ok := resPicks[name]; ok {
+			picks[i], reservation[i] = ad, true
+			continue
+		}
 		if ph != nil {
 			if j := slices.IndexFunc(ph.Addresses, func(a Address) bool { return a.Pool == name }); j >= 0 {
 				if b, ok := s.pools[name].claims[uidOf(claim)]; claim == nil || (ok && b.Addr == ph.Addresses[j].Addr && !s.prevAll.Contains(b.Addr)) {
@@ -267,6 +285,9 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 	u := &undo{}
 	for i, ad := range picks {
 		p := s.pools[ad.Pool]
+		if reservation[i] {
+			continue
+		}
 		if adopted[i] {
 			p.inUse[ad.Addr] = req.Key
 			continue
@@ -342,6 +363,9 @@ func (s *State) AbortAdd(k Key) {
 		if p.unshare(ad.Addr, k) {
 			continue // the other attachment of the claim keeps it
 		}
+		if p.inUse[ad.Addr] != k {
+			continue // another key's (a DRA reservation's): it stays as it is
+		}
 		delete(p.inUse, ad.Addr)
 		if i := slices.IndexFunc(u.fromCooling, func(c Cooling) bool { return c.Addr == ad.Addr && c.Pool == ad.Pool }); i >= 0 {
 			p.uncool(u.fromCooling[i])
@@ -377,6 +401,13 @@ func (s *State) PlanDel(k Key, now time.Time) (DelPlan, error) {
 	if !ok {
 		return DelPlan{Key: k, At: now}, nil
 	}
+	if a.DRA != nil {
+		// A reservation is freed only once no attachment shares its address (the machine's
+		// Unprepare and level reconcile ask first; this keeps every other caller to it too).
+		if users := s.ReservationUsers(k); len(users) > 0 {
+			return DelPlan{}, &ReservationBusyError{Key: k, Users: users}
+		}
+	}
 	plan := DelPlan{Key: k, At: now, Found: true}
 	// In flight until ApplyDel or Abort: a rebuild, CNI GC or sticky decision planned meanwhile
 	// leaves the attachment alone, so the DEL's write (PutCooling of its addresses) never lands
@@ -385,6 +416,11 @@ func (s *State) PlanDel(k Key, now time.Time) (DelPlan, error) {
 	plan.Change.DeleteAttachments = []Key{k}
 	for _, ad := range a.Addresses {
 		p := s.pools[ad.Pool]
+		if owner, used := p.inUse[ad.Addr]; used && owner != k {
+			// Another key owns it (a DRA reservation the attachment shares, or the first of
+			// two conflicting records): freeing this attachment frees nothing of it.
+			continue
+		}
 		if _, rel := p.releasing[ad.Addr]; rel || (p.heldKnown && !p.held.Contains(ad.Addr)) {
 			continue
 		}
@@ -454,7 +490,7 @@ func (s *State) Stale(network string, valid []Key, bornBefore time.Time) []Key {
 	}
 	var out []Key
 	for k, a := range s.atts {
-		if a.Network != network || a.Rebuilt || ok[k] || s.pending[k] != nil || !a.Created.Before(bornBefore) {
+		if a.Network != network || a.Rebuilt || a.DRA != nil || ok[k] || s.pending[k] != nil || !a.Created.Before(bornBefore) {
 			continue
 		}
 		out = append(out, k)

@@ -260,12 +260,15 @@ func (s *State) Restore(snap Snapshot) (problems []string) {
 		p := s.pool(r.Pool)
 		p.releasing[r.Addr] = r.Since
 	}
-	for _, a := range snap.Attachments {
+	for _, a := range reservationsFirst(snap.Attachments) {
 		att := a
 		att.Addresses = slices.Clone(a.Addresses)
 		for _, ad := range att.Addresses {
 			p := s.pool(ad.Pool)
 			if other, dup := p.inUse[ad.Addr]; dup {
+				// Two records of one address are one of two sharings, each on its own terms, or a
+				// problem: a live migration's two attachments of one claim UID (claim.go), or a
+				// DRA reservation and its pod's attachment (dra.go; the reservations come first).
 				if _, third := p.second[ad.Addr]; !third {
 					if o := s.atts[other]; o != nil && o.Claim != nil && att.Claim != nil {
 						if ok, _ := MayShare(*att.Claim, o.Claim, false); ok {
@@ -273,6 +276,9 @@ func (s *State) Restore(snap Snapshot) (problems []string) {
 							continue
 						}
 					}
+				}
+				if s.sharesReservation(other, &att, ad) {
+					continue // the pod's attachment of a DRA reservation's address (dra.go)
 				}
 				problems = append(problems, fmt.Sprintf("address %s of pool %s is recorded for both %s and %s",
 					ad.Addr, ad.Pool, other, att.Key))

@@ -80,6 +80,10 @@ type Attachment struct {
 	// Claim is the IPAMClaim the attachment's pod referenced at ADD (claim.go): its addresses
 	// are the claim's. Nil when none (and in journals written before claims).
 	Claim *ClaimRef `json:"claim,omitempty"`
+	// DRA is set on a DRA reservation (dra.go): the ResourceClaim, request and device it is
+	// for. Nil on every other attachment (a pod's attachment that shares a reservation's
+	// address included).
+	DRA *ClaimDevice `json:"dra,omitempty"`
 }
 
 // PreviousStore is the store of a previous IPAM that ipwarden writes its own reservations into
@@ -98,6 +102,10 @@ func (a *Attachment) clone() *Attachment {
 	if a.Claim != nil {
 		cl := *a.Claim
 		c.Claim = &cl
+	}
+	if a.DRA != nil {
+		d := *a.DRA
+		c.DRA = &d
 	}
 	return &c
 }

@@ -1,0 +1,100 @@
+package ipam
+
+import (
+	"slices"
+	"testing"
+)
+
+func (h *harness) reserve(cid, ifname string) Attachment {
+	h.t.Helper()
+	a, ch, err := h.s.Reserve(ReserveRequest{
+		Claim: ClaimDevice{Namespace: "ns", Name: "claim-" + cid, UID: "claim-" + cid, Request: "addr", Device: "s0", Interface: ifname},
+		Pod:   PodRef{"ns", cid, "uid-" + cid}, Pool: "v4"}, h.now)
+	if err != nil {
+		h.t.Fatalf("reserve %s: %v", cid, err)
+	}
+	h.commit(ch)
+	h.s.Apply(AddPlan{Key: a.Key, Change: ch})
+	return a
+}
+
+// A reservation and the attachment that shares its address survive a restart as they were: the
+// reservation owns the address (no conflict is reported), the attachment's DEL frees nothing of
+// it, and the reservation's own free cools it.
+func TestReservationSharedAcrossRestart(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		restart bool
+	}{{name: "in one run"}, {name: "across a restart", restart: true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newHarness(t, poolV4)
+			h.hold("v4", "10.0.0.2-10.0.0.5")
+			r := h.reserve("a", "eth0")
+			if got := h.mustAdd("a"); !slices.Equal(got, []string{"10.0.0.2"}) {
+				t.Fatalf("the claimed pod's ADD got %v", got)
+			}
+			if tc.restart {
+				h.crash() // fails on any restore problem
+			}
+			if got := h.mustAdd("b"); !slices.Equal(got, []string{"10.0.0.3"}) {
+				t.Fatalf("another pod's ADD got %v", got)
+			}
+			plan, err := h.s.PlanDel(key("a"), h.now)
+			if err != nil || len(plan.Change.PutCooling) != 0 {
+				t.Fatalf("the DEL of the sharing attachment: %+v, %v; want no cooling", plan.Change, err)
+			}
+			h.commit(plan.Changes())
+			h.s.Apply(plan)
+			if users := h.s.ReservationUsers(r.Key); len(users) != 0 {
+				t.Fatalf("users after the DEL: %v", users)
+			}
+			plan, err = h.s.PlanDel(r.Key, h.now)
+			if err != nil || len(plan.Change.PutCooling) != 1 || plan.Change.PutCooling[0].Addr != ip("10.0.0.2") {
+				t.Fatalf("the reservation's free: %+v, %v; want 10.0.0.2 cooling", plan.Change, err)
+			}
+			h.commit(plan.Changes())
+			h.s.Apply(plan)
+			if tc.restart {
+				h.crash()
+			}
+			if got := h.mustAdd("c"); slices.Contains(got, "10.0.0.2") {
+				t.Fatalf("an ADD got the address still cooling: %v", got)
+			}
+		})
+	}
+}
+
+// A pool's headroom for claims is its maxPerNode less what other attachments use (reservations
+// count within it), or, exhausted, the reserved addresses and what the node can hand out now.
+func TestClaimCapacities(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		exhausted bool
+		adds      int // other pods' attachments
+		reserve   bool
+		want      ClaimCapacity
+	}{
+		{name: "empty node", want: ClaimCapacity{Pool: "v4", IPv4: true, Headroom: 16, MaxPerNode: 16}},
+		{name: "two other pods", adds: 2, want: ClaimCapacity{Pool: "v4", IPv4: true, Headroom: 14, MaxPerNode: 16}},
+		{name: "a reservation counts within", adds: 1, reserve: true, want: ClaimCapacity{Pool: "v4", IPv4: true, Reserved: 1, Headroom: 15, MaxPerNode: 16}},
+		{name: "exhausted: what the node holds free", exhausted: true, adds: 1, reserve: true,
+			want: ClaimCapacity{Pool: "v4", IPv4: true, Reserved: 1, Headroom: 3, MaxPerNode: 16}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pool := poolV4
+			pool.Exhausted = tc.exhausted
+			h := newHarness(t, pool)
+			h.hold("v4", "10.0.0.2-10.0.0.5")
+			for i := range tc.adds {
+				h.mustAdd(string(rune('p' + i)))
+			}
+			if tc.reserve {
+				h.reserve("a", "eth0")
+			}
+			got := h.s.ClaimCapacities(h.now)
+			if len(got) != 1 || got[0] != tc.want {
+				t.Fatalf("ClaimCapacities = %+v, want %+v", got, tc.want)
+			}
+		})
+	}
+}
