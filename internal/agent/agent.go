@@ -394,9 +394,9 @@ func readSandboxes(ctx context.Context, r *cri.Reader, metrics *Metrics, log log
 	ev, err := r.Read(ctx)
 	if err != nil {
 		metrics.RuntimeReads.WithLabelValues("error").Inc()
-		log.Error(err, "cannot read the node's pod sandboxes from the container runtime: the rebuild and the hold rest on the pods' own reports, network by network",
+		log.Error(err, "cannot read the node's pod sandboxes from the container runtime: the rebuild rests on the pods' own reports, network by network, and nothing leaves the hold before its deadline until a reading succeeds",
 			"criSocket", r.Endpoint())
-		return ipam.NodeSandboxes{}
+		return ipam.NodeSandboxes{Unreadable: true}
 	}
 	metrics.RuntimeReads.WithLabelValues("ok").Inc()
 	names := make([]string, 0, min(len(ev.Sandboxes), 20))

@@ -67,6 +67,9 @@ func (d HoldDecision) Freed() int {
 //   - N is a secondary network: the pod's network-status names N with an address. Nothing else
 //     tells a secondary network's address: status.podIPs and the runtime show eth0 only.
 //
+// While the runtime is configured but does not answer (ev.Unreadable), nothing leaves before the
+// deadline: a force-deleted pod's sandbox may still run, and only the runtime could show it.
+//
 // A pod bound to the node that the runtime does not show keeps the pod network's hold: the
 // evidence may be incomplete (a sandbox still being set up), and that must not cost the pod its
 // address. Once no pod is waiting on a pool, its unattributed addresses leave the hold except
@@ -126,7 +129,9 @@ func DecideHold(pools []HoldPool, pods []Pod, ev NodeSandboxes, hasADD func(uid,
 			}
 			protected = protected.Union(addr.SetOfAddrs(p.Reported(hp.Network)...))
 		}
-		if !settled {
+		if !settled || ev.Unreadable {
+			// Unreadable: the runtime could show a sandbox of a pod the API server no longer
+			// has; until it answers (or the deadline), the pods' reports release nothing.
 			left = true
 			continue
 		}

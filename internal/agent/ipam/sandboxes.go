@@ -30,8 +30,12 @@ type RuntimeSandbox struct {
 type NodeSandboxes struct {
 	// Known: the runtime answered. Without it the reading proves nothing, and the rules fall
 	// back to the pods' own reports, network by network (DecideHold).
-	Known     bool
-	Sandboxes []RuntimeSandbox
+	Known bool
+	// Unreadable: the agent has a runtime to ask (--cri-socket) and it did not answer. A pod
+	// deleted from the API server may still run a sandbox only the runtime shows, so nothing
+	// leaves the hold before its deadline on the pods' reports alone (DecideHold).
+	Unreadable bool
+	Sandboxes  []RuntimeSandbox
 }
 
 // Shows reports whether the runtime shows a sandbox of the pod with uid, ready or not.
