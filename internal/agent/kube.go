@@ -831,6 +831,23 @@ func NamespaceFromAPI(m *metav1.ObjectMeta) ipam.Namespace {
 	return ipam.Namespace{Labels: m.Labels, Pools: m.Annotations[podinfo.AnnotationPools]}
 }
 
+// resourceClaimNames are the ResourceClaims a pod uses: named ones in its spec, generated ones
+// (from a template) in its status.
+func resourceClaimNames(p *corev1.Pod) []string {
+	var out []string
+	for _, c := range p.Spec.ResourceClaims {
+		if c.ResourceClaimName != nil && *c.ResourceClaimName != "" {
+			out = append(out, *c.ResourceClaimName)
+		}
+	}
+	for _, c := range p.Status.ResourceClaimStatuses {
+		if c.ResourceClaimName != nil && *c.ResourceClaimName != "" && !slices.Contains(out, *c.ResourceClaimName) {
+			out = append(out, *c.ResourceClaimName)
+		}
+	}
+	return out
+}
+
 // PodMeta reads what pool choice needs of the pod namespace/name with uid (uid may be empty) and
 // its namespace: from the informer caches, which is the usual case at ADD and makes no API call
 // (the kubelet starts a sandbox after the pod is bound, and the agent's pod watch sees the binding
@@ -849,6 +866,7 @@ func (k *Kube) PodMeta(ctx context.Context, namespace, name, uid string) (ipam.P
 		meta.Pools, meta.IPAddresses = v.Pools, v.IPAddresses
 		meta.Identity, meta.Sticky = identityOf(v), v.Sticky
 		meta.NetworkAnnotations, meta.MigrationTarget = claimAnnotations(pod.Annotations), ipamclaim.MigrationTarget(pod.Labels)
+		meta.ResourceClaims = resourceClaimNames(&pod)
 	} else {
 		m := &metav1.PartialObjectMetadata{}
 		m.SetGroupVersionKind(corev1.SchemeGroupVersion.WithKind("Pod"))

@@ -166,10 +166,10 @@ func TestRealNodeDRA(t *testing.T) {
 
 	// The kubelet prepares a claim once per node: for a second pod of a claim already prepared it
 	// does not call the driver again (so the driver's refusal of a claim reserved for two pods
-	// never runs), and the second pod's sandbox is created. Its ADD finds no reservation of its
-	// own and gets an ordinary address of the pool: the claim's address stays the first pod's,
-	// but nothing tells the second that it has none of the claim's (docs/design.md, the gaps).
-	t.Run("a named claim shared by two pods gives the second none of its address", func(t *testing.T) {
+	// never runs), and the second pod's sandbox is created. Its ADD finds the claim's reservation
+	// made for the first pod and is refused, naming the claim and that pod (ipam.reservedForAnother):
+	// the second pod does not run, and the first keeps the claim's address.
+	t.Run("a named claim shared by two pods fails the second, visibly", func(t *testing.T) {
 		n.t = t
 		n.kubectl("scale", "-n", testNamespace, "deployment/dra", "--replicas=2")
 		n.waitDRAPods(ctx, 2)
@@ -177,13 +177,15 @@ func TestRealNodeDRA(t *testing.T) {
 		if _, err := n.kube.ResourceV1().ResourceClaims(testNamespace).Create(ctx, shared, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
 		}
-		mk := func(name string) {
+		mk := func(name string) string {
 			spec := sleeperPodSpec()
 			spec.ResourceClaims = []corev1.PodResourceClaim{{Name: "addr", ResourceClaimName: ptr.To("shared")}}
 			spec.Containers[0].Resources.Claims = []corev1.ResourceClaim{{Name: "addr"}}
-			if _, err := n.kube.CoreV1().Pods(testNamespace).Create(ctx, &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: testNamespace, Name: name}, Spec: spec}, metav1.CreateOptions{}); err != nil {
+			p, err := n.kube.CoreV1().Pods(testNamespace).Create(ctx, &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: testNamespace, Name: name}, Spec: spec}, metav1.CreateOptions{})
+			if err != nil {
 				t.Fatal(err)
 			}
+			return string(p.UID)
 		}
 		mk("shared-a")
 		var first string
@@ -200,22 +202,34 @@ func TestRealNodeDRA(t *testing.T) {
 			strings.Join(c.Status.Devices[0].NetworkData.IPs, ",") != first+"/"+fmt.Sprint(poolPrefix.Bits()) {
 			t.Fatalf("claim shared: %+v (%v), shared-a runs with %s", c.Status.Devices, err, first)
 		}
-		mk("shared-b")
-		time.Sleep(20 * time.Second)
-		n.scanNoDuplicates()
+		uidB := mk("shared-b")
+		want := "ResourceClaim " + testNamespace + "/shared's address"
+		n.waitOrDump(ctx, 2*time.Minute, func() error {
+			n.scanNoDuplicates()
+			b, err := n.kube.CoreV1().Pods(testNamespace).Get(ctx, "shared-b", metav1.GetOptions{})
+			if err != nil {
+				return err
+			}
+			if b.Status.PodIP != "" {
+				t.Fatalf("shared-b runs with %s; its claim's address is shared-a's %s", b.Status.PodIP, first)
+			}
+			evs, err := n.kube.CoreV1().Events(testNamespace).List(ctx, metav1.ListOptions{
+				FieldSelector: "involvedObject.uid=" + uidB + ",reason=FailedCreatePodSandBox"})
+			if err != nil {
+				return err
+			}
+			for _, e := range evs.Items {
+				if strings.Contains(e.Message, want) && strings.Contains(e.Message, "shared-a") {
+					return nil
+				}
+			}
+			return fmt.Errorf("no sandbox failure of shared-b naming %q and shared-a yet (%d failures)", want, len(evs.Items))
+		})
 		a, err := n.kube.CoreV1().Pods(testNamespace).Get(ctx, "shared-a", metav1.GetOptions{})
 		if err != nil || a.Status.Phase != corev1.PodRunning || a.Status.PodIP != first {
 			t.Fatalf("shared-a: %v %s %s, want it running with %s", err, a.Status.Phase, a.Status.PodIP, first)
 		}
-		b, err := n.kube.CoreV1().Pods(testNamespace).Get(ctx, "shared-b", metav1.GetOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		events := n.kubectl("get", "events", "-n", testNamespace, "--field-selector", "involvedObject.name=shared-b", "-o", "custom-columns=REASON:.reason,MESSAGE:.message", "--no-headers")
-		n.logf("DRA: shared-b is %s with %q on node %q; its events:\n%s", b.Status.Phase, b.Status.PodIP, b.Spec.NodeName, events)
-		if b.Status.PodIP == first {
-			t.Fatalf("shared-b runs with the claim's address %s, which shared-a has", first)
-		}
+		n.logf("DRA: the second pod of a named claim is refused, naming the claim and the first pod")
 		n.kubectl("delete", "pod", "-n", testNamespace, "shared-a", "shared-b", "--wait=true")
 		n.kubectl("delete", "resourceclaim", "-n", testNamespace, "shared", "--wait=true")
 	})

@@ -151,6 +151,11 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 		return Attachment{}, Change{}, err
 	}
 	resPicks := s.reservationPicks(req) // the pod's DRA reservations for this interface (dra.go)
+	if len(resPicks) == 0 {
+		if err := s.reservedForAnother(req); err != nil {
+			return Attachment{}, Change{}, err
+		}
+	}
 	pools = withReservationPools(pools, resPicks)
 	var ph *Attachment
 	if uid := req.Pod.UID; uid != "" {

@@ -60,6 +60,10 @@ type PodMeta struct {
 	// reads the claim from.
 	NetworkAnnotations map[string]string
 	MigrationTarget    bool
+	// ResourceClaims are the names of the ResourceClaims the pod uses (spec.resourceClaims'
+	// named claims and status.resourceClaimStatuses' generated ones), in its namespace: a DRA
+	// reservation of one of them made for another pod refuses the ADD (dra.go).
+	ResourceClaims []string
 }
 
 // PoolChoiceError is a pod's choice of pools that the agent refuses (CNI code 7): a malformed

@@ -192,6 +192,32 @@ func (s *State) reservationPicks(req AddRequest) map[string]Address {
 	return out
 }
 
+// reservedForAnother refuses (CNI code 11) the ADD of a pod that uses a ResourceClaim of the
+// driver whose reservation for this interface was made for another pod: a named claim shared by
+// two pods. The kubelet prepares a claim once per node, so the second pod's ADD is the first the
+// agent hears of it; it must not run with an ordinary address that its claim's networkData does
+// not name (issue 37). Nothing is taken from the first pod.
+func (s *State) reservedForAnother(req AddRequest) error {
+	if len(req.Meta.ResourceClaims) == 0 {
+		return nil
+	}
+	var first *Attachment // the lowest claim name, so the message does not change between tries
+	for _, a := range s.atts {
+		if a.DRA == nil || a.DRA.Interface != req.Key.IfName || a.DRA.Namespace != req.Pod.Namespace ||
+			!slices.Contains(req.Meta.ResourceClaims, a.DRA.Name) || a.Pod.UID == req.Pod.UID {
+			continue
+		}
+		if first == nil || a.DRA.Name < first.DRA.Name {
+			first = a
+		}
+	}
+	if first == nil {
+		return nil
+	}
+	return &ClaimError{Msg: fmt.Sprintf("ResourceClaim %s/%s's address for interface %s is reserved for pod %s: a claim of the driver ipam.ipwarden.io "+
+		"is one pod's address (give each pod its own claim, from a ResourceClaimTemplate)", first.DRA.Namespace, first.DRA.Name, req.Key.IfName, first.Pod)}
+}
+
 // withReservationPools returns pools followed by the pools of picks that it lacks, by name.
 func withReservationPools(pools []string, picks map[string]Address) []string {
 	var extra []string

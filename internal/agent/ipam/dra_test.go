@@ -1,7 +1,9 @@
 package ipam
 
 import (
+	"errors"
 	"slices"
+	"strings"
 	"testing"
 )
 
@@ -97,4 +99,54 @@ func TestClaimCapacities(t *testing.T) {
 			}
 		})
 	}
+}
+
+// A named ResourceClaim shared by two pods: the kubelet prepares it once per node, so the
+// second pod's ADD is the first the agent hears of it. It is refused (code 11, naming the claim
+// and the pod it is reserved for) instead of running with an ordinary address its claim's
+// networkData does not name; the first pod keeps the claim's address. A pod that uses other
+// claims, the reserved pod itself and another interface are not refused.
+func TestReservedForAnotherPod(t *testing.T) {
+	h := newHarness(t, poolV4)
+	h.hold("v4", "10.0.0.2-10.0.0.5")
+	h.reserve("a", "eth0") // claim "claim-a", reserved for pod ns/a
+	addAs := func(cid, ifname string, claims ...string) (Attachment, error) {
+		return h.addReq(AddRequest{Key: Key{ContainerID: cid, IfName: ifname}, Network: "net", Pod: PodRef{"ns", cid, "uid-" + cid},
+			Meta: PodMeta{ResourceClaims: claims}})
+	}
+	for _, tc := range []struct {
+		name, cid, ifname string
+		claims            []string
+		refused           bool
+	}{
+		{"the second pod of the named claim", "b", "eth0", []string{"claim-a"}, true},
+		{"a pod with other claims", "c", "eth0", []string{"claim-x", "claim-y"}, false},
+		{"another interface", "d", "net1", []string{"claim-a"}, false},
+		{"the reserved pod itself", "a", "eth0", []string{"claim-a"}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a, err := addAs(tc.cid, tc.ifname, tc.claims...)
+			var ce *ClaimError
+			if tc.refused != errors.As(err, &ce) {
+				t.Fatalf("ADD: %v, %v; want refused %v", a.Addresses, err, tc.refused)
+			}
+			if tc.refused && (!strings.Contains(ce.Msg, "ns/claim-a") || !strings.Contains(ce.Msg, "pod ns/a")) {
+				t.Fatalf("the refusal does not name the claim and its pod: %s", ce.Msg)
+			}
+			if tc.cid == "a" && (err != nil || len(a.Addresses) != 1 || a.Addresses[0].Addr != ip("10.0.0.2")) {
+				t.Fatalf("the reserved pod's ADD: %v, %v; want 10.0.0.2", a.Addresses, err)
+			}
+		})
+	}
+}
+
+func (h *harness) addReq(req AddRequest) (Attachment, error) {
+	h.t.Helper()
+	a, ch, err := h.s.Add(req, h.now)
+	if err != nil {
+		return a, err
+	}
+	h.commit(ch)
+	h.s.Apply(AddPlan{Key: req.Key, Change: ch})
+	return a, nil
 }
