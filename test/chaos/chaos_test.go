@@ -86,8 +86,9 @@ type chaos struct {
 	nodes    []*chaosNode
 	nodesMu  sync.RWMutex
 	seq      atomic.Int64
-	live     map[string]string // address -> pod of running pods ("a,b": two pods of one VM, vm_test.go)
-	vmAddr   map[string]string // VM -> its address (vm_test.go)
+	live     map[string]string  // address -> pod of running pods ("a,b": two pods of one VM, vm_test.go)
+	vmAddr   map[string]string  // VM -> its address (vm_test.go)
+	vmRuns   map[string]*podRun // VM launchers running now, by pod name (vm_test.go)
 	liveMu   sync.Mutex
 	running  map[string]*podRun // pods left running at the end, by name
 	counts   sync.Map           // name -> *atomic.Int64
@@ -117,6 +118,8 @@ const (
 )
 
 type podRun struct {
+	// gone: torn down by an etcd rewind that removed its Pod object (a VM's launcher, vm_test.go)
+	gone   bool
 	node   *chaosNode
 	pod    localcluster.Pod
 	ips    []string // eth0's
@@ -808,6 +811,9 @@ func (x *chaos) rewind(snapshot string) {
 		inAPI[p.Name] = true
 		pr, running := x.running[p.Name]
 		if !running {
+			pr, running = x.vmRuns[p.Name] // a VM's launcher runs on between its steps
+		}
+		if !running {
 			x.deletePod(p.Name) // deleted after the snapshot: it came back, but nothing runs it
 			continue
 		}
@@ -833,6 +839,22 @@ func (x *chaos) rewind(snapshot string) {
 		}
 		delete(x.running, name)
 		x.inc("running pods stopped by the rewind")
+	}
+	for name, pr := range x.vmRuns {
+		if inAPI[name] {
+			continue
+		}
+		// A VM's launcher created after the snapshot: stopped as above. Its VM starts again; the
+		// claim's binding and status may have rewound to before they existed (the claims were
+		// made before the snapshot), so its next address may be another one: never a duplicate.
+		x.delAll(pr, false)
+		for _, k := range pr.keys() {
+			x.dropLiveLocked(name, k)
+		}
+		pr.gone = true
+		delete(x.vmRuns, name)
+		delete(x.vmAddr, vmOf(name))
+		x.inc("VM launchers stopped by the rewind")
 	}
 }
 
@@ -1036,6 +1058,9 @@ func (x *chaos) quiesce() {
 		t.Logf("    %-44s %d", f, x.count(f))
 	}
 	t.Logf("  pods with net1 (storage network) %d, network-status written late %d", x.count("lifecycles with net1"), x.count("network-status written late"))
+	t.Logf("  VMs %d: starts %d, restarts %d, migrations %d (failed %d, given up %d), ADDs given up %d, launchers stopped by the rewind %d, address changed %d",
+		chaosVMs, x.count("VM starts"), x.count("VM restarts"), x.count("VM migrations"), x.count("VM migrations failed"), x.count("VM migrations given up"),
+		x.count("VM ADDs given up"), x.count("VM launchers stopped by the rewind"), x.count("VM address changed"))
 	t.Logf("  journals lost: removed %d, truncated %d, meta pages overwritten %d; agent kills that landed on an ADD's journal write %d",
 		x.count("journal removed"), x.count("journal truncated"), x.count("journal meta pages overwritten"), x.count(killLandedOnWrite))
 	t.Logf("  agent rollouts (every node in turn) %d; agents SIGKILLed 10 s after SIGTERM %d",

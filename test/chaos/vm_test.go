@@ -65,6 +65,7 @@ func (x *chaos) setupVMs(ctx context.Context) {
 		}
 	}
 	x.vmAddr = map[string]string{}
+	x.vmRuns = map[string]*podRun{}
 }
 
 // holdLive records pod's addresses in the ledger: a VM's pod may share an address only with one
@@ -92,17 +93,22 @@ func (x *chaos) dropLive(name string, keys []string) {
 	x.liveMu.Lock()
 	defer x.liveMu.Unlock()
 	for _, k := range keys {
-		var rest []string
-		for _, h := range strings.Split(x.live[k], ",") {
-			if h != name && h != "" {
-				rest = append(rest, h)
-			}
+		x.dropLiveLocked(name, k)
+	}
+}
+
+// dropLiveLocked is dropLive of one key, with liveMu held.
+func (x *chaos) dropLiveLocked(name, k string) {
+	var rest []string
+	for _, h := range strings.Split(x.live[k], ",") {
+		if h != name && h != "" {
+			rest = append(rest, h)
 		}
-		if len(rest) == 0 {
-			delete(x.live, k)
-		} else {
-			x.live[k] = strings.Join(rest, ",")
-		}
+	}
+	if len(rest) == 0 {
+		delete(x.live, k)
+	} else {
+		x.live[k] = strings.Join(rest, ",")
 	}
 }
 
@@ -149,13 +155,21 @@ func (x *chaos) vmLauncher(vm string, target bool) *podRun {
 		x.inc("VM address changed")
 		x.problem("VM %s's pod %s got %s, the VM had %s", vm, name, pr.ips[0], want)
 	}
+	x.vmRuns[name] = pr
 	x.liveMu.Unlock()
 	_ = retry(20*time.Second, func() error { return x.setRunning(name, pr.ips) })
 	return pr
 }
 
-// vmStop tears a launcher down: DEL, then the pod object goes.
+// vmStop tears a launcher down: DEL, then the pod object goes (already done when the etcd
+// rewind stopped it).
 func (x *chaos) vmStop(pr *podRun) {
+	x.liveMu.Lock()
+	delete(x.vmRuns, pr.pod.Name)
+	x.liveMu.Unlock()
+	if pr.gone {
+		return
+	}
 	x.dropLive(pr.pod.Name, pr.keys())
 	if !pr.node.deleted.Load() {
 		x.delAll(pr, false)
@@ -170,8 +184,11 @@ func (x *chaos) vmLifecycle(ctx context.Context, vm string) {
 	for ctx.Err() == nil {
 		x.quiet.RLock()
 		switch {
-		case src == nil || src.node.deleted.Load():
-			if src != nil {
+		case src == nil || src.node.deleted.Load() || src.gone:
+			if src != nil && !src.gone {
+				x.liveMu.Lock()
+				delete(x.vmRuns, src.pod.Name)
+				x.liveMu.Unlock()
 				x.dropLive(src.pod.Name, src.keys())
 				x.deletePod(src.pod.Name)
 			}
@@ -200,8 +217,9 @@ func (x *chaos) vmLifecycle(ctx context.Context, vm string) {
 		x.quiet.RUnlock()
 		time.Sleep(x.between(200*time.Millisecond, 2*time.Second))
 	}
-	if src != nil && !src.node.deleted.Load() {
+	if src != nil && !src.node.deleted.Load() && !src.gone {
 		x.liveMu.Lock()
+		delete(x.vmRuns, src.pod.Name)
 		x.running[src.pod.Name] = src
 		x.liveMu.Unlock()
 	}
