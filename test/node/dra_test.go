@@ -33,7 +33,7 @@ const draDriver = "ipam.ipwarden.io"
 func TestRealNodeDRA(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
 	defer cancel()
-	n := startNode(t, ctx)
+	n := startNodeIn(t, ctx, "dra", "dra-fs")
 	n.pool = ipwardenv1.IPPoolSpec{
 		Scaling:       ipwardenv1.Scaling{BatchSize: 2, BufferPercent: 50, MaxPerNode: 4},
 		ReuseCooldown: metav1.Duration{Duration: 0},

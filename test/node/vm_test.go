@@ -33,9 +33,13 @@ import (
 // (deploy/kustomize/agent.yaml): what ipam-extensions writes in a claim's spec.network.
 const vmNetwork = "ipwarden"
 
-// vmPoolCIDR is a /28: 13 addresses (.2 to .14; .1 is the gateway), so a Deployment of 12
+// vmPoolCIDR is the suite's /24 (the bridge cni0 keeps its gateway address 10.244.0.1/24 from
+// the tests before), cut to 13 addresses (.2 to .14) by vmPoolExclude, so a Deployment of 12
 // fills the pool beside one VM.
-var vmPoolCIDR = netip.MustParsePrefix("10.244.0.0/28")
+var (
+	vmPoolCIDR    = netip.MustParsePrefix("10.244.0.0/24")
+	vmPoolExclude = []ipwardenv1.IPOrCIDR{"10.244.0.15", "10.244.0.16/28", "10.244.0.32/27", "10.244.0.64/26", "10.244.0.128/25"}
+)
 
 type vmNode struct {
 	*realNode
@@ -53,6 +57,7 @@ func TestRealNodeVMAddresses(t *testing.T) {
 	n := startNodeIn(t, ctx, "vm", "vm-fs")
 	n.pool = ipwardenv1.IPPoolSpec{
 		CIDRs:   []ipwardenv1.CIDR{ipwardenv1.CIDR(vmPoolCIDR.String())},
+		Exclude: vmPoolExclude,
 		Gateway: "10.244.0.1",
 		// Addresses a scale-down leaves unused go back to the pool within seconds, so the
 		// controller has free ones to bind to new claims.
