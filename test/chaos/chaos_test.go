@@ -89,6 +89,7 @@ type chaos struct {
 	live     map[string]string  // address -> pod of running pods ("a,b": two pods of one VM, vm_test.go)
 	vmAddr   map[string]string  // VM -> its address (vm_test.go)
 	vmRuns   map[string]*podRun // VM launchers running now, by pod name (vm_test.go)
+	restored bool               // etcd was restored from a snapshot (under liveMu)
 	liveMu   sync.Mutex
 	running  map[string]*podRun // pods left running at the end, by name
 	counts   sync.Map           // name -> *atomic.Int64
@@ -846,6 +847,7 @@ func (x *chaos) rewind(snapshot string) {
 	// new address: never one another pod has (the ledger checks that), but not the one it had.
 	// So a rewind starts every VM's address afresh (a known gap: docs/design.md, "VM addresses").
 	clear(x.vmAddr)
+	x.restored = true
 	for name, pr := range x.vmRuns {
 		if inAPI[name] {
 			continue
@@ -1063,9 +1065,9 @@ func (x *chaos) quiesce() {
 		t.Logf("    %-44s %d", f, x.count(f))
 	}
 	t.Logf("  pods with net1 (storage network) %d, network-status written late %d", x.count("lifecycles with net1"), x.count("network-status written late"))
-	t.Logf("  VMs %d: starts %d, restarts %d, migrations %d (failed %d, given up %d), ADDs given up %d, launchers stopped by the rewind %d, address changed %d",
+	t.Logf("  VMs %d: starts %d, restarts %d, migrations %d (failed %d, given up %d), ADDs given up %d, launchers stopped by the rewind %d, address changed %d (after the etcd restore %d)",
 		chaosVMs, x.count("VM starts"), x.count("VM restarts"), x.count("VM migrations"), x.count("VM migrations failed"), x.count("VM migrations given up"),
-		x.count("VM ADDs given up"), x.count("VM launchers stopped by the rewind"), x.count("VM address changed"))
+		x.count("VM ADDs given up"), x.count("VM launchers stopped by the rewind"), x.count("VM address changed"), x.count("VM address changed after the etcd restore"))
 	t.Logf("  journals lost: removed %d, truncated %d, meta pages overwritten %d; agent kills that landed on an ADD's journal write %d",
 		x.count("journal removed"), x.count("journal truncated"), x.count("journal meta pages overwritten"), x.count(killLandedOnWrite))
 	t.Logf("  agent rollouts (every node in turn) %d; agents SIGKILLed 10 s after SIGTERM %d",

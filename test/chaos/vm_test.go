@@ -151,6 +151,11 @@ func (x *chaos) vmLauncher(vm string, target bool) *podRun {
 	x.liveMu.Lock()
 	if want, ok := x.vmAddr[vm]; !ok {
 		x.vmAddr[vm] = pr.ips[0]
+	} else if want != pr.ips[0] && x.restored {
+		// After the etcd restore a binding made after the backup may be lost, or recorded
+		// again from a rewound spec: a known gap (docs/design.md, "VM addresses"), counted.
+		x.vmAddr[vm] = pr.ips[0]
+		x.inc("VM address changed after the etcd restore")
 	} else if want != pr.ips[0] {
 		x.inc("VM address changed")
 		x.problem("VM %s's pod %s got %s, the VM had %s", vm, name, pr.ips[0], want)
