@@ -2,10 +2,7 @@ package node
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
-	"net/netip"
-	"os/exec"
 	"path/filepath"
 	"sort"
 	"strings"
@@ -427,26 +424,5 @@ func (n *realNode) waitDRAPods(ctx context.Context, want int) []corev1.Pod {
 
 // agentReservations asks the agent for its DRA reservations: address -> pod name.
 func agentReservations() (map[string]string, error) {
-	out, err := exec.Command(prep.Ipwarden, "agent", "list", "-o", "json", "--socket", cniproto.DefaultSocket).Output()
-	if err != nil {
-		return nil, fmt.Errorf("ipwarden agent list: %v", err)
-	}
-	var resp struct{ Attachments []cniproto.Attachment }
-	if err := json.Unmarshal(out, &resp); err != nil {
-		return nil, err
-	}
-	got := map[string]string{}
-	for _, a := range resp.Attachments {
-		if !strings.HasPrefix(a.ContainerID, "dra:") {
-			continue
-		}
-		for _, ip := range a.IPs {
-			if p, err := netip.ParsePrefix(ip.Address); err == nil {
-				got[p.Addr().String()] = a.Pod.Name
-			} else {
-				got[ip.Address] = a.Pod.Name
-			}
-		}
-	}
-	return got, nil
+	return agentAddresses(func(a cniproto.Attachment) bool { return strings.HasPrefix(a.ContainerID, "dra:") })
 }

@@ -614,10 +614,15 @@ func (n *realNode) checkAttachments(ctx context.Context, pods []pod) {
 	}
 }
 
-// checkClean runs ipwarden check against the cluster and the agent and returns its report.
 // agentAttachments asks the agent (ipwarden agent list on its socket) for its attachments:
 // address -> pod name.
 func agentAttachments() (map[string]string, error) {
+	return agentAddresses(func(cniproto.Attachment) bool { return true })
+}
+
+// agentAddresses asks the agent (ipwarden agent list on its socket) for the addresses of the
+// attachments keep selects: address -> pod name.
+func agentAddresses(keep func(cniproto.Attachment) bool) (map[string]string, error) {
 	out, err := exec.Command(prep.Ipwarden, "agent", "list", "-o", "json", "--socket", cniproto.DefaultSocket).Output()
 	if err != nil {
 		return nil, fmt.Errorf("ipwarden agent list: %v", err)
@@ -628,6 +633,9 @@ func agentAttachments() (map[string]string, error) {
 	}
 	got := map[string]string{}
 	for _, a := range resp.Attachments {
+		if !keep(a) {
+			continue
+		}
 		for _, ip := range a.IPs {
 			addr := ip.Address
 			if p, err := netip.ParsePrefix(addr); err == nil {
@@ -639,6 +647,7 @@ func agentAttachments() (map[string]string, error) {
 	return got, nil
 }
 
+// checkClean runs ipwarden check against the cluster and the agent and returns its report.
 func (n *realNode) checkClean(ctx context.Context) string {
 	out, err := exec.CommandContext(ctx, prep.Ipwarden, "check", "--kubeconfig", n.cp.Kubeconfig, "--grace=0s",
 		"--agent", nodeName+"="+cniproto.DefaultSocket).CombinedOutput()
