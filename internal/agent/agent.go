@@ -181,7 +181,7 @@ func Run(ctx context.Context, cfg Config) error {
 	}()
 
 	svc := NewService(st, j, ServiceOptions{Node: cfg.Node, AddressWait: cfg.AddressWait, GCGrace: cfg.GCGrace, GCDryRun: cfg.GCDryRun,
-		LeaseNamespace: cfg.LeaseNamespace, Gated: true, NetnsDirs: cfg.NetnsDirs, RebuildHold: cfg.RebuildHold, HoldDir: cfg.StateDir,
+		LeaseNamespace: cfg.LeaseNamespace, Gated: true, ReadsPods: true, NetnsDirs: cfg.NetnsDirs, RebuildHold: cfg.RebuildHold, HoldDir: cfg.StateDir,
 		Log: log.WithName("service"), Metrics: metrics})
 	offline := start.offline
 	svc.setServeOffline(offline)

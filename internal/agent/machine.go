@@ -663,6 +663,11 @@ func (m *Machine) addWritten(r *mreq, err error) {
 	}
 	att := r.att
 	m.log.V(1).Info("ADD", "attachment", cniproto.Truncate(r.key.String(), logIDBytes), "pod", att.Pod.String(), "addresses", fmtAddresses(att.Addresses))
+	if att.Claim != nil {
+		// A VM's address (rare, and the one an operator asks about later).
+		m.log.Info("handed out an IPAMClaim's address", "attachment", cniproto.Truncate(r.key.String(), logIDBytes), "pod", att.Pod.String(),
+			"claim", att.Claim.String(), "uid", att.Claim.UID, "addresses", fmtAddresses(att.Addresses), "migrationTarget", att.Claim.MigrationTarget)
+	}
 	if on, _ := m.st.Hold(); on {
 		m.evaluateHold()
 	}

@@ -85,7 +85,12 @@ func (s *Service) setServeOffline(ok bool) { s.read(func(m *Machine) { m.SetServ
 func (s *Service) setStage(stage string) { s.read(func(m *Machine) { m.SetStage(stage) }) }
 
 // setAPIError says why the API server cannot be reached yet.
-func (s *Service) setAPIError(err error) { s.read(func(m *Machine) { m.SetAPIError(err) }) }
+func (s *Service) setAPIError(err error) {
+	s.read(func(m *Machine) { m.SetAPIError(err) })
+	if err != nil && s.getHooks().podMeta == nil {
+		s.reader.awayOnce.Do(func() { close(s.reader.away) }) // pod reads wait no more (podReader)
+	}
+}
 
 // setSynced says the first reconciliation with the API server is done.
 func (s *Service) setSynced() { s.read(func(m *Machine) { m.SetSynced() }) }

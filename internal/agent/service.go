@@ -44,6 +44,7 @@ type Service struct {
 	now        func() time.Time
 	gcGrace    time.Duration
 	gcDryRunOn bool
+	readsPods  bool // ServiceOptions.ReadsPods
 	holdDir    string
 	netnsDirs  []string
 	gcr        *gcReporter
@@ -63,6 +64,25 @@ type Service struct {
 	handingBack atomic.Bool
 	// prev reads the previous IPAM's reservations at ADDs (previous.go).
 	prev previousReads
+	// reader is how an ADD's pod read waits for the pod reader while the agent starts.
+	reader podReader
+}
+
+// podReader is the start-up's pod reader (ServiceOptions.ReadsPods): an ADD's pod read waits
+// until SetPodMeta sets the reader (the informers are created: the usual start, about a
+// second), or until the API server is found away (setAPIError), when the ADD is served from
+// the journal without the pod's annotations as documented (docs/design.md, "The agent serves
+// from its journal"). Without the wait an ADD in that second was served as if its pod had no
+// annotations: a VM's launcher got an ordinary address instead of its IPAMClaim's.
+type podReader struct {
+	ready    chan struct{} // closed by SetPodMeta
+	away     chan struct{} // closed by the first setAPIError before ready
+	once     sync.Once
+	awayOnce sync.Once
+}
+
+func newPodReader() podReader {
+	return podReader{ready: make(chan struct{}), away: make(chan struct{})}
 }
 
 // waiter is a caller waiting on an answer of the machine.
@@ -94,6 +114,9 @@ type ServiceOptions struct {
 	// Gated: ADD is served only as the gate allows (the node's Lease, the first reconciliation
 	// or a journal with holdings; see gate). Run sets it; tests of the request paths leave it off.
 	Gated bool
+	// ReadsPods: the agent reads pods from the API server (Run sets it): an ADD's pod read
+	// waits for the reader while the agent starts (podReader).
+	ReadsPods bool
 	// Now is the clock (time.Now when nil).
 	Now     func() time.Time
 	Log     logr.Logger
@@ -126,9 +149,11 @@ func NewService(st *ipam.State, journal Committer, opts ServiceOptions) *Service
 				return ipam.SandboxGone
 			}
 			return ipam.SandboxUnknown
-		}, Gated: opts.Gated, LeaseNamespace: opts.LeaseNamespace, Log: opts.Log, Metrics: opts.Metrics})
+		}, Gated: opts.Gated, ReadsPods: opts.ReadsPods, LeaseNamespace: opts.LeaseNamespace, Log: opts.Log, Metrics: opts.Metrics})
 	m.SetReady(false, opts.Now()) // SetReady(true) once the start-up let it serve
 	return &Service{
+		readsPods:  opts.ReadsPods,
+		reader:     newPodReader(),
 		node:       opts.Node,
 		journal:    journal,
 		now:        opts.Now,
@@ -174,7 +199,7 @@ func (s *Service) setHook(set func(*hooks)) {
 		h := s.getHooks()
 		set(&h)
 		s.hooks.Store(&h)
-		m.cfg.ReadsPods = h.podMeta != nil
+		m.cfg.ReadsPods = s.readsPods || h.podMeta != nil
 	})
 }
 
@@ -344,6 +369,22 @@ func (s *Service) perform(w Write) {
 func (s *Service) readPod(ctx context.Context, r PodRead) {
 	var meta ipam.PodMeta
 	err := errors.New("the agent cannot read pods")
+	if s.getHooks().podMeta == nil && s.readsPods {
+		select {
+		case <-s.reader.ready:
+		case <-s.reader.away:
+			// The API server is away while the agent starts: the ADD is served from the
+			// journal, as if its pod had no annotations (a claim named in args.cni is still
+			// refused: claimMeta reads no claim).
+			s.log.Info("the API server is away: serving an ADD from the journal without its pod's annotations",
+				"pod", r.Namespace+"/"+r.Name)
+			meta = claimMeta(ctx, r, ipam.PodMeta{}, nil)
+			s.step(func(m *Machine, now time.Time) { m.PodRead(r.ID, meta, nil, now) })
+			return
+		case <-ctx.Done():
+			err = fmt.Errorf("the agent is still connecting to the API server: %w", ctx.Err())
+		}
+	}
 	if f := s.getHooks().podMeta; f != nil {
 		rctx, cancel := context.WithTimeout(ctx, podMetaTimeout)
 		meta, err = f(rctx, r.Namespace, r.Name, r.UID)
@@ -571,6 +612,9 @@ func (s *Service) SetClaimReader(f func(ctx context.Context, namespace, name str
 // SetPodMeta sets how an ADD reads its pod's annotations and namespace (Kube.PodMeta).
 func (s *Service) SetPodMeta(f func(ctx context.Context, namespace, name, uid string) (ipam.PodMeta, error)) {
 	s.setHook(func(h *hooks) { h.podMeta = f })
+	if f != nil {
+		s.reader.once.Do(func() { close(s.reader.ready) })
+	}
 }
 
 // ReasonHoldExpired is the Warning event on the node's NodeIPAllocation when the hold after a

@@ -87,6 +87,10 @@ func (m *Machine) claimsAnswered(alloc *ipwardenv1.NodeIPAllocation, f *Fill, no
 				m.metrics.ClaimRefusals.WithLabelValues(ans.Code).Inc()
 				m.event(r.obj, corev1.EventTypeWarning, ans.Code, "node %s, pod %s: %s", alloc.Name, ans.Pod, ans.Reason)
 			}
+			if ans.Granted && (r.last == nil || !r.last.Granted || r.last.Addr != ans.Addr) {
+				m.log.Info("granted an IPAMClaim's address", "node", alloc.Name, "pod", ans.Pod, "claim", ans.Key.String(), "uid", ans.UID,
+					"pool", ans.Pool, "address", ans.Addr.String(), "shared", ans.Shared)
+			}
 			a := ans
 			r.last = &a
 			m.syncClaim(ans.Key, now)

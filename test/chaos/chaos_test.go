@@ -30,6 +30,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -95,6 +96,17 @@ type chaos struct {
 	counts   sync.Map           // name -> *atomic.Int64
 	problems []string
 	probMu   sync.Mutex
+	// timeline is the run's faults and VM launches with their time, printed when the run
+	// failed (a seed does not replay: the order of events is what explains a finding).
+	timeline []string
+	began    time.Time
+}
+
+// note adds an entry to the run's timeline.
+func (x *chaos) note(format string, a ...any) {
+	x.probMu.Lock()
+	defer x.probMu.Unlock()
+	x.timeline = append(x.timeline, fmt.Sprintf("%6.1fs ", time.Since(x.began).Seconds())+fmt.Sprintf(format, a...))
 }
 
 type chaosNode struct {
@@ -132,6 +144,9 @@ type podRun struct {
 func ledgerKey(network, ip string) string { return network + "/" + ip }
 
 func (x *chaos) inc(name string) {
+	if slices.Contains(faultNames, name) {
+		x.note("fault: %s", name)
+	}
 	v, _ := x.counts.LoadOrStore(name, new(atomic.Int64))
 	v.(*atomic.Int64).Add(1)
 }
@@ -172,6 +187,7 @@ func TestChaos(t *testing.T) {
 	t.Logf("chaos seed %d (rerun with -chaos.seed=%d), duration %s", s, s, *duration)
 	x := &chaos{t: t, rng: rand.New(rand.NewPCG(s, s>>1|1)), live: map[string]string{}, running: map[string]*podRun{}}
 	x.setup()
+	x.began = time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), *duration)
 	defer cancel()
 
@@ -454,6 +470,14 @@ func (x *chaos) lifecycle(ctx context.Context) {
 		// Every tenth pod runs to the end, through every fault: its address must not change.
 		// At most maxLongRunning per node, so a long run does not fill nodes to maxPerNode.
 		x.liveMu.Lock()
+		if n.deleted.Load() {
+			// The node was deleted while the pod started: its pods went with it (deleteNode,
+			// which checks this under liveMu too).
+			x.liveMu.Unlock()
+			x.dropLive(name, pr.keys())
+			x.inc("lifecycles")
+			return
+		}
 		onNode := 0
 		for _, pr := range x.running {
 			if pr.node == n {
@@ -680,6 +704,11 @@ const (
 	faultKillDuringWrite = "kill -9 agent timed on an ADD's journal write"
 	killLandedOnWrite    = "kill -9 landed on an ADD's journal write"
 )
+
+// faultNames are the faults a run injects (counted, and noted in the timeline).
+var faultNames = []string{"kill -9 agent", faultKillDuringWrite, faultLostJournal, "SIGTERM agent (stop, start again)", "kill -9 controller", "leader paused past its lease", "NodeIPAllocation deleted (controllers up)",
+	"NodeIPAllocation deleted (controllers down)", "API server restart", "etcd restart", "etcd restored from a snapshot",
+	"watch connections cut", "node deleted mid-churn"}
 
 // killAgent sends the agent kill -9 and counts a kill that landed while an ADD's journal write
 // was in flight (the slow-add-write failpoint's marker outlives the kill).
@@ -1050,9 +1079,7 @@ func (x *chaos) quiesce() {
 			}
 		}
 	}
-	faults := []string{"kill -9 agent", faultKillDuringWrite, faultLostJournal, "SIGTERM agent (stop, start again)", "kill -9 controller", "leader paused past its lease", "NodeIPAllocation deleted (controllers up)",
-		"NodeIPAllocation deleted (controllers down)", "API server restart", "etcd restart", "etcd restored from a snapshot",
-		"watch connections cut", "node deleted mid-churn"}
+	faults := faultNames
 	var total int64
 	for _, f := range faults {
 		total += x.count(f)
@@ -1088,6 +1115,9 @@ func (x *chaos) quiesce() {
 	}
 	for _, p := range x.problems {
 		t.Error(p)
+	}
+	if t.Failed() {
+		t.Logf("timeline (faults, VM launches):\n%s", strings.Join(x.timeline, "\n"))
 	}
 	if x.count("SIGTERM agent (stop, start again)") == 0 {
 		t.Errorf("no agent was stopped with SIGTERM: the run is too short for its rollout (-chaos.duration)")

@@ -148,6 +148,7 @@ func (x *chaos) vmLauncher(vm string, target bool) *podRun {
 		return nil
 	}
 	x.holdLive(name, pr.keys())
+	x.note("VM %s: pod %s on %s got %s (migration target %v)", vm, name, n.name, pr.ips[0], target)
 	x.liveMu.Lock()
 	if want, ok := x.vmAddr[vm]; !ok {
 		x.vmAddr[vm] = pr.ips[0]
@@ -175,6 +176,7 @@ func (x *chaos) vmStop(pr *podRun) {
 	if pr.gone {
 		return
 	}
+	x.note("VM %s: pod %s on %s stopped", vmOf(pr.pod.Name), pr.pod.Name, pr.node.name)
 	x.dropLive(pr.pod.Name, pr.keys())
 	if !pr.node.deleted.Load() {
 		x.delAll(pr, false)
@@ -222,10 +224,12 @@ func (x *chaos) vmLifecycle(ctx context.Context, vm string) {
 		x.quiet.RUnlock()
 		time.Sleep(x.between(200*time.Millisecond, 2*time.Second))
 	}
-	if src != nil && !src.node.deleted.Load() && !src.gone {
+	if src != nil && !src.gone {
 		x.liveMu.Lock()
 		delete(x.vmRuns, src.pod.Name)
-		x.running[src.pod.Name] = src
+		if !src.node.deleted.Load() { // under liveMu, as deleteNode clears its node's pods
+			x.running[src.pod.Name] = src
+		}
 		x.liveMu.Unlock()
 	}
 }
