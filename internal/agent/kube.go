@@ -852,7 +852,7 @@ func resourceClaimNames(p *corev1.Pod) []string {
 // its namespace: from the informer caches, which is the usual case at ADD and makes no API call
 // (the kubelet starts a sandbox after the pod is bound, and the agent's pod watch sees the binding
 // as soon as the kubelet's does). On a miss (the watch has not delivered the pod yet, an older
-// pod of the same name, or a pod the API server does not know) it reads the metadata from the API
+// pod of the same name, or a pod the API server does not know) it reads the pod from the API
 // server once, on a client without client-side rate limit (the agent's own requests never delay
 // an ADD). A pod the API server does not know has no annotations. An error means the pod or its
 // namespace could not be read at all (the API server is away): the caller must not choose pools
@@ -860,27 +860,28 @@ func resourceClaimNames(p *corev1.Pod) []string {
 func (k *Kube) PodMeta(ctx context.Context, namespace, name, uid string) (ipam.PodMeta, error) {
 	var meta ipam.PodMeta
 	var pod corev1.Pod
-	err := k.cache.Get(ctx, client.ObjectKey{Namespace: namespace, Name: name}, &pod)
-	if err == nil && (uid == "" || string(pod.UID) == uid) {
+	key := client.ObjectKey{Namespace: namespace, Name: name}
+	found := false
+	if err := k.cache.Get(ctx, key, &pod); err == nil && (uid == "" || string(pod.UID) == uid) {
+		found = true
+	} else {
+		// The pod itself, not its metadata only: its spec names the ResourceClaims it uses
+		// (a shared named claim is refused at ADD, ipam.reservedForAnother).
+		pod = corev1.Pod{}
+		switch err := k.meta.Get(ctx, key, &pod); {
+		case err == nil:
+			found = true
+		case podNotFound(err, name):
+		default:
+			return meta, fmt.Errorf("read pod %s/%s: %w", namespace, name, err)
+		}
+	}
+	if found {
 		v := podinfo.Of(&pod)
 		meta.Pools, meta.IPAddresses = v.Pools, v.IPAddresses
 		meta.Identity, meta.Sticky = identityOf(v), v.Sticky
 		meta.NetworkAnnotations, meta.MigrationTarget = claimAnnotations(pod.Annotations), ipamclaim.MigrationTarget(pod.Labels)
 		meta.ResourceClaims = resourceClaimNames(&pod)
-	} else {
-		m := &metav1.PartialObjectMetadata{}
-		m.SetGroupVersionKind(corev1.SchemeGroupVersion.WithKind("Pod"))
-		err := k.meta.Get(ctx, client.ObjectKey{Namespace: namespace, Name: name}, m)
-		switch {
-		case err == nil:
-			v := podinfo.Of(&corev1.Pod{ObjectMeta: m.ObjectMeta})
-			meta.Pools, meta.IPAddresses = v.Pools, v.IPAddresses
-			meta.Identity, meta.Sticky = identityOf(v), v.Sticky
-			meta.NetworkAnnotations, meta.MigrationTarget = claimAnnotations(m.Annotations), ipamclaim.MigrationTarget(m.Labels)
-		case podNotFound(err, name):
-		default:
-			return meta, fmt.Errorf("read pod %s/%s: %w", namespace, name, err)
-		}
 	}
 	var ns corev1.Namespace
 	if err := k.cache.Get(ctx, client.ObjectKey{Name: namespace}, &ns); err == nil {

@@ -1,14 +1,21 @@
 package agent
 
 import (
+	"context"
+	"slices"
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
+	"sigs.k8s.io/controller-runtime/pkg/cache"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/client/fake"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
+	"github.com/ipwarden/ipwarden/internal/ipamclaim"
 )
 
 // The client an ADD reads a pod's metadata with when the watch lacks it has no client-side rate
@@ -78,4 +85,33 @@ func TestDecidePublish(t *testing.T) {
 			t.Errorf("%s: decidePublish = %d, want %d", tc.name, got, tc.want)
 		}
 	}
+}
+
+// A pod the informer has not delivered yet is read whole from the API server: the ResourceClaims
+// its spec names reach the ADD (a shared named claim is refused, ipam.reservedForAnother), with
+// its annotations. The cache here knows no pod (a real watch's lag); the API server has it.
+func TestPodMetaOnACacheMissReadsTheSpec(t *testing.T) {
+	claim := "shared"
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "app", Name: "web-2", UID: "uid-web-2",
+		Annotations: map[string]string{ipamclaim.AnnotationPrimaryClaim: "vm"}},
+		Spec: corev1.PodSpec{ResourceClaims: []corev1.PodResourceClaim{{Name: "addr", ResourceClaimName: &claim}}}}
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "app"}}
+	k := &Kube{cache: readerCache{r: fake.NewClientBuilder().WithObjects(ns.DeepCopy()).Build()}, meta: fake.NewClientBuilder().WithObjects(pod, ns).Build()}
+	meta, err := k.PodMeta(context.Background(), "app", "web-2", "uid-web-2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(meta.ResourceClaims, []string{"shared"}) || meta.NetworkAnnotations[ipamclaim.AnnotationPrimaryClaim] != "vm" {
+		t.Fatalf("PodMeta on a cache miss: claims %v, annotations %v; want [shared] and the claim reference", meta.ResourceClaims, meta.NetworkAnnotations)
+	}
+}
+
+// readerCache is a cache.Cache whose reads come from a client (only Get is used here).
+type readerCache struct {
+	cache.Cache
+	r client.Reader
+}
+
+func (c readerCache) Get(ctx context.Context, key client.ObjectKey, obj client.Object, opts ...client.GetOption) error {
+	return c.r.Get(ctx, key, obj, opts...)
 }

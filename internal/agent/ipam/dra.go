@@ -268,10 +268,10 @@ func (s *State) ClaimPrefixes(att Attachment) []netip.Prefix {
 
 // ClaimCapacity is what a pool lets the node promise DRA claims: Reserved addresses are held by
 // reservations now; Headroom is how many reservations in all the node could hold (the reserved
-// ones included): its maxPerNode less the addresses other attachments use (those it is giving
-// back count as available: the controller takes them back within seconds), or, while the pool is
-// exhausted (the controller has nothing more to grant), the reserved ones and what the node
-// could hand out now.
+// ones included): its maxPerNode less the addresses other attachments use and the IPAMClaim-bound
+// addresses it holds idle (those it is giving back count as available: the controller takes them
+// back within seconds), or, while the pool is exhausted (the controller has nothing more to
+// grant), the reserved ones and what the node could hand out now, bound addresses excepted.
 type ClaimCapacity struct {
 	Pool     string
 	Network  string
@@ -301,12 +301,19 @@ func (s *State) ClaimCapacities(now time.Time) []ClaimCapacity {
 				other++
 			}
 		}
+		// Addresses bound to an IPAMClaim that the node holds while no attachment uses them
+		// (a VM between its launchers) are no one else's: they are not headroom, and they take
+		// a place within maxPerNode like an address in use.
+		idleBound := 0
+		if p.heldKnown {
+			idleBound = count(s.claimBound(name).Intersect(p.held).Subtract(p.inUseSet()))
+		}
 		if p.cfg.Exhausted || p.cfg.Scaling.MaxPerNode <= 0 {
-			c.Headroom = c.Reserved + free[name]
+			c.Headroom = c.Reserved + max(free[name]-idleBound, 0)
 		} else {
 			// Addresses the node is giving back are not subtracted: they leave its holding within
 			// seconds, and counting them would shrink and regrow the slots at every scale-down.
-			c.Headroom = max(c.Reserved, p.cfg.Scaling.MaxPerNode-other)
+			c.Headroom = max(c.Reserved, p.cfg.Scaling.MaxPerNode-other-idleBound)
 		}
 		out = append(out, c)
 	}

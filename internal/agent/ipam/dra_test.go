@@ -74,6 +74,7 @@ func TestClaimCapacities(t *testing.T) {
 		exhausted bool
 		adds      int // other pods' attachments
 		reserve   bool
+		bound     string // an address the pool binds to an IPAMClaim, held idle
 		want      ClaimCapacity
 	}{
 		{name: "empty node", want: ClaimCapacity{Pool: "v4", IPv4: true, Headroom: 16, MaxPerNode: 16}},
@@ -81,10 +82,17 @@ func TestClaimCapacities(t *testing.T) {
 		{name: "a reservation counts within", adds: 1, reserve: true, want: ClaimCapacity{Pool: "v4", IPv4: true, Reserved: 1, Headroom: 15, MaxPerNode: 16}},
 		{name: "exhausted: what the node holds free", exhausted: true, adds: 1, reserve: true,
 			want: ClaimCapacity{Pool: "v4", IPv4: true, Reserved: 1, Headroom: 3, MaxPerNode: 16}},
+		{name: "a VM's idle address is not headroom", adds: 1, bound: "10.0.0.5",
+			want: ClaimCapacity{Pool: "v4", IPv4: true, Headroom: 14, MaxPerNode: 16}},
+		{name: "exhausted: a VM's idle address is not free for claims", exhausted: true, adds: 1, bound: "10.0.0.5",
+			want: ClaimCapacity{Pool: "v4", IPv4: true, Headroom: 2, MaxPerNode: 16}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			pool := poolV4
 			pool.Exhausted = tc.exhausted
+			if tc.bound != "" {
+				pool.Claims = []ClaimBinding{{Namespace: "ns", Name: "vm", UID: "vm-uid", Addr: ip(tc.bound)}}
+			}
 			h := newHarness(t, pool)
 			h.hold("v4", "10.0.0.2-10.0.0.5")
 			for i := range tc.adds {
