@@ -3,9 +3,12 @@ package node
 import (
 	"context"
 	"fmt"
+	"os"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -271,6 +274,63 @@ func TestRealNodeDRA(t *testing.T) {
 		n.waitDRAPods(ctx, 2)
 	})
 
+	// kill -9 of the agent between Prepare's journal write and its status write. The status
+	// write is held failing (the status RBAC removed, as above) so the kill lands in that window
+	// for sure; the restarted agent has the reservation from its journal, and once the RBAC is
+	// back the kubelet's retry of Prepare gets the same address and writes one status entry.
+	t.Run("kill -9 between the journal write and the status write: the retry gets the same address and one status entry", func(t *testing.T) {
+		n.t = t
+		n.kubectl("scale", "-n", testNamespace, "deployment/dra", "--replicas=0")
+		n.waitOrDump(ctx, 2*time.Minute, func() error {
+			if res, err := agentReservations(); err != nil || len(res) > 0 {
+				return fmt.Errorf("reservations %v (%v)", res, err)
+			}
+			return nil
+		})
+		n.kubectl("patch", "clusterrole", "ipwarden-agent-dra", "--type=json", "-p", `[{"op":"test","path":"/rules/2/resources/0","value":"resourceclaims/status"},{"op":"remove","path":"/rules/2"}]`)
+		n.kubectl("scale", "-n", testNamespace, "deployment/dra", "--replicas=1")
+		var reserved, victim string
+		n.waitOrDump(ctx, 2*time.Minute, func() error {
+			res, err := agentReservations()
+			if err != nil || len(res) != 1 {
+				return fmt.Errorf("reservations %v (%v), want the failing Prepare's one", res, err)
+			}
+			for a, pod := range res {
+				reserved, victim = a, pod
+			}
+			return nil
+		})
+		pid, err := agentPID()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+			t.Fatal(err)
+		}
+		n.logf("DRA: agent (pid %d) killed with %s reserved for %s and its claim's status not written", pid, reserved, victim)
+		n.waitOrDump(ctx, 3*time.Minute, func() error {
+			if p, err := agentPID(); err != nil || p == pid {
+				return fmt.Errorf("no new agent process yet (%v)", err)
+			}
+			res, err := agentReservations()
+			if err != nil {
+				return err
+			}
+			if res[reserved] != victim || len(res) != 1 {
+				return fmt.Errorf("reservations after the restart %v, want %s for %s", res, reserved, victim)
+			}
+			return nil
+		})
+		n.kubectl("apply", "-k", filepath.Join(n.dir, "overlay"))
+		pods := n.waitDRAPods(ctx, 1) // one status entry, networkData equal to the pod's IPs
+		if pods[0].Name != victim || pods[0].Status.PodIP != reserved {
+			t.Fatalf("pod %s runs with %s; want %s with %s, reserved before the kill", pods[0].Name, pods[0].Status.PodIP, victim, reserved)
+		}
+		n.logf("DRA: after the kill the kubelet's retry gave %s the address reserved before it, %s, with one status entry", victim, reserved)
+		n.kubectl("scale", "-n", testNamespace, "deployment/dra", "--replicas=2")
+		n.waitDRAPods(ctx, 2)
+	})
+
 	// The agent is down while a pod and its claim are force-deleted: no Unprepare reaches it.
 	// Once it is back, its level reconcile finds the claim gone and releases the reservation.
 	t.Run("agent down while a pod and its claim are force-deleted: the address comes back", func(t *testing.T) {
@@ -425,4 +485,27 @@ func (n *realNode) waitDRAPods(ctx context.Context, want int) []corev1.Pod {
 // agentReservations asks the agent for its DRA reservations: address -> pod name.
 func agentReservations() (map[string]string, error) {
 	return agentAddresses(func(a cniproto.Attachment) bool { return strings.HasPrefix(a.ContainerID, "dra:") })
+}
+
+// agentPID is the pid of the ipwarden agent process the kubelet runs on this machine.
+func agentPID() (int, error) {
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return 0, err
+	}
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		cmdline, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
+		if err != nil {
+			continue
+		}
+		args := strings.Split(strings.TrimRight(string(cmdline), "\x00"), "\x00")
+		if len(args) > 1 && filepath.Base(args[0]) == "ipwarden" && args[1] == "agent" && !(len(args) > 2 && args[2] == "list") {
+			return pid, nil
+		}
+	}
+	return 0, fmt.Errorf("no ipwarden agent process")
 }
