@@ -393,10 +393,13 @@ func (k *Kube) pushRecord(ctx context.Context, node *corev1.Node) error {
 // setRecord hands the service the node's holdings from nipa; fresh says nipa comes from the API
 // server itself (only then may it count as a rewind).
 func (k *Kube) setRecord(nipa *ipwardenv1.NodeIPAllocation, fresh bool) error {
-	rec := RecordOf{UID: string(nipa.UID), Generation: nipa.Generation}
-	if fresh {
-		rec.Rewound = k.svc.Rewound(rec.UID, rec.Generation)
-	}
+	return k.setRecordAs(nipa, fresh && k.svc.Rewound(string(nipa.UID), nipa.Generation))
+}
+
+// setRecordAs hands the service the node's holdings from nipa, distrusted as a rewound
+// record's when rewound.
+func (k *Kube) setRecordAs(nipa *ipwardenv1.NodeIPAllocation, rewound bool) error {
+	rec := RecordOf{UID: string(nipa.UID), Generation: nipa.Generation, Rewound: rewound}
 	holdings := map[string]addr.Set{}
 	refused := map[string]map[netip.Addr]string{}
 	claimRefused := map[string]map[string]string{}
@@ -545,6 +548,11 @@ func (k *Kube) PublishSpec(ctx context.Context, reqs []ipam.PoolRequest) (bool, 
 	case publishCacheLags, publishNothing:
 		return false, nil
 	}
+	// The record's handover is held across the write: an informer push must not hand the
+	// service the object this write produced before a rewind it reveals was dealt with (its
+	// generation may equal the mark's: ipam.RewoundAfterWrite).
+	k.recordMu.Lock()
+	defer k.recordMu.Unlock()
 	for attempt := 0; ; attempt++ {
 		if attempt > 0 && decidePublish(&nipa, "", observed, reqs, writtenSpec{}) == publishNothing {
 			return false, nil
@@ -557,14 +565,13 @@ func (k *Kube) PublishSpec(ctx context.Context, reqs []ipam.PoolRequest) (bool, 
 			// The patch (no resourceVersion precondition) landed on an object older than this
 			// node's last write, or another one: the record rewound or was re-created under a
 			// cache that had not shown it yet. The mark must not move to it before its status
-			// was distrusted: hand the service a fresh read first (as Push would).
-			k.recordMu.Lock()
+			// was distrusted: hand the service a fresh read first, as rewound whenever it is not
+			// newer than this write.
 			fresh := ipwardenv1.NodeIPAllocation{}
 			rerr := k.api.Get(ctx, client.ObjectKey{Name: k.node}, &fresh)
 			if rerr == nil {
-				rerr = k.setRecord(&fresh, true)
+				rerr = k.setRecordAs(&fresh, ipam.RewoundAfterWrite(k.svc.Mark(), string(fresh.UID), fresh.Generation, string(nipa.UID), nipa.Generation))
 			}
-			k.recordMu.Unlock()
 			if rerr != nil {
 				return true, fmt.Errorf("read NodeIPAllocation %s after writing to a rewound record: %w", k.node, rerr)
 			}

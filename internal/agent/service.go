@@ -526,6 +526,12 @@ type RecordOf struct {
 	Rewound    bool
 }
 
+// Mark returns the node's record mark.
+func (s *Service) Mark() (mark ipam.RecordMark) {
+	s.read(func(m *Machine) { mark = m.st.Mark() })
+	return mark
+}
+
 // Rewound says whether an object (uid, generation) is older than the node's record mark.
 func (s *Service) Rewound(uid string, generation int64) (rewound bool) {
 	s.read(func(m *Machine) { rewound = m.st.Rewound(uid, generation) })

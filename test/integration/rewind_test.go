@@ -45,6 +45,7 @@ func TestEtcdRewindNeverPutsAnAddressOnTwoPods(t *testing.T) {
 	})
 	beforeA := held(t, "rewind-a", "rewind")
 
+	genAtSnapshot := nipa(t, "rewind-a").Generation
 	snap := filepath.Join(t.TempDir(), "etcd.snapshot")
 	if err := controlPlane.SnapshotEtcd(context.Background(), snap); err != nil {
 		t.Fatal(err)
@@ -69,6 +70,9 @@ func TestEtcdRewindNeverPutsAnAddressOnTwoPods(t *testing.T) {
 		t.Fatalf("node b's pods (%v) use none of node a's old addresses (%v): the scenario proves nothing", usedB, beforeA)
 	}
 	usedA := usedBy(t, a)
+	// Node a's spec writes after the snapshot: with one, its first write after the restore has
+	// the generation of its last write before it (ipam.RewoundAfterWrite).
+	writesA := nipa(t, "rewind-a").Generation - genAtSnapshot
 
 	// Restore etcd from the snapshot; the controller restarts from the restored record.
 	ctrl.kill()
@@ -146,6 +150,6 @@ func TestEtcdRewindNeverPutsAnAddressOnTwoPods(t *testing.T) {
 	if !ctrl2.logContains(`every node acknowledged this leader`) {
 		t.Errorf("the controller's settle did not end by the agents' acknowledgements")
 	}
-	t.Logf("etcd restore took %s; converged %s after the restore began (addresses that had moved from node a to node b: %v)",
-		restored.Round(time.Millisecond), converged.Round(time.Millisecond), moved)
+	t.Logf("etcd restore took %s; converged %s after the restore began (addresses that had moved from node a to node b: %v; node a's spec writes after the snapshot: %d)",
+		restored.Round(time.Millisecond), converged.Round(time.Millisecond), moved, writesA)
 }
