@@ -174,7 +174,7 @@ func cniBench(ctx context.Context, env *benchEnv, runs, pairs int, window time.D
 	}
 	a, b = quantile(miss, 0.5), quantile(lat["host-local"], 0.5)
 	figs = append(figs, figure{
-		name:  fmt.Sprintf("CNI ADD+DEL p50 of pods the agent's watch does not know (%d pairs; two metadata GETs), vs host-local", len(miss)),
+		name:  fmt.Sprintf("CNI ADD+DEL p50 of pods the agent's watch does not know (%d pairs; a pod GET and a namespace metadata GET), vs host-local", len(miss)),
 		value: fmt.Sprintf("%s vs %s = %.2fx", a.Round(10*time.Microsecond), b.Round(10*time.Microsecond), float64(a)/float64(b)),
 		goal:  "(informational)", ok: true,
 	})
