@@ -422,13 +422,7 @@ func (x *chaos) lifecycle(ctx context.Context) {
 	if storage {
 		podObj.Annotations = map[string]string{multusNetworks: storageNetwork}
 	}
-	if err := retry(20*time.Second, func() error {
-		err := x.c.Create(context.Background(), podObj)
-		if apierrors.IsAlreadyExists(err) {
-			return nil
-		}
-		return err
-	}); err != nil {
+	if err := x.createPod(podObj); err != nil {
 		x.inc("pod creates given up (API down)")
 		return
 	}
@@ -584,6 +578,18 @@ func (x *chaos) deletePod(name string) {
 		err := x.c.Delete(context.Background(), &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: name}}, client.GracePeriodSeconds(0))
 		if apierrors.IsNotFound(err) {
 			return nil
+		}
+		return err
+	})
+}
+
+// createPod creates pod, retrying while the API server is away; a create that landed but whose
+// answer was lost is read back (its UID is the one the CNI calls name).
+func (x *chaos) createPod(pod *corev1.Pod) error {
+	return retry(20*time.Second, func() error {
+		err := x.c.Create(context.Background(), pod)
+		if apierrors.IsAlreadyExists(err) {
+			return x.c.Get(context.Background(), client.ObjectKeyFromObject(pod), pod)
 		}
 		return err
 	})

@@ -16,7 +16,6 @@ import (
 	ipamclaimsv1alpha1 "github.com/k8snetworkplumbingwg/ipamclaims/pkg/crd/ipamclaims/v1alpha1"
 	claimclient "github.com/k8snetworkplumbingwg/ipamclaims/pkg/crd/ipamclaims/v1alpha1/apis/clientset/versioned"
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/ipwarden/ipwarden/internal/controlplane"
@@ -125,13 +124,7 @@ func (x *chaos) vmLauncher(vm string, target bool) *podRun {
 	if target {
 		podObj.Labels = map[string]string{ipamclaim.LabelMigrationTarget: fmt.Sprintf("job-%d", id)}
 	}
-	if err := retry(20*time.Second, func() error {
-		err := x.c.Create(context.Background(), podObj)
-		if apierrors.IsAlreadyExists(err) {
-			return nil
-		}
-		return err
-	}); err != nil {
+	if err := x.createPod(podObj); err != nil {
 		x.inc("VM pod creates given up (API down)")
 		return nil
 	}
