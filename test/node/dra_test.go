@@ -236,15 +236,7 @@ func TestRealNodeDRA(t *testing.T) {
 
 	t.Run("without resourceclaims/status RBAC Prepare fails visibly and the address comes back", func(t *testing.T) {
 		n.t = t
-		n.kubectl("scale", "-n", testNamespace, "deployment/dra", "--replicas=0")
-		n.waitOrDump(ctx, 2*time.Minute, func() error {
-			if res, err := agentReservations(); err != nil || len(res) > 0 {
-				return fmt.Errorf("reservations %v (%v)", res, err)
-			}
-			return nil
-		})
-		n.kubectl("patch", "clusterrole", "ipwarden-agent-dra", "--type=json", "-p", `[{"op":"test","path":"/rules/2/resources/0","value":"resourceclaims/status"},{"op":"remove","path":"/rules/2"}]`)
-		n.kubectl("scale", "-n", testNamespace, "deployment/dra", "--replicas=1")
+		n.onePodWithoutStatusRBAC(ctx)
 		var victim string
 		n.waitOrDump(ctx, 2*time.Minute, func() error {
 			ev := n.kubectl("get", "events", "-n", testNamespace, "--field-selector", "reason=FailedPrepareDynamicResources", "-o", "custom-columns=POD:.involvedObject.name,MESSAGE:.message", "--no-headers")
@@ -280,15 +272,7 @@ func TestRealNodeDRA(t *testing.T) {
 	// back the kubelet's retry of Prepare gets the same address and writes one status entry.
 	t.Run("kill -9 between the journal write and the status write: the retry gets the same address and one status entry", func(t *testing.T) {
 		n.t = t
-		n.kubectl("scale", "-n", testNamespace, "deployment/dra", "--replicas=0")
-		n.waitOrDump(ctx, 2*time.Minute, func() error {
-			if res, err := agentReservations(); err != nil || len(res) > 0 {
-				return fmt.Errorf("reservations %v (%v)", res, err)
-			}
-			return nil
-		})
-		n.kubectl("patch", "clusterrole", "ipwarden-agent-dra", "--type=json", "-p", `[{"op":"test","path":"/rules/2/resources/0","value":"resourceclaims/status"},{"op":"remove","path":"/rules/2"}]`)
-		n.kubectl("scale", "-n", testNamespace, "deployment/dra", "--replicas=1")
+		n.onePodWithoutStatusRBAC(ctx)
 		var reserved, victim string
 		n.waitOrDump(ctx, 2*time.Minute, func() error {
 			res, err := agentReservations()
@@ -375,6 +359,22 @@ func TestRealNodeDRA(t *testing.T) {
 		n.logf("DRA: %s's reservation of %s released %s after the agent came back", victim.Name, victim.Status.PodIP, time.Since(start).Round(time.Second))
 		n.waitDRAPods(ctx, 2) // the replacement runs with its own claim's address
 	})
+}
+
+// onePodWithoutStatusRBAC scales the DRA pods down to none (every reservation released), takes
+// the agent's resourceclaims/status grant away, and starts one pod: its Prepare reserves in the
+// journal and then fails writing the claim's status. `kubectl apply -k` of the overlay gives the
+// grant back.
+func (n *realNode) onePodWithoutStatusRBAC(ctx context.Context) {
+	n.kubectl("scale", "-n", testNamespace, "deployment/dra", "--replicas=0")
+	n.waitOrDump(ctx, 2*time.Minute, func() error {
+		if res, err := agentReservations(); err != nil || len(res) > 0 {
+			return fmt.Errorf("reservations %v (%v)", res, err)
+		}
+		return nil
+	})
+	n.kubectl("patch", "clusterrole", "ipwarden-agent-dra", "--type=json", "-p", `[{"op":"test","path":"/rules/2/resources/0","value":"resourceclaims/status"},{"op":"remove","path":"/rules/2"}]`)
+	n.kubectl("scale", "-n", testNamespace, "deployment/dra", "--replicas=1")
 }
 
 // waitSlots waits until the node's pool of driver ipam.ipwarden.io has want devices, each
