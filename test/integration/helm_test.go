@@ -135,42 +135,7 @@ func TestHelmChartMatchesKustomize(t *testing.T) {
 	if err != nil {
 		t.Fatalf("kubectl kustomize: %v\n%s", err, stderr.String())
 	}
-	fromHelm, fromKustomize := map[string]*unstructured.Unstructured{}, map[string]*unstructured.Unstructured{}
-	for _, u := range decodeObjects(t, rendered) {
-		normalize(u)
-		fromHelm[objectKey(u)] = u
-	}
-	for _, u := range decodeObjects(t, base) {
-		fromKustomize[objectKey(u)] = u
-	}
-	onlyKustomize := map[string]bool{"Namespace /ipwarden-system": true}
-	var keys []string
-	for k := range fromKustomize {
-		keys = append(keys, k)
-	}
-	for k := range fromHelm {
-		if fromKustomize[k] == nil {
-			keys = append(keys, k)
-		}
-	}
-	sort.Strings(keys)
-	for _, k := range keys {
-		h, kz := fromHelm[k], fromKustomize[k]
-		switch {
-		case onlyKustomize[k]:
-			if h != nil {
-				t.Errorf("%s: rendered by helm with default values, expected from --create-namespace", k)
-			}
-		case h == nil:
-			t.Errorf("%s: in the kustomize base, not rendered by the chart", k)
-		case kz == nil:
-			t.Errorf("%s: rendered by the chart, not in the kustomize base", k)
-		case !reflect.DeepEqual(h.Object, kz.Object):
-			hy, _ := yaml.Marshal(h.Object)
-			ky, _ := yaml.Marshal(kz.Object)
-			t.Errorf("%s differs between the chart and the kustomize base:\n--- helm\n%s\n--- kustomize\n%s\n%s", k, hy, ky, lineDiff(string(hy), string(ky)))
-		}
-	}
+	fromHelm, fromKustomize := sameObjects(t, rendered, base, "the kustomize base")
 	if len(fromHelm) < 15 {
 		t.Errorf("the chart rendered only %d objects", len(fromHelm))
 	}
@@ -294,4 +259,49 @@ metrics:
 			t.Errorf("the API server rejects %s: %v", objectKey(u), err)
 		}
 	}
+}
+
+// sameObjects decodes a chart's rendering and a kustomize build and reports every object that
+// is in one and not the other, or differs (after dropping the labels helm adds), naming the
+// build what; the Namespace is kustomize's only (helm's --create-namespace makes it). It
+// returns both sets by key.
+func sameObjects(t *testing.T, rendered, kustomized []byte, what string) (fromHelm, fromKustomize map[string]*unstructured.Unstructured) {
+	t.Helper()
+	fromHelm, fromKustomize = map[string]*unstructured.Unstructured{}, map[string]*unstructured.Unstructured{}
+	for _, u := range decodeObjects(t, rendered) {
+		normalize(u)
+		fromHelm[objectKey(u)] = u
+	}
+	for _, u := range decodeObjects(t, kustomized) {
+		fromKustomize[objectKey(u)] = u
+	}
+	onlyKustomize := map[string]bool{"Namespace /ipwarden-system": true}
+	var keys []string
+	for k := range fromKustomize {
+		keys = append(keys, k)
+	}
+	for k := range fromHelm {
+		if fromKustomize[k] == nil {
+			keys = append(keys, k)
+		}
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		h, kz := fromHelm[k], fromKustomize[k]
+		switch {
+		case onlyKustomize[k]:
+			if h != nil {
+				t.Errorf("%s: rendered by helm with default values, expected from --create-namespace", k)
+			}
+		case h == nil:
+			t.Errorf("%s: in %s, not rendered by the chart", k, what)
+		case kz == nil:
+			t.Errorf("%s: rendered by the chart, not in %s", k, what)
+		case !reflect.DeepEqual(h.Object, kz.Object):
+			hy, _ := yaml.Marshal(h.Object)
+			ky, _ := yaml.Marshal(kz.Object)
+			t.Errorf("%s differs between the chart and %s:\n--- helm\n%s\n--- kustomize\n%s\n%s", k, what, hy, ky, lineDiff(string(hy), string(ky)))
+		}
+	}
+	return fromHelm, fromKustomize
 }
