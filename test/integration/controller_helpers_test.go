@@ -159,19 +159,20 @@ func waitAllocation(t *testing.T, name string) *ipwardenv1.NodeIPAllocation {
 // request writes a node's spec for one pool, as its agent does.
 func request(t *testing.T, node, pool string, requested int, releasing addr.Set) {
 	t.Helper()
+	writePoolRequest(t, node, ipwardenv1.NodePoolRequest{Pool: pool, Requested: int32(requested), Releasing: blocks(releasing.Strings())})
+}
+
+// writePoolRequest sets a node's spec entry for entry.Pool (the other pools' stay).
+func writePoolRequest(t *testing.T, node string, entry ipwardenv1.NodePoolRequest) {
+	t.Helper()
 	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
 		a := &ipwardenv1.NodeIPAllocation{}
 		if err := k8s.Get(context.Background(), client.ObjectKey{Name: node}, a); err != nil {
 			return err
 		}
-		var rel []ipwardenv1.AddressBlock
-		for _, s := range releasing.Strings() {
-			rel = append(rel, ipwardenv1.AddressBlock(s))
-		}
-		entry := ipwardenv1.NodePoolRequest{Pool: pool, Requested: int32(requested), Releasing: rel}
 		found := false
 		for i := range a.Spec.Pools {
-			if a.Spec.Pools[i].Pool == pool {
+			if a.Spec.Pools[i].Pool == entry.Pool {
 				a.Spec.Pools[i], found = entry, true
 			}
 		}
@@ -183,6 +184,15 @@ func request(t *testing.T, node, pool string, requested int, releasing addr.Set)
 	if err != nil {
 		t.Fatal(err)
 	}
+}
+
+// blocks converts address blocks' strings for a spec.
+func blocks(ss []string) []ipwardenv1.AddressBlock {
+	var out []ipwardenv1.AddressBlock
+	for _, s := range ss {
+		out = append(out, ipwardenv1.AddressBlock(s))
+	}
+	return out
 }
 
 // held returns what a node's status holds from a pool.

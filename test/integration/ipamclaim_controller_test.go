@@ -14,7 +14,6 @@ import (
 	claimclient "github.com/k8snetworkplumbingwg/ipamclaims/pkg/crd/ipamclaims/v1alpha1/apis/clientset/versioned"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/util/retry"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ipwardenv1 "github.com/ipwarden/ipwarden/api/v1alpha1"
@@ -24,21 +23,7 @@ import (
 // setClaimUses writes a node's spec for pool: the claim uses, what it requests and releases.
 func setClaimUses(t *testing.T, node, pool string, requested int, releasing []string, uses ...ipwardenv1.ClaimUse) {
 	t.Helper()
-	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
-		a := &ipwardenv1.NodeIPAllocation{}
-		if err := k8s.Get(context.Background(), client.ObjectKey{Name: node}, a); err != nil {
-			return err
-		}
-		var rel []ipwardenv1.AddressBlock
-		for _, r := range releasing {
-			rel = append(rel, ipwardenv1.AddressBlock(r))
-		}
-		a.Spec.Pools = []ipwardenv1.NodePoolRequest{{Pool: pool, Requested: int32(requested), Releasing: rel, IPAMClaims: uses}}
-		return k8s.Update(context.Background(), a)
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	writePoolRequest(t, node, ipwardenv1.NodePoolRequest{Pool: pool, Requested: int32(requested), Releasing: blocks(releasing), IPAMClaims: uses})
 }
 
 func nodePoolStatus(t *testing.T, node, pool string) ipwardenv1.NodePoolStatus {
