@@ -7,8 +7,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ipwarden/ipwarden/internal/addr"
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
 	"github.com/ipwarden/ipwarden/internal/cniproto"
+	"github.com/ipwarden/ipwarden/internal/previous"
 )
 
 // The tests of the machine's DRA rules (machine_dra.go), one table each.
@@ -315,6 +317,72 @@ func TestMachineReconcileClaims(t *testing.T) {
 				if _, ok := h.m.st.Attachment(resKey("c1", "s0")); ok {
 					t.Fatal("reservation kept after its attachment's DEL")
 				}
+			}
+		})
+	}
+}
+
+// An ADD of a claimed pod whose reserved address the previous IPAM reserves (a Prepare writes
+// nothing into its store, so host-local may hand the address to a pod of its own after it) fails
+// with code 11, nothing handed out: the pod may run with no other address than its claim's
+// status names, and picking the reserved address again would be refused again, without end
+// (TestSim seed 15025917343579145828: one write after another, never answered).
+func TestMachineAddOfAClaimedPodWhoseAddressThePreviousIPAMReserves(t *testing.T) {
+	hostLocal := `{"type": "host-local", "dataDir": "/var/lib/cni/networks"}`
+	taken := &previous.TakenError{Kind: previous.HostLocal, Addrs: addr.MustParseSetString("10.1.0.8")}
+	for _, tc := range []struct {
+		name    string
+		reading string // what the previous IPAM reserves at the ADD's reading
+		outcome error  // of the ADD's first write
+		writes  int    // the ADD's writes
+		wantIP  string // or
+		wantErr uint
+	}{
+		{name: "another address reserved there: the reserved one", reading: "10.1.0.9", writes: 1, wantIP: "10.1.0.8/16"},
+		{name: "reserved there at the reading: code 11, no write", reading: "10.1.0.8", wantErr: cniproto.CodeTryAgainLater},
+		{name: "taken there since the reading: code 11 after that write", outcome: taken, writes: 1, wantErr: cniproto.CodeTryAgainLater},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newMachine(t, MachineConfig{AddressWait: time.Minute}, testV4)
+			h.hold(map[string]string{"v4": "10.1.0.8/29"})
+			h.prepare("c1", "s0")
+			req := addReq("c1")
+			req.Previous = []byte(hostLocal)
+			if tc.reading != "" {
+				h.m.st.SetPrevious(req.Network, addr.MustParseSetString(tc.reading), true)
+			}
+			id := h.m.Request(req, h.now)
+			var a Answer
+			writes := 0
+			for {
+				rd := h.ready()
+				if ans, ok := answerOf(rd, id); ok {
+					a = ans
+					break
+				}
+				ws := writesOf(rd, "c1")
+				if len(ws) != 1 || writes > 3 {
+					t.Fatalf("after %d writes the ADD's writes are %+v, want one more", writes, rd.Writes)
+				}
+				var out error
+				if writes == 0 {
+					out = tc.outcome
+				}
+				writes++
+				h.m.Written(ws[0].ID, out, h.now)
+			}
+			if writes != tc.writes {
+				t.Fatalf("the ADD made %d writes, want %d", writes, tc.writes)
+			}
+			if tc.wantErr != 0 {
+				if code(a) != tc.wantErr || a.Att != nil || h.attached("c1") {
+					t.Fatalf("ADD answered %s, want code %d and nothing handed out", describeAnswer(a), tc.wantErr)
+				}
+			} else if ips(a.Resp) != tc.wantIP {
+				t.Fatalf("ADD answered %s, want %s", describeAnswer(a), tc.wantIP)
+			}
+			if res, ok := h.m.st.Attachment(resKey("c1", "s0")); !ok || fmtAddresses(res.Addresses) != "v4=10.1.0.8" {
+				t.Fatalf("the reservation is %+v (%v), want it kept with 10.1.0.8", res, ok)
 			}
 		})
 	}

@@ -339,7 +339,7 @@ func (s *sim) checkPreviousStore() {
 			continue
 		}
 		for _, ad := range att.Addresses {
-			if got, want := files[ad.Addr], previous.OwnHostLocalContent(att.Key.ContainerID, att.Key.IfName); got != want && !s.claimFile(att, got) {
+			if got, want := files[ad.Addr], previous.OwnHostLocalContent(att.Key.ContainerID, att.Key.IfName); got != want && !s.claimFile(att, got) && !s.draFile(att, ad.Addr, got) {
 				s.fatalf("at a quiet point attachment %s = %s carried \"previous\", and host-local's store has %q for it, not ipwarden's file",
 					att.Key, ad.Addr, strings.ReplaceAll(got, "\r\n", "|"))
 			}

@@ -215,6 +215,14 @@ func (s *State) Add(req AddRequest, now time.Time) (Attachment, Change, error) {
 	var claimWaits []ClaimWait
 	for i, name := range pools {
 		if ad, ok := resPicks[name]; ok {
+			if s.prevAll.Contains(ad.Addr) {
+				// A Prepare writes nothing into the previous IPAM's store, so it may have handed
+				// the address to a pod of its own since. The pod may run with no other address
+				// than its claim's status names, and the store would refuse this one again at
+				// every pick: refused until the previous IPAM lets it go.
+				return Attachment{}, Change{}, &ClaimError{Msg: fmt.Sprintf("address %s of pod %s's DRA reservation for interface %s is reserved by the previous IPAM "+
+					"of the node as well (a pod started through it holds it); the runtime retries once that pod is gone", ad.Addr, req.Pod, req.Key.IfName)}
+			}
 			picks[i], reservation[i] = ad, true
 			continue
 		}
