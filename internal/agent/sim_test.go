@@ -355,7 +355,12 @@ func (s *sim) await(id uint64) (ans Answer, ok bool) {
 	done := false
 	s.a.waits[id] = func(x Answer) { ans, done = x, true }
 	s.flush()
-	for !done {
+	for steps := 0; !done; steps++ {
+		if steps > simAwaitBound {
+			// The machine keeps writing without answering: a livelock (as an ADD that re-picked
+			// an address the previous IPAM's store refused did, once), a failure, not a hang.
+			s.fatalf("input %d not answered after %d writes and reads landed: a livelock", id, simAwaitBound)
+		}
 		switch {
 		case len(s.a.writes) > 0:
 			s.land(0, s.refuseNext())
@@ -368,6 +373,9 @@ func (s *sim) await(id uint64) (ans Answer, ok bool) {
 	}
 	return ans, true
 }
+
+// simAwaitBound bounds the writes and reads await lands for one input.
+const simAwaitBound = 10000
 
 // refuseNext says whether the next write is refused: the disk is full, or a rare failure.
 func (s *sim) refuseNext() bool {
