@@ -148,16 +148,7 @@ func newClaimReader(cfg *rest.Config, log logr.Logger) (*claimReader, error) {
 
 // installed reports whether the API server serves ipamclaims.
 func (c *claimReader) installed() bool {
-	res, err := c.watch.Discovery().ServerResourcesForGroupVersion(ipamclaim.GroupVersionResource.GroupVersion().String())
-	if err != nil {
-		return false
-	}
-	for _, r := range res.APIResources {
-		if r.Name == ipamclaim.GroupVersionResource.Resource {
-			return true
-		}
-	}
-	return false
+	return ipamclaim.Served(c.watch.Discovery().ServerResourcesForGroupVersion(ipamclaim.GroupVersionResource.GroupVersion().String()))
 }
 
 // run starts the informer once the CRD is there; it returns when ctx ends or the informer synced.

@@ -54,17 +54,7 @@ func NewClaimAPI(cfg *rest.Config, poll time.Duration, info func(msg string, kv 
 
 // installed asks discovery whether the API server serves ipamclaims.
 func (a *clientClaimAPI) installed() bool {
-	gv := ipamclaim.GroupVersionResource.GroupVersion().String()
-	rl, err := a.cs.Discovery().ServerResourcesForGroupVersion(gv)
-	if err != nil {
-		return false
-	}
-	for _, r := range rl.APIResources {
-		if r.Name == ipamclaim.GroupVersionResource.Resource {
-			return true
-		}
-	}
-	return false
+	return ipamclaim.Served(a.cs.Discovery().ServerResourcesForGroupVersion(ipamclaim.GroupVersionResource.GroupVersion().String()))
 }
 
 func (a *clientClaimAPI) Watch(ctx context.Context, changed func(*ipamclaimsv1.IPAMClaim), deleted func(string, string), ready chan<- struct{}) {

@@ -10,6 +10,7 @@ import (
 	"net/netip"
 	"strings"
 
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 )
 
@@ -149,3 +150,18 @@ func ParseIPs(ips []string) ([]netip.Addr, error) {
 // FormatIP writes an address in the claim's status.ips form: CIDR with the pool's prefix
 // length, canonical (netip's form).
 func FormatIP(a netip.Addr, bits int) string { return netip.PrefixFrom(a, bits).String() }
+
+// Served decides from the API server's discovery answer for GroupVersionResource's group and
+// version (ServerResourcesForGroupVersion's result) whether it serves ipamclaims: the CRD is
+// installed.
+func Served(res *metav1.APIResourceList, err error) bool {
+	if err != nil || res == nil {
+		return false
+	}
+	for _, r := range res.APIResources {
+		if r.Name == GroupVersionResource.Resource {
+			return true
+		}
+	}
+	return false
+}

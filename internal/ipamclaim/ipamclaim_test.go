@@ -1,8 +1,11 @@
 package ipamclaim
 
 import (
+	"errors"
 	"net/netip"
 	"testing"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
 func TestReference(t *testing.T) {
@@ -63,5 +66,31 @@ func TestParseIPs(t *testing.T) {
 	}
 	if !MigrationTarget(map[string]string{LabelMigrationTarget: "u1"}) || MigrationTarget(nil) {
 		t.Fatal("MigrationTarget")
+	}
+}
+
+// The CRD counts as installed only when discovery answers and lists ipamclaims.
+func TestServed(t *testing.T) {
+	list := func(names ...string) *metav1.APIResourceList {
+		l := &metav1.APIResourceList{GroupVersion: "k8s.cni.cncf.io/v1alpha1"}
+		for _, n := range names {
+			l.APIResources = append(l.APIResources, metav1.APIResource{Name: n})
+		}
+		return l
+	}
+	for _, tc := range []struct {
+		name string
+		res  *metav1.APIResourceList
+		err  error
+		want bool
+	}{
+		{"served", list("ipamclaims", "ipamclaims/status"), nil, true},
+		{"the group without ipamclaims", list("network-attachment-definitions"), nil, false},
+		{"discovery failed (404: the group is not served)", nil, errors.New("the server could not find the requested resource"), false},
+		{"an answer with an error", list("ipamclaims"), errors.New("partial"), false},
+	} {
+		if got := Served(tc.res, tc.err); got != tc.want {
+			t.Errorf("%s: Served = %v, want %v", tc.name, got, tc.want)
+		}
 	}
 }
