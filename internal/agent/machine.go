@@ -410,6 +410,10 @@ func (m *Machine) run(r *mreq) {
 	}
 }
 
+// ErrPodReaderAway is a pod read's outcome while the agent starts with the API server away:
+// the agent has no pod reader yet, and has found the API server unreachable (PodRead).
+var ErrPodReaderAway = errors.New("the agent is starting and the API server is away: it has no pod reader yet")
+
 // PodRead is the outcome of the read of request id's pod.
 func (m *Machine) PodRead(id uint64, meta ipam.PodMeta, err error, now time.Time) {
 	m.now = now
@@ -422,8 +426,18 @@ func (m *Machine) PodRead(id uint64, meta ipam.PodMeta, err error, now time.Time
 		// as if it had no annotations would silently ignore its (or its namespace's) pools,
 		// static and sticky addresses. A pod whose earlier sandbox this node served gets its
 		// addresses back without them (the node keeps serving restarted sandboxes through an
-		// outage); any other waits for the API server: the runtime retries.
-		if adopts := r.add.Pod.UID != "" && m.st.HasPod(r.add.Pod.UID); !adopts || r.add.ClaimArg != "" {
+		// outage); any other waits for the API server: the runtime retries. Except while the
+		// agent starts with the API server away (ErrPodReaderAway): then it is served from the
+		// journal without annotations, as documented. A claim named in args.cni never is.
+		adopts := r.add.Pod.UID != "" && m.st.HasPod(r.add.Pod.UID)
+		if blind := errors.Is(err, ErrPodReaderAway) && !adopts && r.add.ClaimArg == ""; blind {
+			m.log.Info("the API server is away: serving an ADD from the journal without its pod's annotations",
+				"pod", r.add.Pod.Namespace+"/"+r.add.Pod.Name)
+			r.add.Meta = ipam.PodMeta{}
+			m.tryAdd(r)
+			return
+		}
+		if !adopts || r.add.ClaimArg != "" {
 			m.metrics.PodUnknown.Inc()
 			m.reply(r, errResp(cniproto.CodeTryAgainLater,
 				fmt.Sprintf("ipwarden: the agent on node %s cannot read pod %s/%s's annotations: its watch has not seen the pod and the API server did not answer: %s",

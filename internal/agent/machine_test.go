@@ -554,8 +554,9 @@ func TestMachineBarrierWaitsForEarlierDels(t *testing.T) {
 
 // An ADD of an attachment the node does not know, of a named pod, first reads the pod's
 // annotations: nothing is written before the read's outcome. A failed read fails it (try again
-// later), unless the node served the pod's earlier sandbox; a read with annotations decides the
-// pools.
+// later), unless the node served the pod's earlier sandbox; so does a read while the agent
+// starts with the API server away, except that it serves the ADD without annotations (never
+// for a claim named in args.cni); a read with annotations decides the pools.
 func TestMachineAddReadsAnUnknownPod(t *testing.T) {
 	podErr := errors.New("the API server did not answer")
 	for _, tc := range []struct {
@@ -564,6 +565,7 @@ func TestMachineAddReadsAnUnknownPod(t *testing.T) {
 		// earlier: the pod's earlier sandbox (c0) has an attachment; known: c1 itself has one.
 		earlier, known bool
 		pod            cniproto.Pod // the ADD's pod ("": the default ns/pod-c1)
+		claimArg       string       // the configuration's args.cni ipam-claim-reference
 		// The read's outcome.
 		meta    ipam.PodMeta
 		readErr error
@@ -580,6 +582,12 @@ func TestMachineAddReadsAnUnknownPod(t *testing.T) {
 		{name: "read fails", readsPods: true, readErr: podErr, wantRead: true, wantCode: cniproto.CodeTryAgainLater},
 		{name: "read fails, earlier sandbox served", readsPods: true, earlier: true, readErr: podErr,
 			wantRead: true, wantAddrs: "v4=10.1.0.9,v6=fd01::9"},
+		{name: "API server away at start: served without annotations", readsPods: true, readErr: ErrPodReaderAway,
+			wantRead: true, wantAddrs: "v4=10.1.0.8,v6=fd01::8"},
+		{name: "API server away at start, earlier sandbox served", readsPods: true, earlier: true, readErr: ErrPodReaderAway,
+			wantRead: true, wantAddrs: "v4=10.1.0.9,v6=fd01::9"},
+		{name: "API server away at start, a claim in args.cni", readsPods: true, claimArg: "vm", readErr: ErrPodReaderAway,
+			wantRead: true, wantCode: cniproto.CodeTryAgainLater},
 		{name: "known attachment: no read", readsPods: true, known: true},
 		{name: "no pod name: no read", readsPods: true, pod: cniproto.Pod{UID: "uid-c1"}, wantAddrs: "v4=10.1.0.8,v6=fd01::8"},
 		{name: "reads off: no read", wantAddrs: "v4=10.1.0.8,v6=fd01::8"},
@@ -591,6 +599,7 @@ func TestMachineAddReadsAnUnknownPod(t *testing.T) {
 			if tc.pod != (cniproto.Pod{}) {
 				req.Pod = tc.pod
 			}
+			req.IPAMClaimReference = tc.claimArg
 			if tc.earlier {
 				r := addReq("c0")
 				r.Pod = req.Pod
@@ -605,7 +614,7 @@ func TestMachineAddReadsAnUnknownPod(t *testing.T) {
 			rd := h.ready()
 			wantReads := []PodRead(nil)
 			if tc.wantRead {
-				wantReads = []PodRead{{ID: id, Namespace: "ns", Name: "pod-c1", UID: "uid-c1", IfName: "eth0", Network: "net"}}
+				wantReads = []PodRead{{ID: id, Namespace: "ns", Name: "pod-c1", UID: "uid-c1", IfName: "eth0", Network: "net", ClaimArg: tc.claimArg}}
 			}
 			if !slices.Equal(rd.Reads, wantReads) {
 				t.Fatalf("reads %+v, want %+v", rd.Reads, wantReads)

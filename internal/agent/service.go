@@ -70,9 +70,9 @@ type Service struct {
 
 // podReader is the start-up's pod reader (ServiceOptions.ReadsPods): an ADD's pod read waits
 // until SetPodMeta sets the reader (the informers are created: the usual start, about a
-// second), or until the API server is found away (setAPIError), when the ADD is served from
-// the journal without the pod's annotations as documented (docs/design.md, "The agent serves
-// from its journal"). Without the wait an ADD in that second was served as if its pod had no
+// second), or until the API server is found away (setAPIError), when the read's outcome is
+// ErrPodReaderAway (the machine serves the ADD from the journal without the pod's annotations,
+// as documented: docs/design.md, "The agent serves from its journal"). Without the wait an ADD in that second was served as if its pod had no
 // annotations: a VM's launcher got an ordinary address instead of its IPAMClaim's.
 type podReader struct {
 	ready    chan struct{} // closed by SetPodMeta
@@ -373,13 +373,8 @@ func (s *Service) readPod(ctx context.Context, r PodRead) {
 		select {
 		case <-s.reader.ready:
 		case <-s.reader.away:
-			// The API server is away while the agent starts: the ADD is served from the
-			// journal, as if its pod had no annotations (a claim named in args.cni is still
-			// refused: claimMeta reads no claim).
-			s.log.Info("the API server is away: serving an ADD from the journal without its pod's annotations",
-				"pod", r.Namespace+"/"+r.Name)
-			meta = claimMeta(ctx, r, ipam.PodMeta{}, nil)
-			s.step(func(m *Machine, now time.Time) { m.PodRead(r.ID, meta, nil, now) })
+			// The machine decides what an ADD without its pod's annotations gets (PodRead).
+			s.step(func(m *Machine, now time.Time) { m.PodRead(r.ID, ipam.PodMeta{}, ErrPodReaderAway, now) })
 			return
 		case <-ctx.Done():
 			err = fmt.Errorf("the agent is still connecting to the API server: %w", ctx.Err())
