@@ -84,9 +84,7 @@ func TestRealNodeVMAddresses(t *testing.T) {
 	claimA := v.createClaim("vm-a", nil)
 	v.launcher("a1", "vm-a", false)
 	a, _ := v.waitRunning("a1")
-	v.waitClaim("vm-a", func(c *ipamclaimsv1alpha1.IPAMClaim) error {
-		return claimShows(c, a, "a1", metav1.ConditionTrue, ipwardenv1.ClaimReasonAllocated)
-	})
+	v.waitAllocated("vm-a", a, "a1")
 	v.waitBinding(string(claimA.UID), a, true)
 	n.logf("vm: first start: vm-a has %s", a)
 
@@ -99,9 +97,7 @@ func TestRealNodeVMAddresses(t *testing.T) {
 	if got, _ := v.waitRunning("a2"); got != a {
 		t.Fatalf("vm: the restarted VM got %s, want its claim's %s", got, a)
 	}
-	v.waitClaim("vm-a", func(c *ipamclaimsv1alpha1.IPAMClaim) error {
-		return claimShows(c, a, "a2", metav1.ConditionTrue, ipwardenv1.ClaimReasonAllocated)
-	})
+	v.waitAllocated("vm-a", a, "a2")
 	n.logf("vm: restart with the pool full kept %s", a)
 
 	// 3. Exhaustion: a new claim in the full pool says SubnetExhausted.
@@ -136,9 +132,7 @@ func TestRealNodeVMAddresses(t *testing.T) {
 	v.waitSandboxFailure(d1, "vm-d")
 	claimD := v.createClaim("vm-d", nil)
 	d, _ := v.waitRunning("d1")
-	v.waitClaim("vm-d", func(c *ipamclaimsv1alpha1.IPAMClaim) error {
-		return claimShows(c, d, "d1", metav1.ConditionTrue, ipwardenv1.ClaimReasonAllocated)
-	})
+	v.waitAllocated("vm-d", d, "d1")
 	v.waitBinding(string(claimD.UID), d, true)
 	n.logf("vm: a late claim gave its waiting pod %s", d)
 
@@ -148,9 +142,7 @@ func TestRealNodeVMAddresses(t *testing.T) {
 	v.createClaim("vm-e", nil)
 	v.launcher("e1", "vm-e", false)
 	e, _ := v.waitRunning("e1")
-	v.waitClaim("vm-e", func(c *ipamclaimsv1alpha1.IPAMClaim) error {
-		return claimShows(c, e, "e1", metav1.ConditionTrue, ipwardenv1.ClaimReasonAllocated)
-	})
+	v.waitAllocated("vm-e", e, "e1")
 	v.waitBinding(string(claimD.UID), d, true)
 	if got, _ := v.waitRunning("d1"); got != d {
 		t.Fatalf("vm: d1 has %s, want %s", got, d)
@@ -214,9 +206,7 @@ func TestRealNodeVMAddresses(t *testing.T) {
 	v.deletePod("a2")
 	delete(v.shared, a)
 	v.untouched("a4", a, netnsA4)
-	v.waitClaim("vm-a", func(c *ipamclaimsv1alpha1.IPAMClaim) error {
-		return claimShows(c, a, "a4", metav1.ConditionTrue, ipwardenv1.ClaimReasonAllocated)
-	})
+	v.waitAllocated("vm-a", a, "a4")
 	n.checkClean(ctx)
 	n.logf("vm: restarts of the agent, the controller and the API server mid-migration kept %s", a)
 
@@ -438,6 +428,14 @@ func (v *vmNode) waitBinding(uid string, ip netip.Addr, present bool) {
 			return fmt.Errorf("no binding of claim %s in %+v", uid, pool.Status.IPAMClaims)
 		}
 		return nil
+	})
+}
+
+// waitAllocated waits until claim name shows ip, owner pod and IPsAllocated=True.
+func (v *vmNode) waitAllocated(name string, ip netip.Addr, pod string) {
+	v.t.Helper()
+	v.waitClaim(name, func(c *ipamclaimsv1alpha1.IPAMClaim) error {
+		return claimShows(c, ip, pod, metav1.ConditionTrue, ipwardenv1.ClaimReasonAllocated)
 	})
 }
 
