@@ -127,17 +127,7 @@ func TestRealNode(t *testing.T) {
 			}
 		}},
 		{"agent pod", func() {
-			old := n.agentPodUID(ctx)
-			n.kubectl("delete", "pod", "-n", "ipwarden-system", "-l", "app.kubernetes.io/component=agent", "--wait=true")
-			if err := localcluster.WaitFor(ctx, 3*time.Minute, 250*time.Millisecond, func() error {
-				if uid := n.agentPodUID(ctx); uid == "" || uid == old {
-					return fmt.Errorf("no new ready agent pod yet")
-				}
-				return nil
-			}); err != nil {
-				n.dumpState(ctx)
-				t.Fatal(err)
-			}
+			n.replaceAgentPod(ctx, func() {})
 			// The kubelet stopped the old agent with SIGTERM; its journal has nothing of unknown
 			// owner: every ADD was answered after its write.
 			if got := n.lostReservationsAtStart(ctx); got != 0 {
@@ -713,6 +703,24 @@ func (n *realNode) dumpState(ctx context.Context) {
 			"app.kubernetes.io/component="+c, "--tail=40", "--prefix")
 		out, _ = lg.CombinedOutput()
 		n.t.Logf("%s logs:\n%s", c, out)
+	}
+}
+
+// replaceAgentPod deletes the agent's pod (the kubelet stops it with SIGTERM) and waits until
+// the DaemonSet's new one is ready, calling each at every poll.
+func (n *realNode) replaceAgentPod(ctx context.Context, each func()) {
+	n.t.Helper()
+	old := n.agentPodUID(ctx)
+	n.kubectl("delete", "pod", "-n", "ipwarden-system", "-l", "app.kubernetes.io/component=agent", "--wait=true")
+	if err := localcluster.WaitFor(ctx, 3*time.Minute, 250*time.Millisecond, func() error {
+		each()
+		if uid := n.agentPodUID(ctx); uid == "" || uid == old {
+			return fmt.Errorf("no new ready agent pod yet")
+		}
+		return nil
+	}); err != nil {
+		n.dumpState(ctx)
+		n.t.Fatal(err)
 	}
 }
 

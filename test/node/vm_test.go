@@ -180,18 +180,7 @@ func TestRealNodeVMAddresses(t *testing.T) {
 
 	// 10. The agent, the controller and the API server restart between the target's ADD and
 	// the source's DEL; then the source goes and the target keeps the address.
-	old := n.agentPodUID(ctx)
-	n.kubectl("delete", "pod", "-n", "ipwarden-system", "-l", "app.kubernetes.io/component=agent", "--wait=true")
-	if err := localcluster.WaitFor(ctx, 3*time.Minute, 250*time.Millisecond, func() error {
-		v.scan()
-		if uid := n.agentPodUID(ctx); uid == "" || uid == old {
-			return fmt.Errorf("no new ready agent pod yet")
-		}
-		return nil
-	}); err != nil {
-		n.dumpState(ctx)
-		t.Fatal(err)
-	}
+	n.replaceAgentPod(ctx, func() { v.scan() })
 	n.kubectl("rollout", "restart", "-n", "ipwarden-system", "deployment/ipwarden-controller")
 	n.kubectl("rollout", "status", "-n", "ipwarden-system", "deployment/ipwarden-controller", "--timeout=3m")
 	if err := n.cp.StopAPIServer(); err != nil {
