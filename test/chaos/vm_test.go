@@ -3,8 +3,10 @@ package chaos
 // VMs in the chaos run (issue 36; docs/design.md, "VM addresses (IPAMClaim)"): a few IPAMClaims,
 // each with one launcher pod at a time that is restarted on any node or live-migrated (a target
 // pod with KubeVirt's migration label beside the source, then the source's or the target's DEL)
-// while the faults go on. A VM's address never changes, no ordinary pod ever gets it, and at most
-// two pods, both of that VM, hold it at once.
+// while the faults go on. A VM's address never changes (after the etcd restore a change is
+// counted, not failed: a binding made after the backup may be lost, docs/design.md, "VM
+// addresses"), no ordinary pod ever gets it, and at most two pods, both of that VM, hold it at
+// once.
 
 import (
 	"context"
