@@ -3,6 +3,7 @@ package agent
 import (
 	"cmp"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -518,13 +519,21 @@ func (k *Kube) NodeRef() *corev1.ObjectReference {
 // PublishSpec writes reqs into the NodeIPAllocation's spec.pools unless it already says so. It
 // reports whether it wrote.
 //
-// The write is a merge patch of spec.pools alone, without a resourceVersion precondition: the
-// agent is the spec's only writer (its node Lease) and writes its whole request each time, so
-// there is nothing to lose by writing over a newer object. A precondition would conflict with
-// every status write of the controller since the agent's cache read (the status subresource
-// shares the object's resourceVersion): that was the routine 409 after a burst. The controller
-// keeps its own precondition on the status, so a status planned from an older spec is refused
-// and replanned.
+// The write lands only on the record the node last wrote or read (its record mark): a JSON patch
+// that tests the object's UID and generation against the mark before it replaces spec.pools and
+// spec.observedPools (markedSpecPatch). There is no resourceVersion precondition: the agent is
+// the spec's only writer (its node Lease) and a precondition would conflict with every status
+// write of the controller since the agent's cache read (the status subresource shares the
+// object's resourceVersion): that was the routine 409 after a burst. Status writes leave the
+// generation alone, so the test fails only on a record the node has not seen: rewound (etcd
+// restored), re-created, or written by someone else. Then nothing is written; a fresh read is
+// handed to the service first (distrusted when older than the mark, which moves the mark to
+// it) and the write repeats against it. Judging the record after an unconditional write could
+// not tell a rewound record the node wrote once since the backup (its write produces the
+// mark's generation) from a write that changed nothing on the current one (it keeps the mark's
+// generation): the second was taken for the first, and a live IPAMClaim's address was
+// released. The controller keeps its own precondition on the status, so a status planned from
+// an older spec is refused and replanned.
 func (k *Kube) PublishSpec(ctx context.Context, reqs []ipam.PoolRequest) (bool, error) {
 	desired := specPools(reqs)
 	var nipa ipwardenv1.NodeIPAllocation
@@ -548,50 +557,101 @@ func (k *Kube) PublishSpec(ctx context.Context, reqs []ipam.PoolRequest) (bool, 
 	case publishCacheLags, publishNothing:
 		return false, nil
 	}
-	// The record's handover is held across the write: an informer push must not hand the
-	// service the object this write produced before a rewind it reveals was dealt with (its
-	// generation may equal the mark's: ipam.RewoundAfterWrite).
+	// The record's handover is held across the write: an informer push must not move the mark
+	// between the patch's test and a fresh read's handover.
 	k.recordMu.Lock()
 	defer k.recordMu.Unlock()
 	for attempt := 0; ; attempt++ {
 		if attempt > 0 && decidePublish(&nipa, "", observed, reqs, writtenSpec{}) == publishNothing {
 			return false, nil
 		}
+		mark := k.svc.Mark()
 		base := nipa.DeepCopy()
+		var patch client.Patch = client.MergeFrom(base)
+		if mark.UID != "" {
+			raw, err := markedSpecPatch(mark, desired, observed)
+			if err != nil {
+				return false, err
+			}
+			patch = client.RawPatch(types.JSONPatchType, raw)
+		}
 		nipa.Spec.Pools = desired
 		nipa.Spec.ObservedPools = observed
-		err := k.api.Patch(ctx, &nipa, client.MergeFrom(base), fieldOwner)
-		if err == nil && k.svc.Rewound(string(nipa.UID), nipa.Generation-1) {
-			// The patch (no resourceVersion precondition) landed on an object older than this
-			// node's last write, or another one: the record rewound or was re-created under a
-			// cache that had not shown it yet. The mark must not move to it before its status
-			// was distrusted: hand the service a fresh read first, as rewound whenever it is not
-			// newer than this write.
-			fresh := ipwardenv1.NodeIPAllocation{}
-			rerr := k.api.Get(ctx, client.ObjectKey{Name: k.node}, &fresh)
-			if rerr == nil {
-				rerr = k.setRecordAs(&fresh, ipam.RewoundAfterWrite(k.svc.Mark(), string(fresh.UID), fresh.Generation, string(nipa.UID), nipa.Generation))
-			}
-			if rerr != nil {
-				return true, fmt.Errorf("read NodeIPAllocation %s after writing to a rewound record: %w", k.node, rerr)
-			}
-			return true, nil
-		}
+		err := k.api.Patch(ctx, &nipa, patch, fieldOwner)
 		if err == nil {
-			k.svc.NoteSpecWritten(string(nipa.UID), nipa.Generation)
-			k.mu.Lock()
-			k.lastWritten = writtenSpec{pools: desired, observed: observed, baseRV: base.ResourceVersion, newRV: nipa.ResourceVersion}
-			k.mu.Unlock()
+			k.noteWritten(&nipa, desired, observed, base.ResourceVersion)
 			return true, nil
 		}
-		if !apierrors.IsConflict(err) || attempt >= 5 {
+		if attempt >= 5 || !(apierrors.IsConflict(err) || mark.UID != "" && apierrors.IsInvalid(err)) {
 			return false, fmt.Errorf("write NodeIPAllocation %s spec: %w", k.node, err)
 		}
 		nipa = ipwardenv1.NodeIPAllocation{}
 		if err := k.api.Get(ctx, client.ObjectKey{Name: k.node}, &nipa); err != nil {
-			return false, fmt.Errorf("re-read NodeIPAllocation %s after a conflict: %w", k.node, err)
+			return false, fmt.Errorf("re-read NodeIPAllocation %s after a refused spec write: %w", k.node, err)
 		}
+		if apierrors.IsConflict(err) {
+			continue
+		}
+		if string(nipa.UID) == mark.UID && nipa.Generation == mark.Generation {
+			// The record is the marked one, so the patch itself was refused (an object
+			// created without a spec has nothing to add to): write onto exactly this read.
+			return k.writeSpecOnto(ctx, &nipa, desired, observed)
+		}
+		if err := k.setRecord(&nipa, true); err != nil {
+			return false, err
+		}
+		// What the handover distrusted is released in this very write.
+		reqs = k.svc.Spec()
+		desired = specPools(reqs)
 	}
+}
+
+// markedSpecPatch is the node's spec write onto the record its mark names: a JSON patch that
+// tests metadata.uid and metadata.generation, then replaces spec.pools and spec.observedPools.
+func markedSpecPatch(mark ipam.RecordMark, pools []ipwardenv1.NodePoolRequest, observed []ipwardenv1.ObservedPool) ([]byte, error) {
+	if pools == nil {
+		pools = []ipwardenv1.NodePoolRequest{}
+	}
+	if observed == nil {
+		observed = []ipwardenv1.ObservedPool{}
+	}
+	type op struct {
+		Op    string `json:"op"`
+		Path  string `json:"path"`
+		Value any    `json:"value"`
+	}
+	raw, err := json.Marshal([]op{
+		{"test", "/metadata/uid", mark.UID},
+		{"test", "/metadata/generation", mark.Generation},
+		{"add", "/spec/pools", pools},
+		{"add", "/spec/observedPools", observed},
+	})
+	if err != nil {
+		return nil, fmt.Errorf("encode the spec write: %w", err)
+	}
+	return raw, nil
+}
+
+// writeSpecOnto writes the spec onto exactly the object nipa (a fresh read at the node's mark),
+// preconditioned on its resourceVersion.
+func (k *Kube) writeSpecOnto(ctx context.Context, nipa *ipwardenv1.NodeIPAllocation, desired []ipwardenv1.NodePoolRequest, observed []ipwardenv1.ObservedPool) (bool, error) {
+	base := nipa.DeepCopy()
+	nipa.Spec.Pools = desired
+	nipa.Spec.ObservedPools = observed
+	if err := k.api.Patch(ctx, nipa, client.MergeFromWithOptions(base, client.MergeFromWithOptimisticLock{}), fieldOwner); err != nil {
+		return false, fmt.Errorf("write NodeIPAllocation %s spec: %w", k.node, err)
+	}
+	k.noteWritten(nipa, desired, observed, base.ResourceVersion)
+	return true, nil
+}
+
+// noteWritten records the agent's own spec write: the record mark, and what it wrote over which
+// resource version, so a lagging cache does not make it write the same spec again.
+func (k *Kube) noteWritten(nipa *ipwardenv1.NodeIPAllocation, desired []ipwardenv1.NodePoolRequest, observed []ipwardenv1.ObservedPool, baseRV string) {
+	k.svc.NoteSpecWritten(string(nipa.UID), nipa.Generation)
+	k.mu.Lock()
+	k.lastWritten = writtenSpec{pools: desired, observed: observed, baseRV: baseRV, newRV: nipa.ResourceVersion}
+	k.mu.Unlock()
 }
 
 // acknowledge tells a controller that started leading that this node's claims are complete

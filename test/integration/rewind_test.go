@@ -70,8 +70,8 @@ func TestEtcdRewindNeverPutsAnAddressOnTwoPods(t *testing.T) {
 		t.Fatalf("node b's pods (%v) use none of node a's old addresses (%v): the scenario proves nothing", usedB, beforeA)
 	}
 	usedA := usedBy(t, a)
-	// Node a's spec writes after the snapshot: with one, its first write after the restore has
-	// the generation of its last write before it (ipam.RewoundAfterWrite).
+	// Node a's spec writes after the snapshot: with one, its first write after the restore would
+	// have the generation of its last write before it (the spec write's test of the mark refuses it).
 	writesA := nipa(t, "rewind-a").Generation - genAtSnapshot
 
 	// Restore etcd from the snapshot; the controller restarts from the restored record.

@@ -39,15 +39,6 @@ func IsRewound(mark RecordMark, uid string, generation int64) bool {
 	return uid != mark.UID || generation < mark.Generation
 }
 
-// RewoundAfterWrite decides whether a fresh read (uid, generation) shows the rewound record,
-// made right after the node's own spec write produced writeGen of writeUID on an object older
-// than the mark (IsRewound(mark, writeUID, writeGen-1)): everything not newer than that write
-// is. The mark alone cannot tell when the node wrote once after the backup: the write's
-// generation then equals the mark's, and the status it carries is the backup's.
-func RewoundAfterWrite(mark RecordMark, uid string, generation int64, writeUID string, writeGen int64) bool {
-	return IsRewound(mark, uid, generation) || (uid == writeUID && generation <= writeGen)
-}
-
 // Mark returns the node's record mark.
 func (s *State) Mark() RecordMark { return s.mark }
 

@@ -30,35 +30,6 @@ func TestIsRewound(t *testing.T) {
 	}
 }
 
-// After the node's own write landed on a rewound record (its generation - 1 older than the
-// mark), a fresh read not newer than that write shows the backup's status: rewound, even when
-// its generation equals the mark's (the node wrote once after the backup; IsRewound alone says
-// no: TestEtcdRewindNeverPutsAnAddressOnTwoPods once handed an address out so), and whether or
-// not the controller wrote the status since (that leaves the generation as it was).
-func TestRewoundAfterWrite(t *testing.T) {
-	mark := RecordMark{UID: "u1", Generation: 7} // the node's last write before the restore
-	cases := []struct {
-		name     string
-		uid      string
-		gen      int64
-		writeGen int64
-		want     bool
-	}{
-		{"one write after the backup: the write's generation equals the mark's", "u1", 7, 7, true},
-		{"two writes after the backup: the write's generation is older than the mark's", "u1", 6, 6, true},
-		{"the node wrote again since", "u1", 8, 7, false},
-		{"re-created since the write", "u2", 1, 7, true},
-	}
-	for _, tc := range cases {
-		if got := RewoundAfterWrite(mark, tc.uid, tc.gen, "u1", tc.writeGen); got != tc.want {
-			t.Errorf("%s: RewoundAfterWrite = %v, want %v", tc.name, got, tc.want)
-		}
-		if tc.name == "one write after the backup: the write's generation equals the mark's" && IsRewound(mark, tc.uid, tc.gen) {
-			t.Errorf("%s: IsRewound says rewound: the case needs no rule of its own", tc.name)
-		}
-	}
-}
-
 func TestSuspectAddresses(t *testing.T) {
 	s := func(items ...string) addr.Set { return set(t, items...) }
 	cases := []struct {
