@@ -352,7 +352,7 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 	// The node's own evidence, read again now that the pods are known: the sandboxes the runtime
 	// shows, for the rebuild and the hold (docs/design.md, "The node forgets").
 	ev := readSandboxes(ctx, start.runtime, svc.Metrics(), log)
-	n, err := reconcileStart(svc, pods, ev, cfg.StateDir, start, cfg.RebuildHold, time.Now(), log)
+	n, err := reconcileStart(svc, pods, ev, recoveryEvidence(ctx, cfg, svc, log.WithName("dra")), cfg.StateDir, start, cfg.RebuildHold, time.Now(), log)
 	if err != nil {
 		return err
 	}

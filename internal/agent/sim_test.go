@@ -569,7 +569,7 @@ func (s *sim) reconcile() {
 	pods := s.apiPods()
 	s.setPods(pods)
 	// catchUp: the node's own evidence first (readSandboxes), then reconcileStart.
-	n, err := reconcileStart(simStarter{s}, pods, s.runtimeRead(), a.dir, a.start, simHold, s.now, logr.Discard())
+	n, err := reconcileStart(simStarter{s}, pods, s.runtimeRead(), nil, a.dir, a.start, simHold, s.now, logr.Discard())
 	if err != nil {
 		a.stuck = true
 		s.logf("reconcile: start-up rebuild refused: catchUp ends (%v)", err)
@@ -686,6 +686,14 @@ func (st simStarter) Rebuild(pods []ipam.Pod) (int, error) {
 		return 0, ans.Err
 	}
 	return ans.N, nil
+}
+
+func (st simStarter) RecoverReservations(evs []ipam.ReservationEvidence) (int, error) {
+	ans, ok := st.s.await(st.s.a.m.RecoverReservations(evs, st.s.now))
+	if !ok {
+		return 0, errors.New("recovery not answered")
+	}
+	return ans.N, ans.Err
 }
 
 func (st simStarter) SetSandboxes(ev ipam.NodeSandboxes) {
