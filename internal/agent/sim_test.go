@@ -938,15 +938,7 @@ func (s *sim) damage(dir string) {
 // simCollector is collectorState over the simulated agent.
 type simCollector struct{ s *sim }
 
-func (c simCollector) gcView() []gc.Attachment {
-	m := c.s.a.m
-	atts := m.st.Attachments()
-	out := make([]gc.Attachment, len(atts))
-	for i, a := range atts {
-		out[i] = gcAttachment(a, m.st.Pending(a.Key))
-	}
-	return out
-}
+func (c simCollector) gcView() []gc.Attachment { return gcViewOf(c.s.a.m) }
 
 func (c simCollector) collect(path string, cand gc.Candidate, why string) (bool, error) {
 	s := c.s
