@@ -74,7 +74,10 @@
 // arrives for that pod UID, it is the pod's new sandbox: kubelet has stopped the old one (and its DEL, for a
 // container ID the agent does not know, was a no-op success), so the ADD adopts the recorded
 // addresses of the pools it asks for and the pod keeps its address. The DEL of the old container
-// ID can never free the adopted addresses, since it names a different attachment.
+// ID can never free the adopted addresses, since it names a different attachment. With --dra, the
+// DRA reservations the journal held are re-created from their claims' status entries, which the
+// driver writes only after a reservation is journaled, before the hold starts
+// (docs/design.md, "After a lost journal").
 package agent
 
 import (
@@ -352,7 +355,7 @@ func catchUp(ctx context.Context, cfg Config, svc *Service, events record.EventB
 	// The node's own evidence, read again now that the pods are known: the sandboxes the runtime
 	// shows, for the rebuild and the hold (docs/design.md, "The node forgets").
 	ev := readSandboxes(ctx, start.runtime, svc.Metrics(), log)
-	n, err := reconcileStart(svc, pods, ev, cfg.StateDir, start, cfg.RebuildHold, time.Now(), log)
+	n, err := reconcileStart(svc, pods, ev, recoveryEvidence(ctx, cfg, svc, log.WithName("dra")), cfg.StateDir, start, cfg.RebuildHold, time.Now(), log)
 	if err != nil {
 		return err
 	}

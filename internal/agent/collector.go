@@ -494,16 +494,21 @@ func why(path string, v gc.Verdict, l gc.Lookup, c gc.Candidate) string {
 // gcView returns what the collector needs of every attachment, in-flight ones marked.
 func (s *Service) gcView() []gc.Attachment {
 	var out []gc.Attachment
-	s.read(func(m *Machine) {
-		atts := m.st.Attachments()
-		out = make([]gc.Attachment, 0, len(atts))
-		for _, a := range atts {
-			if a.DRA != nil {
-				continue // a DRA reservation: the claims' reconcile frees it (machine_dra.go)
-			}
-			out = append(out, gcAttachment(a, m.st.Pending(a.Key)))
+	s.read(func(m *Machine) { out = gcViewOf(m) })
+	return out
+}
+
+// gcViewOf is the collector's view of m's attachments, in-flight ones marked: every one but the
+// DRA reservations, which the claims' reconcile frees (machine_dra.go).
+func gcViewOf(m *Machine) []gc.Attachment {
+	atts := m.st.Attachments()
+	out := make([]gc.Attachment, 0, len(atts))
+	for _, a := range atts {
+		if a.DRA != nil {
+			continue
 		}
-	})
+		out = append(out, gcAttachment(a, m.st.Pending(a.Key)))
+	}
 	return out
 }
 

@@ -8,10 +8,13 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/ipwarden/ipwarden/internal/agent/dra"
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
+	"github.com/ipwarden/ipwarden/internal/cniproto"
 )
 
 // The agent's side of the DRA driver (package dra): the machine's DRA inputs (machine_dra.go)
@@ -84,6 +87,66 @@ func (c draCore) Reconcile(ctx context.Context, allocated func(ipam.ClaimDevice)
 	c.s.step(func(m *Machine, now time.Time) { ids = m.ReconcileClaims(allocated, now) })
 	_ = ids // each release is logged by the machine; a refused one is tried again next round
 	return nil
+}
+
+// recoveryEvidence returns how the start-up reads, after a lost or damaged journal, the claims'
+// evidence of the DRA reservations the journal forgot (dra.ListClaims, dra.Evidence; the machine
+// decides what to re-create), or nil without --dra. The read is one LIST of every ResourceClaim
+// in the cluster (no field selector names the allocation's node), made only then. A failure the
+// API server may get over is retried, with backoff, for as long as it lasts: the start serves no
+// ADD until it succeeds, because every address of a claim prepared before the loss would
+// otherwise count as free once the hold ends. One it will not get over (the agent may not list
+// ResourceClaims: RBAC) recovers nothing, and says so in the log and an event on the node's
+// NodeIPAllocation: the reservations are then lost as before recovery existed.
+func recoveryEvidence(ctx context.Context, cfg Config, svc *Service, log logr.Logger) func() []ipam.ReservationEvidence {
+	if !cfg.DRA.Enabled {
+		return nil
+	}
+	return func() []ipam.ReservationEvidence {
+		notRecovered := func(err error) []ipam.ReservationEvidence {
+			log.Error(err, "cannot list ResourceClaims: the DRA reservations of claims prepared before the journal was lost are not recovered; their pods' next sandboxes get other addresses than their claims' status names",
+				"remedy", "give the agent list on resourceclaims (ClusterRole ipwarden-agent-dra)")
+			svc.nodeEvent(corev1.EventTypeWarning, ReasonDRAReservationNotRecovered, fmt.Sprintf(
+				"the journal was lost and the ResourceClaims cannot be listed (%s): the DRA reservations of claims prepared before the loss are not recovered",
+				cniproto.Truncate(err.Error(), 300)))
+			return nil
+		}
+		cs, err := kubernetes.NewForConfig(cfg.RestConfig)
+		if err != nil {
+			return notRecovered(err)
+		}
+		ifname := cfg.DRA.Interface
+		if ifname == "" {
+			ifname = ipam.PrimaryIfName
+		}
+		backoff := time.Second
+		for {
+			claims, err := dra.ListClaims(ctx, cs)
+			if err == nil {
+				var served []string
+				svc.read(func(m *Machine) { served = m.st.Served() })
+				evs, problems := dra.Evidence(claims, cfg.Node, served, ifname)
+				for _, p := range problems {
+					log.Error(nil, "a DRA claim's status entry of this node cannot be read as a reservation; not recovered", "problem", p)
+				}
+				log.Info("read the ResourceClaims to recover the DRA reservations the lost journal held", "claims", len(claims), "entries", len(evs))
+				return evs
+			}
+			if ctx.Err() != nil {
+				return nil
+			}
+			if apierrors.IsForbidden(err) || apierrors.IsUnauthorized(err) || apierrors.IsMethodNotSupported(err) {
+				return notRecovered(err)
+			}
+			log.Error(err, "cannot list ResourceClaims to recover the DRA reservations the lost journal held; retrying (ADD waits)", "retryIn", backoff.String())
+			select {
+			case <-ctx.Done():
+				return nil
+			case <-time.After(backoff):
+			}
+			backoff = min(2*backoff, 30*time.Second)
+		}
+	}
 }
 
 // runDRA runs the DRA kubelet plugin until ctx ends (after the first reconciliation: the state

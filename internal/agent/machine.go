@@ -168,8 +168,10 @@ type Answer struct {
 	Err error
 	// Round is a release round's result.
 	Round *Round
-	// N is a rebuild's count of attachments recorded.
+	// N is a rebuild's count of attachments recorded, or a recovery's of reservations.
 	N int
+	// Recovery is a recovery's decision on each claim's status entry (machine_dra.go).
+	Recovery []ipam.RecoveryOutcome
 }
 
 type reqKind uint8

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
+
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
 	"github.com/ipwarden/ipwarden/internal/cniproto"
 )
@@ -26,7 +28,11 @@ import (
 //   - Unprepare frees the reservation through the cooldown once its write landed, is refused
 //     while an attachment uses the address, and succeeds for an unknown reservation;
 //   - ReconcileClaims unprepares each reservation whose claim the API server no longer shows
-//     allocated to the node, once no attachment uses it.
+//     allocated to the node, once no attachment uses it;
+//   - after a lost or damaged journal, RecoverReservations re-creates the reservations the
+//     claims' status entries name (ipam.DecideRecovery), journaled before the hold starts and
+//     before anything is served; one it does not re-create for a conflict is logged, counted and
+//     reported as an event, and its address stays whose it was.
 
 const (
 	reqPrepare   reqKind = 10 + iota // a DRA Prepare of one device (machine_dra.go)
@@ -74,6 +80,56 @@ func (m *Machine) ReconcileClaims(allocated ClaimAllocated, now time.Time) []uin
 		ids = append(ids, m.unprepare(res.Key))
 	}
 	return ids
+}
+
+// ReasonDRAReservationNotRecovered is the event on the node's NodeIPAllocation for a claim whose
+// status names an address the node, after a lost journal, did not reserve for it again.
+const ReasonDRAReservationNotRecovered = "DRAReservationNotRecovered"
+
+// RecoverReservations re-creates, after a lost or damaged journal, the reservations the claims'
+// status entries evs name (ipam.PlanRecoverReservations; journaled as a fact). The answer's N
+// counts the reservations recovered, its Recovery holds every decision.
+func (m *Machine) RecoverReservations(evs []ipam.ReservationEvidence, now time.Time) uint64 {
+	return m.Fact("recover", func(m *Machine) ipam.Plan { return m.st.PlanRecoverReservations(evs, m.now) }, recoverApplied, now)
+}
+
+// recoverApplied logs, counts and reports each decision of a recovery once it is journaled.
+func recoverApplied(m *Machine, p ipam.Plan, a *Answer) {
+	plan, ok := p.(ipam.RecoverPlan)
+	if !ok {
+		return
+	}
+	for _, o := range plan.Outcomes {
+		m.metrics.DRARecovered.WithLabelValues(o.Reason).Inc()
+		e := o.Evidence
+		kv := []any{"claim", e.Claim.String(), "pod", e.Pod.String(), "interface", e.Claim.Interface, "pool", e.Pool, "address", e.Addr.String(), "reason", o.Reason}
+		if o.Owner != (ipam.Key{}) {
+			kv = append(kv, "usedBy", o.Owner.String())
+		}
+		switch {
+		case o.Reason == ipam.RecoveryRecovered:
+			m.log.Info("recovered a DRA reservation from its claim's status after the journal was lost", kv...)
+		case !ipam.IsRecoveryConflict(o.Reason):
+			m.log.V(1).Info("a DRA claim's status entry needs no recovery", kv...)
+		default:
+			m.log.Error(nil, "a DRA claim's status names an address the node does not reserve for it again after the journal was lost: its pod's next ADD gets another address", kv...)
+			m.rd.Events = append(m.rd.Events, NodeEvent{Type: corev1.EventTypeWarning, Reason: ReasonDRAReservationNotRecovered, Message: fmt.Sprintf(
+				"after the journal was lost, ResourceClaim %s/%s (%s) names %s for pod %s's %s, which the node does not reserve for it again (%s%s): "+
+					"the address stays whose it was, and the pod's next sandbox gets another address; check it with `ipwarden check`",
+				e.Claim.Namespace, e.Claim.Name, e.Claim.UID, e.Addr, e.Pod, e.Claim.Interface, o.Reason, usedBy(o.Owner))})
+		}
+	}
+	a.N, a.Recovery = plan.Recovered(), plan.Outcomes
+	if a.N > 0 {
+		m.rd.Kick = true
+	}
+}
+
+func usedBy(k ipam.Key) string {
+	if k == (ipam.Key{}) {
+		return ""
+	}
+	return ", used by " + k.String()
 }
 
 // tryPrepare plans Prepare r.

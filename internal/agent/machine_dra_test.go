@@ -2,10 +2,13 @@ package agent
 
 import (
 	"errors"
+	"net/netip"
 	"slices"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/ipwarden/ipwarden/internal/addr"
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
@@ -383,6 +386,91 @@ func TestMachineAddOfAClaimedPodWhoseAddressThePreviousIPAMReserves(t *testing.T
 			}
 			if res, ok := h.m.st.Attachment(resKey("c1", "s0")); !ok || fmtAddresses(res.Addresses) != "v4=10.1.0.8" {
 				t.Fatalf("the reservation is %+v (%v), want it kept with 10.1.0.8", res, ok)
+			}
+		})
+	}
+}
+
+// recoveryOf is the evidence of claim-<cid>'s reservation of addr on eth0 (device s0 of pool v4).
+func recoveryOf(cid, addr string) ipam.ReservationEvidence {
+	r := reserveReq(cid, "s0", "eth0")
+	return ipam.ReservationEvidence{Claim: r.Claim, Pod: r.Pod, Pool: r.Pool, Addr: netip.MustParseAddr(addr)}
+}
+
+// After a lost journal the reservations the claims' status entries name are re-created as a fact:
+// answered only once journaled (a refused write recovers nothing, and the claim's pod's ADD then
+// gets an ordinary address); a claim whose address another attachment holds is not recovered
+// and is reported (an event, the metric), with no write; a claim of a pod that is done needs
+// nothing and is no conflict.
+func TestMachineRecoverReservations(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		other   bool   // pod c2's ADD holds 10.1.0.8 first
+		done    bool   // pod c1 finished
+		claim   string // the address c1's claim names
+		outcome error  // of the recovery's write
+		// want: the recovery's reason (unless refused), its writes, the event; then c1's ADD on
+		// eth0 gets wantAdd.
+		want    string
+		writes  int
+		event   bool
+		wantAdd string
+	}{
+		{name: "journaled, then answered: the pod's ADD gets the claim's address", claim: "10.1.0.10", want: ipam.RecoveryRecovered, writes: 1,
+			wantAdd: "10.1.0.10/16"},
+		{name: "refused: nothing recovered, the ADD gets an ordinary address", claim: "10.1.0.10", outcome: errRefused, want: ipam.RecoveryRecovered,
+			writes: 1, wantAdd: "10.1.0.8/16"},
+		{name: "another pod's attachment holds it: kept, reported, no write", other: true, claim: "10.1.0.8", want: ipam.RecoveryInUse,
+			event: true, wantAdd: "10.1.0.9/16"},
+		{name: "the pod is done: nothing to recover, no conflict", done: true, claim: "10.1.0.10", want: ipam.RecoveryPodNotRunning},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newMachine(t, MachineConfig{AddressWait: time.Minute}, testV4)
+			metrics := h.m.metrics
+			h.hold(map[string]string{"v4": "10.1.0.8/29"})
+			if tc.other {
+				h.add(addReq("c2"))
+			}
+			h.m.SetPods([]ipam.Pod{{Ref: reserveReq("c1", "s0", "eth0").Pod, Finished: tc.done}}, h.now)
+			id := h.m.RecoverReservations([]ipam.ReservationEvidence{recoveryOf("c1", tc.claim)}, h.now)
+			rd := h.ready()
+			if len(rd.Writes) != tc.writes {
+				t.Fatalf("writes %+v, want %d", rd.Writes, tc.writes)
+			}
+			if tc.writes > 0 {
+				noAnswer(t, rd, id, "the recovery")
+				h.m.Written(rd.Writes[0].ID, tc.outcome, h.now)
+				rd = h.ready()
+			}
+			a := mustAnswer(t, rd, id)
+			switch {
+			case tc.outcome != nil:
+				if a.Err == nil || len(a.Recovery) != 0 {
+					t.Fatalf("answered %s, recovery %v; want the refusal, nothing decided", describeAnswer(a), a.Recovery)
+				}
+			case a.Err != nil || len(a.Recovery) != 1 || a.Recovery[0].Reason != tc.want:
+				t.Fatalf("answered %s, recovery %v; want %s", describeAnswer(a), a.Recovery, tc.want)
+			}
+			_, reserved := h.m.st.Attachment(resKey("c1", "s0"))
+			if reserved != (tc.want == ipam.RecoveryRecovered && tc.outcome == nil) || (a.N == 1) != reserved {
+				t.Fatalf("reservation in the state: %v, N %d", reserved, a.N)
+			}
+			if got := slices.ContainsFunc(rd.Events, func(e NodeEvent) bool { return e.Reason == ReasonDRAReservationNotRecovered }); got != tc.event {
+				t.Fatalf("events %+v, want the warning: %v", rd.Events, tc.event)
+			}
+			if tc.outcome == nil {
+				if got := testutil.ToFloat64(metrics.DRARecovered.WithLabelValues(tc.want)); got != 1 {
+					t.Fatalf("dra_reservations_recovered_total{reason=%s} = %v", tc.want, got)
+				}
+			} else if got := testutil.ToFloat64(metrics.JournalRefused.WithLabelValues("recover")); got != 1 {
+				t.Fatalf("journal_refused_total{change=recover} = %v", got)
+			}
+			if tc.wantAdd == "" {
+				return
+			}
+			resp := h.add(addReq("c1"))
+			if got := resp.IPs[0].Address; len(resp.IPs) != 1 || got != tc.wantAdd {
+				t.Fatalf("c1's ADD got %s, want %s", got, tc.wantAdd)
 			}
 		})
 	}

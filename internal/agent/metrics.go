@@ -83,6 +83,9 @@ type Metrics struct {
 	// JournalRefused counts changes of the node's state the journal refused, by change: the
 	// state was left as it was (the commit protocol, ipam/plan.go).
 	JournalRefused *prometheus.CounterVec
+	// DRARecovered counts the claims' status entries a start after a lost journal read to
+	// recover DRA reservations, by outcome (ipam.RecoveryReasons).
+	DRARecovered *prometheus.CounterVec
 
 	// AddressesExhausted is 1 while the node shows the scheduler signal (condition
 	// ipwarden.io/AddressesExhausted).
@@ -145,7 +148,9 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		PodUnknown: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "add_pod_unreadable_total",
 			Help: "ADDs refused (CNI error 11, the runtime retries) because the pod watch had not seen the pod and the API server did not answer: pools are never chosen without the pod's annotations."}),
 		JournalRefused: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "journal_refused_total",
-			Help: "Changes of the node's state the journal refused, by change (add, del, release, pools, holdings, mark, rebuild, handback); the state was left as it was and the change is retried: by the runtime (add: answered with an error, nothing handed out), the leak collector (del: a DEL is answered before its write), the next pool monitor round (release), the next reading of the node's objects (pools, holdings, mark), the next pod event (rebuild) or the operator (handback: the command says so)."}, []string{"change"}),
+			Help: "Changes of the node's state the journal refused, by change (add, del, release, pools, holdings, mark, rebuild, handback, recover); the state was left as it was and the change is retried: by the runtime (add: answered with an error, nothing handed out), the leak collector (del: a DEL is answered before its write), the next pool monitor round (release), the next reading of the node's objects (pools, holdings, mark), the next pod event (rebuild), the next start (recover: the start-up stops short of serving ADD, as after a refused rebuild, and the next start recovers again) or the operator (handback: the command says so)."}, []string{"change"}),
+		DRARecovered: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "dra_reservations_recovered_total",
+			Help: "DRA claims' status entries of the node (driver ipam.ipwarden.io) read at a start after a lost or damaged journal to re-create the reservations they name, by reason: recovered; already_reserved; pod_not_running (nothing to recover); or a conflict, the claim's status naming an address its pod will not get: address_in_use (another attachment keeps it), pod_reports_another_address, address_named_twice, address_out_of_use, address_not_held, pool_not_serving, reserved_another_address (each logged, with a DRAReservationNotRecovered event)."}, []string{"reason"}),
 		Outside: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Name: "addresses_outside_pool",
 			Help: "Addresses the node holds or uses that the pool's current spec no longer covers (a shrunk pool, a new exclusion): never handed out, released as they are freed."}, pool),
 
@@ -201,8 +206,11 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			v.WithLabelValues(path)
 		}
 	}
-	for _, c := range []string{"add", "del", "release", "pools", "holdings", "mark", "rebuild", "handback"} {
+	for _, c := range []string{"add", "del", "release", "pools", "holdings", "mark", "rebuild", "handback", "recover"} {
 		m.JournalRefused.WithLabelValues(c)
+	}
+	for _, r := range ipam.RecoveryReasons {
+		m.DRARecovered.WithLabelValues(r)
 	}
 	m.Queue = NewQueueMetrics(reg)
 	m.AddressesExhausted = prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "addresses_exhausted",
@@ -213,7 +221,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			m.Attachments, m.ClaimAttachments, m.ClaimShared, m.OpDuration, m.IPWait, m.JournalWrite, m.Errors, m.SpecWrites, m.Conflicts, m.RecordRewinds, m.RecordRecreated, m.LeaderAcks,
 			m.GCCandidates, m.GCCollected, m.GCKept, m.GCFailed, m.GCDryRun, m.GCDeleteToFree, m.GCFullChecks, m.GCQueueDepth,
 			m.Unattributed, m.JournalRecovered, m.HoldActive, m.HandedBack, m.Conns, m.Busy, m.BadRequests, m.AbandonedAdds, m.ReleasesInFlight, m.PodUnknown, m.JournalRefused,
-			m.GCSandboxHeld, m.GCSandboxOutlived, m.PreviousReserved, m.PreviousReads, m.PreviousWrites, m.RuntimeReads)
+			m.GCSandboxHeld, m.GCSandboxOutlived, m.PreviousReserved, m.PreviousReads, m.PreviousWrites, m.RuntimeReads, m.DRARecovered)
 	}
 	return m
 }

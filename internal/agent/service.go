@@ -701,6 +701,17 @@ func (s *Service) rebuild(pods []ipam.Pod, v int) (int, error) {
 	return a.N, nil
 }
 
+// RecoverReservations re-creates the DRA reservations the claims' status entries evs name
+// after a lost or damaged journal (Machine.RecoverReservations), journaled before it returns;
+// when the journal refuses it nothing was recorded. It returns how many it recovered.
+func (s *Service) RecoverReservations(evs []ipam.ReservationEvidence) (int, error) {
+	a := s.fact(func(m *Machine, now time.Time) uint64 { return m.RecoverReservations(evs, now) })
+	if a.Err != nil {
+		return 0, fmt.Errorf("journal DRA reservations recovered from their claims: %w", a.Err)
+	}
+	return a.N, nil
+}
+
 func fmtAddresses(as []ipam.Address) string {
 	parts := make([]string, len(as))
 	for i, a := range as {

@@ -21,14 +21,27 @@ package agent
 //   - at a quiet point no reservation of a claim gone, deallocated or unprepared remains (no
 //     leak), unless an attachment still uses its address.
 //
-// A journal lost or damaged after the kubelet saw a claim prepared loses the reservation: the
-// kubelet does not prepare a claim again, and nothing else on the node names it. Such a claim is
-// marked lost and exempt from the checks that need the reservation (docs/simulate.md).
+// A journal lost or damaged after the kubelet saw a claim prepared: the kubelet never prepares
+// it again, but its status entry (written only after the reservation's journal write, and only
+// then is the Prepare answered) names the reservation, and the next start re-creates it from
+// there (reconcileStart, dra.Evidence, ipam.DecideRecovery). The oracle (draRecovered): at that
+// start a claim still allocated to the node whose pod may run has its reservation back, with its
+// status's address and interface, unless another pod's attachment recorded from that pod's
+// reports holds the address (kept: never two owners; the agent reports the conflict), or the
+// claim lost its reservation at an earlier loss (then its entry may be stale). A claim whose pod
+// is done, or that is no longer allocated to the node, needs none. A claim not recovered is
+// marked lost and exempt from the checks that need the reservation. A claim whose status write
+// had not landed when the journal was lost has no evidence, and needs none: the kubelet saw its
+// Prepare fail and prepares it again (docs/simulate.md).
 
 import (
 	"fmt"
 	"net/netip"
 	"slices"
+
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ipwarden/ipwarden/internal/agent/dra"
 	"github.com/ipwarden/ipwarden/internal/agent/ipam"
@@ -57,11 +70,13 @@ type simDRAClaim struct {
 
 	// The kubelet: it called Prepare (prepareSent), one is in flight (preparing, on agent
 	// prepGen), a Prepare succeeded for it (prepared: the status write landed); it unprepares
-	// once the pod's sandboxes are gone, unless missed.
-	prepareSent, preparing, prepared bool
-	prepGen                          int
-	unpreparing, unprepared, missed  bool
-	unprepGen                        int
+	// once the pod's sandboxes are gone, unless missed. unprepCut: a restart cut an Unprepare
+	// off, whose write may have landed (the kubelet retries; the reservation may be gone).
+	prepareSent, preparing, prepared   bool
+	prepGen                            int
+	unpreparing, unprepared, unprepCut bool
+	missed                             bool
+	unprepGen                          int
 	// pending: the agent answered the Prepare with this reservation, the status write is to come
 	// (its own step); a restart before it fails the Prepare for the kubelet.
 	pending    *ipam.Attachment
@@ -69,8 +84,11 @@ type simDRAClaim struct {
 	cut        bool // a restart cut a Prepare or its status write off: the next answer is a retry's
 
 	// The oracle: the address the agent answered a Prepare with (since the last lost journal);
-	// lost: the journal was lost or damaged after the kubelet saw the claim prepared.
+	// forgot: the journal was lost or damaged after the kubelet saw the claim prepared, and no
+	// agent has reconciled since (the next start's recovery decides, draRecovered); lost: that
+	// start did not recover the reservation.
 	answered netip.Addr
+	forgot   bool
 	lost     bool
 }
 
@@ -81,7 +99,7 @@ func (c *simDRAClaim) live() bool { return !c.deleted && c.where == "node" }
 
 // holds: the agent must hold the claim's reservation, as its status names it.
 func (c *simDRAClaim) holds() bool {
-	return c.live() && c.prepared && !c.lost && !c.unpreparing && !c.unprepared
+	return c.live() && c.prepared && !c.lost && !c.forgot && !c.unpreparing && !c.unprepCut && !c.unprepared
 }
 
 // entries are the claim's status entries of the driver.
@@ -304,7 +322,7 @@ func (s *sim) draAnswered(f *simIf, got netip.Addr) {
 	if c == nil || f.key.IfName != c.ifname {
 		return
 	}
-	if c.lost {
+	if c.lost || c.forgot {
 		s.counts["DRA ADD after its reservation was lost with the journal"]++
 		return
 	}
@@ -417,20 +435,117 @@ func (s *sim) draAgentEnded() {
 			s.logf("DRA status write of %s cut off by the restart", c)
 		}
 		if c.unpreparing && c.unprepGen == s.a.gen {
-			c.unpreparing = false
+			c.unpreparing, c.unprepCut = false, true
 		}
 	}
 }
 
-// draForgotten: the journal was lost or damaged. A claim the kubelet saw prepared loses its
-// reservation for good; any other is prepared again from scratch.
+// draForgotten: the journal was lost or damaged. A claim the kubelet saw prepared waits for the
+// next start's recovery from its status (draRecovered); any other is prepared again from
+// scratch.
 func (s *sim) draForgotten() {
 	for _, c := range s.dra {
-		if c.prepared && !c.unprepared && c.live() && !c.lost {
-			c.lost = true
+		if c.prepared && !c.unprepared && c.live() && !c.forgot {
+			c.forgot = true
 			s.counts["DRA reservation lost with the journal"]++
 		}
 		c.answered = netip.Addr{}
+	}
+}
+
+// draEvidence is the DRA driver's read of the claims at a start after a lost journal: what a
+// LIST of the ResourceClaims shows (a deleted claim is gone; the allocation is the node's,
+// another node's or none; the one consumer, the pod, stays in status.reservedFor; the status
+// entries as written), through the driver's own reading (dra.Evidence).
+func (s *sim) draEvidence() []ipam.ReservationEvidence {
+	var claims []resourceapi.ResourceClaim
+	for _, c := range s.dra {
+		if c.deleted {
+			continue
+		}
+		o := resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: c.name, UID: types.UID(c.uid)}}
+		o.Status.ReservedFor = []resourceapi.ResourceClaimConsumerReference{{Resource: "pods", Name: c.pod.ref.Name, UID: types.UID(c.pod.ref.UID)}}
+		if c.where != "" {
+			node := simNode
+			if c.where == "other" {
+				node = "node-o"
+			}
+			o.Status.Allocation = &resourceapi.AllocationResult{Devices: resourceapi.DeviceAllocationResult{
+				Results: []resourceapi.DeviceRequestAllocationResult{{Request: simDRARequest, Driver: dra.DriverName, Pool: node, Device: c.device}}}}
+		}
+		for _, e := range c.status {
+			prefix := netip.PrefixFrom(e.addr, e.addr.BitLen())
+			for _, p := range simPools {
+				if p.CIDRs[0].Contains(e.addr) {
+					prefix = p.Prefix(e.addr)
+				}
+			}
+			o.Status.Devices = append(o.Status.Devices, resourceapi.AllocatedDeviceStatus{Driver: e.driver, Pool: e.pool, Device: e.device,
+				NetworkData: &resourceapi.NetworkDeviceData{InterfaceName: e.ifname, IPs: []string{prefix.String()}}})
+		}
+		claims = append(claims, o)
+	}
+	evs, problems := dra.Evidence(claims, simNode, s.a.m.st.Served(), "eth0")
+	if len(problems) > 0 {
+		s.fatalf("the driver cannot read the claims' status entries: %v", problems)
+	}
+	s.logf("DRA: %d claims listed, %d status entries of the node", len(claims), len(evs))
+	return evs
+}
+
+// draRecovered checks the start's recovery after a lost journal (reconcileStart): each claim
+// whose journal was lost after the kubelet saw it prepared has its reservation back, with its
+// status's address and interface, while it is allocated to the node and its pod may run. The
+// exceptions, marked lost: its pod is done or the claim is gone (nothing to recover: its
+// Unprepare finds none); another pod's attachment recorded from that pod's reports holds the
+// address (a stale report; the agent keeps it and reports the conflict); the claim lost its
+// reservation at an earlier loss, so its entry may be stale (any reported reason); or another
+// entry naming the address is such a stale one (neither is recovered).
+func (s *sim) draRecovered(outcomes []ipam.RecoveryOutcome) {
+	st := s.a.m.st
+	for _, c := range s.dra {
+		if !c.forgot {
+			continue
+		}
+		c.forgot = false
+		wasLost := c.lost
+		es := c.entries()
+		if r, ok := st.Attachment(c.key()); ok {
+			if len(es) != 1 || len(r.Addresses) != 1 || r.Addresses[0].Addr != es[0].addr || r.DRA == nil || r.DRA.Interface != c.ifname ||
+				r.Pod.UID != c.pod.ref.UID || r.Addresses[0].Pool != c.pool {
+				s.fatalf("%s was recovered as %+v; its status entries are %+v", c, r, es)
+			}
+			c.lost, c.answered = false, es[0].addr
+			s.counts["DRA reservation recovered from its claim's status"]++
+			s.logf("DRA %s recovered with %s", c, es[0].addr)
+			continue
+		}
+		c.lost = true
+		if !c.live() || c.podDone() || c.unprepared {
+			s.counts["DRA reservation not recovered: its pod is done or its claim gone"]++
+			continue
+		}
+		i := slices.IndexFunc(outcomes, func(o ipam.RecoveryOutcome) bool { return o.Evidence.Claim.UID == c.uid })
+		if i < 0 {
+			s.fatalf("%s: its journal was lost after the kubelet saw it prepared, it is still allocated to the node and its pod may run, "+
+				"yet the start did not decide on its status entries %+v", c, es)
+		}
+		o := outcomes[i]
+		staleOther := o.Reason == ipam.RecoveryDuplicate && slices.ContainsFunc(s.dra, func(d *simDRAClaim) bool {
+			return d != c && d.lost && slices.ContainsFunc(d.entries(), func(e simDRAStatus) bool { return e.addr == o.Evidence.Addr })
+		})
+		switch {
+		case o.Reason == ipam.RecoveryInUse && o.Owner.IsRebuilt() && o.Owner != ipam.RebuiltKey(c.pod.ref.UID):
+			s.counts["DRA reservation not recovered: another pod's report holds its address"]++
+		case wasLost:
+			s.counts["DRA reservation not recovered: lost before, its status stale"]++
+		case staleOther:
+			s.counts["DRA reservation not recovered: a stale status names its address"]++
+		default:
+			s.fatalf("%s: its journal was lost after the kubelet saw it prepared, it is still allocated to the node and its pod may run, "+
+				"yet its reservation was not recovered: %s", c, o)
+		}
+		s.logf("DRA %s not recovered: %s", c, o)
 	}
 }
 

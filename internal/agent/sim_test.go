@@ -232,6 +232,9 @@ type simAgent struct {
 	prevKnown map[string]bool
 	prevLast  string
 	prevSet   bool // a reading is handed to the state (forgetPrevious's pr.last)
+	// recovery is the start's decision on each DRA claim's status entry (reconcileStart, after a
+	// lost journal; sim_dra_test.go).
+	recovery []ipam.RecoveryOutcome
 }
 
 // --- the simulation ----------------------------------------------------------------------------
@@ -569,12 +572,16 @@ func (s *sim) reconcile() {
 	pods := s.apiPods()
 	s.setPods(pods)
 	// catchUp: the node's own evidence first (readSandboxes), then reconcileStart.
-	n, err := reconcileStart(simStarter{s}, pods, s.runtimeRead(), a.dir, a.start, simHold, s.now, logr.Discard())
+	// The DRA driver's read of the claims after a lost journal: what a LIST shows, through the
+	// driver's own reading (dra.Evidence).
+	a.recovery = nil
+	n, err := reconcileStart(simStarter{s}, pods, s.runtimeRead(), s.draEvidence, a.dir, a.start, simHold, s.now, logr.Discard())
 	if err != nil {
 		a.stuck = true
 		s.logf("reconcile: start-up rebuild refused: catchUp ends (%v)", err)
 		return
 	}
+	s.draRecovered(a.recovery)
 	// catchUp starts watchHold when the hold is on.
 	a.watching, _ = a.m.st.Hold()
 	a.m.gate.setSynced()
@@ -686,6 +693,16 @@ func (st simStarter) Rebuild(pods []ipam.Pod) (int, error) {
 		return 0, ans.Err
 	}
 	return ans.N, nil
+}
+
+func (st simStarter) RecoverReservations(evs []ipam.ReservationEvidence) (int, error) {
+	ans, ok := st.s.await(st.s.a.m.RecoverReservations(evs, st.s.now))
+	if !ok {
+		return 0, errors.New("recovery not answered")
+	}
+	st.s.a.recovery = ans.Recovery
+	st.s.logf("DRA recovery from %d status entries: %d recovered (%v)", len(evs), ans.N, ans.Err)
+	return ans.N, ans.Err
 }
 
 func (st simStarter) SetSandboxes(ev ipam.NodeSandboxes) {
@@ -930,15 +947,7 @@ func (s *sim) damage(dir string) {
 // simCollector is collectorState over the simulated agent.
 type simCollector struct{ s *sim }
 
-func (c simCollector) gcView() []gc.Attachment {
-	m := c.s.a.m
-	atts := m.st.Attachments()
-	out := make([]gc.Attachment, len(atts))
-	for i, a := range atts {
-		out[i] = gcAttachment(a, m.st.Pending(a.Key))
-	}
-	return out
-}
+func (c simCollector) gcView() []gc.Attachment { return gcViewOf(c.s.a.m) }
 
 func (c simCollector) collect(path string, cand gc.Candidate, why string) (bool, error) {
 	s := c.s
@@ -1810,7 +1819,7 @@ func (s *sim) check() {
 }
 
 // covered: the machine's attachment of f's key holds its address, or one rebuilt for its pod,
-// or the unattributed hold.
+// or a DRA reservation of its pod for its interface, or the unattributed hold.
 func (s *sim) covered(f *simIf) bool {
 	st := s.a.m.st
 	has := func(att ipam.Attachment) bool {
@@ -1821,6 +1830,13 @@ func (s *sim) covered(f *simIf) bool {
 	}
 	for _, k := range st.PodAttachments(f.sb.pod.ref.UID) {
 		if att, ok := st.Attachment(k); ok && k.IsRebuilt() && has(att) {
+			return true
+		}
+	}
+	// A DRA reservation of its pod for its interface (recovered after a lost journal, the
+	// sandbox's own attachment forgotten).
+	for _, r := range st.Reservations() {
+		if r.Pod.UID == f.sb.pod.ref.UID && r.DRA.Interface == f.key.IfName && has(r) {
 			return true
 		}
 	}
@@ -2018,7 +2034,9 @@ func (s *sim) checkHold() {
 	ev := st.Sandboxes()
 	accounted := func(p *simPod, net string) bool {
 		for _, k := range st.PodAttachments(p.ref.UID) {
-			if att, ok := st.Attachment(k); ok && !k.IsRebuilt() && slices.ContainsFunc(att.Addresses, func(ad ipam.Address) bool { return poolNetwork(ad.Pool) == net }) {
+			// (A DRA reservation is no ADD: the Prepare comes before the sandbox.)
+			if att, ok := st.Attachment(k); ok && !k.IsRebuilt() && !k.IsReservation() &&
+				slices.ContainsFunc(att.Addresses, func(ad ipam.Address) bool { return poolNetwork(ad.Pool) == net }) {
 				return true
 			}
 		}
@@ -2192,7 +2210,8 @@ func TestSimReachesEveryEvent(t *testing.T) {
 		"host-local add", "host-local del", "previous reserved", "previous taken", "previous unreserved", "previous dropped",
 		"claim ADD", "claim address shared (live migration)", "VM pod: migration target", "VM pod: restart", "IPAMClaim re-created",
 		"DRA prepare answered", "DRA prepare answered again after a restart", "DRA status written", "DRA status write failed",
-		"DRA status write cut by a restart", "DRA ADD of the reserved address", "DRA unprepare freed", "DRA reconcile released", "DRA claim ended"}
+		"DRA status write cut by a restart", "DRA ADD of the reserved address", "DRA unprepare freed", "DRA reconcile released", "DRA claim ended",
+		"DRA reservation recovered from its claim's status"}
 	for _, e := range simEvents {
 		want = append(want, e.name)
 	}

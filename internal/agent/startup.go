@@ -88,6 +88,7 @@ func openState(dir, node string, now time.Time, hold time.Duration, metrics *Met
 type starter interface {
 	SetSandboxes(ev ipam.NodeSandboxes)
 	Rebuild(pods []ipam.Pod) (int, error)
+	RecoverReservations(evs []ipam.ReservationEvidence) (int, error)
 	StartHold(until time.Time)
 	Hold() (on bool, until time.Time)
 }
@@ -97,10 +98,14 @@ type starter interface {
 // not be asked) is handed over, attachments are recorded for running pods whose addresses the
 // journal lacks (Rebuild), then,
 // when the journal was lost, damaged or new, or a restart interrupted a hold (its marker in dir),
-// the owners of some held addresses are unknown: the hold starts (or resumes until the marker's
-// deadline) before any ADD is served from them. Without a hold the reading is dropped: it ages,
-// and later rebuilds read the pods' reports. It returns the number of attachments rebuilt.
-func reconcileStart(s starter, pods []ipam.Pod, ev ipam.NodeSandboxes, dir string, start startFacts, hold time.Duration, now time.Time, log logr.Logger) (int, error) {
+// the owners of some held addresses are unknown: the DRA reservations the claims' status entries
+// name are re-created (claims reads them: the DRA driver's, nil without --dra; a recovery is
+// idempotent, so a restart during the hold recovers again what the first start may not have
+// journaled), and the hold starts (or resumes until the marker's deadline), before any ADD or
+// Prepare is served from them. Without a hold the reading is dropped: it ages, and later
+// rebuilds read the pods' reports. It returns the number of attachments rebuilt.
+func reconcileStart(s starter, pods []ipam.Pod, ev ipam.NodeSandboxes, claims func() []ipam.ReservationEvidence, dir string, start startFacts,
+	hold time.Duration, now time.Time, log logr.Logger) (int, error) {
 	s.SetSandboxes(ev)
 	n, err := s.Rebuild(pods)
 	if err != nil {
@@ -111,6 +116,11 @@ func reconcileStart(s starter, pods []ipam.Pod, ev ipam.NodeSandboxes, dir strin
 		log.Error(err, "unreadable hold marker: holding for the full --rebuild-hold")
 	}
 	if start.journalEmpty || interrupted {
+		if claims != nil {
+			if _, err := s.RecoverReservations(claims()); err != nil {
+				return 0, err
+			}
+		}
 		until := now.Add(hold)
 		if interrupted && !heldUntil.IsZero() {
 			until = heldUntil

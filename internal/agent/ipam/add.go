@@ -819,14 +819,16 @@ func (s *State) poolNetworks() []string {
 }
 
 // journaledNetworks returns the networks on which the pod with uid has an attachment of its own
-// (an ADD of this agent, not one rebuilt from reports).
+// (an ADD of this agent, not one rebuilt from reports, nor a DRA reservation: a Prepare tells
+// nothing of the pod's sandbox, and a reservation's address is its owner's whatever a report
+// says).
 func (s *State) journaledNetworks(uid string) map[string]bool {
 	out := map[string]bool{}
 	for k := range s.byPod[uid] {
 		if k.IsRebuilt() {
 			continue
 		}
-		if a := s.atts[k]; a != nil {
+		if a := s.atts[k]; a != nil && a.DRA == nil {
 			for _, ad := range a.Addresses {
 				out[s.networkOf(ad.Pool)] = true
 			}

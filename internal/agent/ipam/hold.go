@@ -293,14 +293,16 @@ func (s *State) EvaluateHold(now time.Time) HoldDecision {
 	return d
 }
 
-// hasADD reports whether the pod with uid has an attachment (not a rebuilt one) with an address
-// of a pool of network, or a waiting ADD for such a pool, on this agent.
+// hasADD reports whether the pod with uid has an attachment (not a rebuilt one, nor a DRA
+// reservation: a Prepare comes before the sandbox, and a reservation recovered from its claim
+// says nothing of the sandbox that runs) with an address of a pool of network, or a waiting ADD
+// for such a pool, on this agent.
 func (s *State) hasADD(uid, network string) bool {
 	for k := range s.byPod[uid] {
 		if k.IsRebuilt() {
 			continue
 		}
-		if a := s.atts[k]; a != nil && slices.ContainsFunc(a.Addresses, func(ad Address) bool { return s.networkOf(ad.Pool) == network }) {
+		if a := s.atts[k]; a != nil && a.DRA == nil && slices.ContainsFunc(a.Addresses, func(ad Address) bool { return s.networkOf(ad.Pool) == network }) {
 			return true
 		}
 	}

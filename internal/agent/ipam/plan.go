@@ -16,7 +16,8 @@ import "fmt"
 // Every change of the state goes through it (Service.commit in the agent): the CNI verbs, the
 // pool monitor and the leak collector (AddPlan, DelPlan, ReleasePlan), the facts read from the
 // API server (PoolsPlan, HoldingsPlan, MarkPlan; facts.go) and the attachments rebuilt from pods'
-// status.podIPs (RebuildPlan). So the state never holds what the journal refused: after a
+// status.podIPs (RebuildPlan), and the DRA reservations recovered from their claims' status
+// after a lost journal (RecoverPlan). So the state never holds what the journal refused: after a
 // refusal it is as it was, and a restart finds in the journal what the state held.
 //
 // SetPools, SetHolding and Rebuild plan and apply at once, for callers that have no journal to
@@ -62,6 +63,8 @@ func (s *State) Apply(p Plan) {
 		s.handback = p.mark
 	case RebuildPlan:
 		s.applyRebuild(p)
+	case RecoverPlan:
+		s.applyRecover(p)
 	case Batch:
 		for _, q := range p {
 			s.Apply(q)
@@ -87,6 +90,8 @@ func (s *State) Abort(p Plan) {
 		// They reserve nothing: the state is as it was.
 	case RebuildPlan:
 		s.abortRebuild(p)
+	case RecoverPlan:
+		s.abortRecover(p)
 	case Batch:
 		for i := len(p) - 1; i >= 0; i-- {
 			s.Abort(p[i])
