@@ -3,8 +3,10 @@ package node
 import (
 	"context"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -322,18 +324,7 @@ func TestRealNodeDRA(t *testing.T) {
 		pods := n.waitDRAPods(ctx, 2)
 		victim := pods[0]
 		claim := *victim.Status.ResourceClaimStatuses[0].ResourceClaimName
-		n.kubectl("patch", "daemonset", "-n", "ipwarden-system", "ipwarden-agent", "--type=merge", "-p",
-			`{"spec":{"template":{"spec":{"nodeSelector":{"ipwarden.test/agent-off":"true"}}}}}`)
-		n.waitOrDump(ctx, 2*time.Minute, func() error {
-			if uid := n.agentPodUID(ctx); uid != "" {
-				return fmt.Errorf("the agent pod %s still runs", uid)
-			}
-			list, err := n.kube.CoreV1().Pods("ipwarden-system").List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/component=agent"})
-			if err != nil || len(list.Items) > 0 {
-				return fmt.Errorf("agent pods left: %d (%v)", len(list.Items), err)
-			}
-			return nil
-		})
+		n.agentOff(ctx)
 		n.logf("DRA: the agent is down; force-deleting %s (%s) and its claim %s", victim.Name, victim.Status.PodIP, claim)
 		n.kubectl("delete", "pod", "-n", testNamespace, victim.Name, "--force", "--grace-period=0")
 		n.waitOrDump(ctx, 2*time.Minute, func() error {
@@ -343,9 +334,7 @@ func TestRealNodeDRA(t *testing.T) {
 			return nil
 		})
 		start := time.Now()
-		n.kubectl("patch", "daemonset", "-n", "ipwarden-system", "ipwarden-agent", "--type=json", "-p",
-			`[{"op":"remove","path":"/spec/template/spec/nodeSelector"}]`)
-		n.kubectl("rollout", "status", "-n", "ipwarden-system", "daemonset/ipwarden-agent", "--timeout=3m")
+		n.agentOn()
 		n.waitOrDump(ctx, 3*time.Minute, func() error {
 			res, err := agentReservations()
 			if err != nil {
@@ -359,6 +348,75 @@ func TestRealNodeDRA(t *testing.T) {
 		n.logf("DRA: %s's reservation of %s released %s after the agent came back", victim.Name, victim.Status.PodIP, time.Since(start).Round(time.Second))
 		n.waitDRAPods(ctx, 2) // the replacement runs with its own claim's address
 	})
+
+	// The journal lost while pods with claims run: the kubelet does not prepare a prepared claim
+	// again, so only the claims' status entries (written after each reservation was journaled)
+	// name the reserved addresses. The restarted agent re-creates the reservations from them
+	// before it serves (docs/design.md, "After a lost journal"); a new pod gets neither address.
+	t.Run("the journal lost while pods with claims run: the reservations come back from the claims' status", func(t *testing.T) {
+		n.t = t
+		pods := n.waitDRAPods(ctx, 2)
+		before, err := agentReservations()
+		if err != nil || len(before) != 2 {
+			t.Fatalf("reservations %v (%v), want the two pods'", before, err)
+		}
+		n.agentOff(ctx)
+		journal := "/var/lib/ipwarden/journal.db"
+		if err := os.Remove(journal); err != nil {
+			t.Fatalf("remove the stopped agent's journal: %v", err)
+		}
+		n.logf("DRA: agent stopped and %s removed, reservations were %v", journal, before)
+		start := time.Now()
+		n.agentOn()
+		n.waitOrDump(ctx, 3*time.Minute, func() error {
+			n.scanNoDuplicates()
+			res, err := agentReservations()
+			if err != nil {
+				return err
+			}
+			if !maps.Equal(res, before) {
+				return fmt.Errorf("reservations after the lost journal %v, want %v", res, before)
+			}
+			return nil
+		})
+		n.logf("DRA: both reservations re-created from their claims' status %s after the agent started", time.Since(start).Round(time.Second))
+		n.kubectl("scale", "-n", testNamespace, "deployment/dra", "--replicas=3")
+		after := n.waitDRAPods(ctx, 3) // three distinct addresses, each its claim's
+		for _, p := range after {
+			if slices.ContainsFunc(pods, func(o corev1.Pod) bool { return o.Name == p.Name }) {
+				continue
+			}
+			if who, ok := before[p.Status.PodIP]; ok {
+				t.Fatalf("new pod %s got %s, reserved for %s before the journal was lost", p.Name, p.Status.PodIP, who)
+			}
+		}
+		n.kubectl("scale", "-n", testNamespace, "deployment/dra", "--replicas=2")
+		n.waitDRAPods(ctx, 2)
+	})
+}
+
+// agentOff stops the agent on the node (the DaemonSet's pods select a label the node lacks) and
+// waits until no agent pod is left.
+func (n *realNode) agentOff(ctx context.Context) {
+	n.kubectl("patch", "daemonset", "-n", "ipwarden-system", "ipwarden-agent", "--type=merge", "-p",
+		`{"spec":{"template":{"spec":{"nodeSelector":{"ipwarden.test/agent-off":"true"}}}}}`)
+	n.waitOrDump(ctx, 2*time.Minute, func() error {
+		if uid := n.agentPodUID(ctx); uid != "" {
+			return fmt.Errorf("the agent pod %s still runs", uid)
+		}
+		list, err := n.kube.CoreV1().Pods("ipwarden-system").List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/component=agent"})
+		if err != nil || len(list.Items) > 0 {
+			return fmt.Errorf("agent pods left: %d (%v)", len(list.Items), err)
+		}
+		return nil
+	})
+}
+
+// agentOn starts the agent again (agentOff undone) and waits for its rollout.
+func (n *realNode) agentOn() {
+	n.kubectl("patch", "daemonset", "-n", "ipwarden-system", "ipwarden-agent", "--type=json", "-p",
+		`[{"op":"remove","path":"/spec/template/spec/nodeSelector"}]`)
+	n.kubectl("rollout", "status", "-n", "ipwarden-system", "daemonset/ipwarden-agent", "--timeout=3m")
 }
 
 // onePodWithoutStatusRBAC scales the DRA pods down to none (every reservation released), takes
