@@ -328,6 +328,23 @@ func (s *State) EarlierClaim(uid, ifname string) *ClaimRef {
 	return nil
 }
 
+// claimAsked is the addresses of pool that the node's waiting claim ADDs ask for: the bound
+// address they wait to hold, or, before the binding, the one their claim's status.ips names. The
+// controller binds the named address when this node holds it, and the binding reaches the agent
+// after the grant or not at all before an ordinary ADD picks: the named address must not go to
+// that ADD meanwhile (TestSim seed 17235105627894350811 once handed it out so).
+func (s *State) claimAsked(pool string) addr.Set {
+	var as []netip.Addr
+	for _, w := range s.waiters {
+		for _, c := range w.claims {
+			if c.Pool == pool && c.Addr.IsValid() {
+				as = append(as, c.Addr)
+			}
+		}
+	}
+	return addr.SetOfAddrs(as...)
+}
+
 // unboundClaimWaits reports whether a claim ADD waits in pool for its binding.
 func (s *State) unboundClaimWaits(pool string) bool {
 	for _, w := range s.waiters {

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"github.com/ipwarden/ipwarden/internal/addr"
 	"net/netip"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -283,5 +284,44 @@ func TestClaimGrantSeenBeforeItsBinding(t *testing.T) {
 	}
 	if got := h.mustAdd("b"); got[0] != "10.0.0.10" {
 		t.Fatalf("ordinary ADD after the claim was served: %v, want 10.0.0.10", got)
+	}
+}
+
+// TestClaimNamedAddressKeptWhileItsADDWaits: a claim ADD waits for its binding while its claim's
+// status.ips names an address the node already holds, idle. The controller binds exactly that
+// address, and the binding may reach the agent after an ordinary ADD picks: so the named address
+// never goes to an ordinary ADD while the claim ADD waits, and is ordinary again once it stops
+// waiting (TestSim seed 17235105627894350811 once handed it out so).
+func TestClaimNamedAddressKeptWhileItsADDWaits(t *testing.T) {
+	cases := []struct {
+		name    string
+		wait    *ClaimWait
+		wantOut bool
+	}{
+		{"no claim ADD waits", nil, false},
+		{"a claim ADD waits for the binding of the address its status names", &ClaimWait{Pool: "v4", Claim: claimA, Addr: ip("10.0.0.8")}, true},
+		{"a claim ADD waits for its bound address", &ClaimWait{Pool: "v4", Claim: claimA, Addr: ip("10.0.0.8"), Bound: true}, true},
+		{"a claim ADD waits for a binding, its status names none", &ClaimWait{Pool: "v4", Claim: claimA}, false},
+		{"a claim ADD waits in another pool", &ClaimWait{Pool: "v6", Claim: claimA, Addr: ip("10.0.0.8")}, false},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newHarness(t, claimPool())
+			h.hold("v4", "10.0.0.8/31") // 8 and 9, both idle
+			if tc.wait != nil {
+				h.s.AddWaiter(key("vm"), "uid-vm", []string{"v4"})
+				h.s.SetWaiterClaims(key("vm"), []ClaimWait{*tc.wait})
+			}
+			got := []string{h.mustAdd("a")[0]}
+			if a, err := h.add("b"); err == nil {
+				got = append(got, a.Addresses[0].Addr.String())
+			} else if !errors.As(err, new(*ShortError)) {
+				t.Fatal(err)
+			}
+			out := !slices.Contains(got, "10.0.0.8")
+			if out != tc.wantOut {
+				t.Fatalf("ordinary ADDs got %v: 10.0.0.8 kept out %v, want %v", got, out, tc.wantOut)
+			}
+		})
 	}
 }

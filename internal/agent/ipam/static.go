@@ -131,10 +131,11 @@ func (s *State) wanted(pool string) addr.Set {
 func (s *State) SetWantedElsewhere(m map[string]addr.Set) { s.elsewhere = m }
 
 // reserved is what pool must not hand out to an ordinary ADD: static addresses wanted here or
-// elsewhere, sticky reservations, addresses bound to IPAMClaims (claim.go).
+// elsewhere, sticky reservations, addresses bound to IPAMClaims or asked for by a waiting claim
+// ADD (claim.go).
 func (s *State) reserved(pool string) addr.Set {
 	return s.wanted(pool).Union(s.elsewhere[pool]).Union(s.stickyReserved(pool)).Union(s.prevAll).Union(s.claimBound(pool)).
-		Union(s.claimHeldBack(pool))
+		Union(s.claimHeldBack(pool)).Union(s.claimAsked(pool))
 }
 
 // SetRefused records the wanted addresses the controller refused, per pool, with its reasons
