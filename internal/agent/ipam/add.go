@@ -854,12 +854,10 @@ func (s *State) applyRebuild(plan RebuildPlan) {
 	s.observed = plan.observed
 }
 
-// abortRebuild undoes a rebuild the journal refused: the attachments it recorded are gone,
-// those it changed or dropped are back, and the addresses it took from cooling or from the
-// unattributed hold are there again.
-func (s *State) abortRebuild(plan RebuildPlan) {
-	pools := map[string]bool{}
-	for _, k := range plan.keys {
+// dropRecorded takes the attachments a refused plan recorded under keys out of the state (their
+// addresses out of use, their pending marks gone) and notes the pools they touched.
+func (s *State) dropRecorded(keys []Key, pools map[string]bool) {
+	for _, k := range keys {
 		delete(s.pending, k)
 		if a := s.atts[k]; a != nil {
 			for _, ad := range a.Addresses {
@@ -871,6 +869,14 @@ func (s *State) abortRebuild(plan RebuildPlan) {
 			s.dropAttachment(k)
 		}
 	}
+}
+
+// abortRebuild undoes a rebuild the journal refused: the attachments it recorded are gone,
+// those it changed or dropped are back, and the addresses it took from cooling or from the
+// unattributed hold are there again.
+func (s *State) abortRebuild(plan RebuildPlan) {
+	pools := map[string]bool{}
+	s.dropRecorded(plan.keys, pools)
 	for _, k := range plan.keys {
 		if a := plan.prior[k]; a != nil {
 			s.putAttachment(a)

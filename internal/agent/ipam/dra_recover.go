@@ -339,18 +339,7 @@ func (s *State) applyRecover(plan RecoverPlan) {
 // held by the hold, as before).
 func (s *State) abortRecover(plan RecoverPlan) {
 	pools := map[string]bool{}
-	for _, k := range plan.keys {
-		delete(s.pending, k)
-		if a := s.atts[k]; a != nil {
-			for _, ad := range a.Addresses {
-				if p := s.pools[ad.Pool]; p.inUse[ad.Addr] == k {
-					delete(p.inUse, ad.Addr)
-				}
-				pools[ad.Pool] = true
-			}
-			s.dropAttachment(k)
-		}
-	}
+	s.dropRecorded(plan.keys, pools)
 	for _, k := range plan.keys {
 		if a := plan.prior[k]; a != nil {
 			s.putAttachment(a.clone())
