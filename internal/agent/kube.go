@@ -589,12 +589,10 @@ func (k *Kube) PublishSpec(ctx context.Context, reqs []ipam.PoolRequest) (bool, 
 		if err := k.api.Get(ctx, client.ObjectKey{Name: k.node}, &nipa); err != nil {
 			return false, fmt.Errorf("re-read NodeIPAllocation %s after a refused spec write: %w", k.node, err)
 		}
-		if apierrors.IsConflict(err) {
+		switch refusedSpecWrite(mark, apierrors.IsConflict(err), string(nipa.UID), nipa.Generation) {
+		case refusedRetry:
 			continue
-		}
-		if string(nipa.UID) == mark.UID && nipa.Generation == mark.Generation {
-			// The record is the marked one, so the patch itself was refused (an object
-			// created without a spec has nothing to add to): write onto exactly this read.
+		case refusedWriteOnto:
 			return k.writeSpecOnto(ctx, &nipa, desired, observed)
 		}
 		if err := k.setRecord(&nipa, true); err != nil {
@@ -604,6 +602,35 @@ func (k *Kube) PublishSpec(ctx context.Context, reqs []ipam.PoolRequest) (bool, 
 		reqs = k.svc.Spec()
 		desired = specPools(reqs)
 	}
+}
+
+// refusedStep is what PublishSpec does after the API server refused its spec write and the
+// record was read again.
+type refusedStep uint8
+
+const (
+	// refusedRetry: write again onto the fresh read.
+	refusedRetry refusedStep = iota
+	// refusedWriteOnto: write onto exactly the fresh read, preconditioned on its resourceVersion.
+	refusedWriteOnto
+	// refusedHandOver: hand the fresh read to the service first (distrusted when older than the
+	// mark, which moves the mark to it), then write again.
+	refusedHandOver
+)
+
+// refusedSpecWrite decides the step after a refused spec write, from the node's mark and the
+// fresh read (freshUID, freshGen): a conflict (the unmarked merge write) is retried; a refused
+// test on the very record the mark names means the patch itself could not apply (an object
+// created without a spec has nothing to add to), so the spec goes onto exactly that read; any
+// other record is one the node has not seen (rewound, re-created, written by someone else).
+func refusedSpecWrite(mark ipam.RecordMark, conflict bool, freshUID string, freshGen int64) refusedStep {
+	switch {
+	case conflict:
+		return refusedRetry
+	case freshUID == mark.UID && freshGen == mark.Generation:
+		return refusedWriteOnto
+	}
+	return refusedHandOver
 }
 
 // markedSpecPatch is the node's spec write onto the record its mark names: a JSON patch that

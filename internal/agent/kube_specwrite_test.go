@@ -36,6 +36,30 @@ func TestMarkedSpecPatch(t *testing.T) {
 	}
 }
 
+// After a refused spec write the fresh read decides: the marked record itself (the patch could
+// not apply) is written onto exactly; any other is handed over first; a conflict is retried.
+func TestRefusedSpecWrite(t *testing.T) {
+	mark := ipam.RecordMark{UID: "u1", Generation: 5}
+	cases := []struct {
+		name     string
+		conflict bool
+		uid      string
+		gen      int64
+		want     refusedStep
+	}{
+		{"a conflict of the unmarked write", true, "u1", 6, refusedRetry},
+		{"the marked record: the patch itself was refused", false, "u1", 5, refusedWriteOnto},
+		{"rewound", false, "u1", 4, refusedHandOver},
+		{"written by someone else since", false, "u1", 6, refusedHandOver},
+		{"re-created", false, "u2", 5, refusedHandOver},
+	}
+	for _, tc := range cases {
+		if got := refusedSpecWrite(mark, tc.conflict, tc.uid, tc.gen); got != tc.want {
+			t.Errorf("%s: %d, want %d", tc.name, got, tc.want)
+		}
+	}
+}
+
 // staleCache is the agent's informer cache showing an older copy of the node's record.
 type staleCache struct {
 	cache.Cache
